@@ -1,0 +1,61 @@
+"""Hooks that record a layer's input and output gradient on update steps only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class Record:
+    """One forward call of a layer: its input and (after backward) its output gradient."""
+
+    inputs: Tensor
+    grad_output: Tensor | None = None
+
+
+class LayerCapture:
+    """Forward hook on one module; on capture steps it also hooks the output tensor.
+
+    The tensor hook is registered inside the forward hook, before any in-place op that
+    follows the layer (e.g. ``ReLU(inplace=True)``) modifies the output, so it receives
+    the gradient with respect to the layer's own output. Nothing is stored unless
+    ``should_capture()`` is true, the module is training and autograd is recording.
+    """
+
+    def __init__(self, module: nn.Module, should_capture: Callable[[], bool]) -> None:
+        self.records: list[Record] = []
+        self._should_capture = should_capture
+        self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook)
+
+    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if not (module.training and torch.is_grad_enabled() and self._should_capture()):
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        record = Record(inputs[0].detach())
+        self.records.append(record)
+
+        def grad_hook(grad: Tensor) -> None:
+            record.grad_output = grad.detach()
+
+        output.register_hook(grad_hook)
+
+    def complete(self) -> list[Record]:
+        """Records whose backward has run."""
+        return [r for r in self.records if r.grad_output is not None]
+
+    def clear(self) -> None:
+        """Drop everything captured."""
+        self.records = []
+
+    def remove(self) -> None:
+        """Detach the forward hook and drop captured data."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.clear()

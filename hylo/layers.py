@@ -1,0 +1,179 @@
+"""Per-module-type math: how a layer's inputs and output gradients become rows and factors.
+
+Notation (DESIGN.md §2): a layer has weight W of shape (d_g, d_a); with a bias, the bias
+is W's last column and every activation row gets a trailing 1. From one forward/backward
+of a mean-reduced loss over n rows, ``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo.numerics import working_dtype
+
+
+def _with_ones(a: Tensor) -> Tensor:
+    return torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+
+
+class LayerMath(ABC):
+    """Shapes, rows, Kronecker factors and gradient access of one supported module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        weight = module.weight
+        assert isinstance(weight, Tensor)
+        self.weight: Tensor = weight
+        self.bias: Tensor | None = module.bias if isinstance(module.bias, Tensor) else None
+        self.d_g = int(weight.shape[0])
+        self.d_a = int(weight[0].numel()) + (1 if self.bias is not None else 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of factor and kernel math for this layer (float32 at least)."""
+        return working_dtype(self.weight.dtype)
+
+    @abstractmethod
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample rows (a: n×d_a, g: n×d_g) used by the SMW solvers."""
+
+    @abstractmethod
+    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Batch Kronecker factors A (d_a×d_a), G (d_g×d_g) and the sample count n."""
+
+    def grad_matrix(self) -> Tensor | None:
+        """∇W as a (d_g, d_a) matrix, bias last, or None when backward has not run."""
+        if self.weight.grad is None:
+            return None
+        grad = self.weight.grad.reshape(self.d_g, -1)
+        if self.bias is not None:
+            bias_grad = self.bias.grad
+            if bias_grad is None:
+                bias_grad = torch.zeros_like(self.bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_grad_matrix(self, matrix: Tensor) -> None:
+        """Write a (d_g, d_a) matrix back into the parameters' ``.grad`` in place."""
+        weight_grad = self.weight.grad
+        assert weight_grad is not None
+        n_weight = self.d_a - (1 if self.bias is not None else 0)
+        weight_grad.copy_(matrix[:, :n_weight].reshape(weight_grad.shape))
+        if self.bias is not None and self.bias.grad is not None:
+            self.bias.grad.copy_(matrix[:, n_weight].reshape(self.bias.grad.shape))
+
+
+class LinearMath(LayerMath):
+    """``nn.Linear`` on inputs of shape (..., d_in): every leading position is a row."""
+
+    def _rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        dtype = self.dtype
+        a = x.reshape(-1, x.shape[-1]).to(dtype)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        if self.bias is not None:
+            a = _with_ones(a)
+        return a, g * a.shape[0]
+
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows a_i (bias 1 appended) and g_i = n·∂L/∂s_i, n = number of positions."""
+        return self._rows(x, grad_out)
+
+    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
+        """A = mean a aᵀ, G = mean g gᵀ over rows."""
+        a, g = self._rows(x, grad_out)
+        n = a.shape[0]
+        return a.mT @ a / n, g.mT @ g / n, n
+
+
+class Conv2dMath(LayerMath):
+    """``nn.Conv2d`` with groups == 1 (stride, dilation, any padding and padding mode).
+
+    K-FAC uses the KFC factors: A = mean over samples and output positions of the
+    unfolded patches' outer product; G = (1/n) Σ over samples and positions of g gᵀ
+    (g = n·∂L/∂s per position), i.e. the per-position second moment times the number of
+    positions, so the Fisher block is approximated by A ⊗ G. The low-rank solvers use
+    HyLo's per-sample surrogate: a_i = mean over positions of the patches and
+    g_i = n · mean over positions of ∂L/∂s. A 1×1 kernel on a 1×1 image reduces to Linear.
+    """
+
+    def __init__(self, module: nn.Conv2d) -> None:
+        super().__init__(module)
+        self.conv = module
+
+    def _padded(self, x: Tensor) -> Tensor:
+        conv = self.conv
+        if isinstance(conv.padding, str):
+            if conv.padding == "valid":
+                pads = [(0, 0), (0, 0)]
+            else:  # "same": PyTorch puts the extra element on the right/bottom
+                pads = []
+                for k, d in zip(conv.kernel_size, conv.dilation, strict=True):
+                    total = d * (k - 1)
+                    pads.append((total // 2, total - total // 2))
+        else:
+            pads = [(p, p) for p in conv.padding]
+        flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
+        if not any(flat):
+            return x
+        if conv.padding_mode == "zeros":
+            return F.pad(x, flat)
+        return F.pad(x, flat, mode=conv.padding_mode)
+
+    def _patch_mean(self, xp: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """Mean over output positions of each patch entry, without materialising the unfold."""
+        (kh, kw), (sh, sw), (dh, dw) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        ho, wo = out_hw
+        means = [
+            xp[:, :, i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw].mean(
+                dim=(2, 3)
+            )
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        return torch.stack(means, dim=-1).reshape(xp.shape[0], -1)
+
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample surrogate rows (mean over output positions), g scaled by n."""
+        dtype = self.dtype
+        n = x.shape[0]
+        xp = self._padded(x.to(dtype))
+        a = self._patch_mean(xp, (grad_out.shape[2], grad_out.shape[3]))
+        if self.bias is not None:
+            a = _with_ones(a)
+        g = grad_out.to(dtype).mean(dim=(2, 3)) * n
+        return a, g
+
+    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
+        """KFC factors from the unfolded patches and per-position output gradients."""
+        dtype = self.dtype
+        n = x.shape[0]
+        conv = self.conv
+        patches = F.unfold(
+            self._padded(x.to(dtype)), conv.kernel_size, dilation=conv.dilation, stride=conv.stride
+        )  # (n, C·kh·kw, L)
+        positions = patches.shape[-1]
+        a = patches.transpose(1, 2).reshape(n * positions, -1)
+        if self.bias is not None:
+            a = _with_ones(a)
+        g = grad_out.to(dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * n
+        return a.mT @ a / (n * positions), g.mT @ g / n, n
+
+
+def supported_math(module: nn.Module) -> LayerMath | None:
+    """The math helper for ``module``, or None if hylo cannot precondition it."""
+    if isinstance(module, nn.Linear):
+        return LinearMath(module)
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return Conv2dMath(module)
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> str:
+    """Why a module with parameters is left unregistered (for the summary and warning)."""
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f"grouped/depthwise Conv2d (groups={module.groups}) is not supported"
+    return f"{type(module).__name__} is not a supported layer type (Linear, Conv2d)"

@@ -1,0 +1,106 @@
+"""Batched, numerically guarded linear algebra shared by the solvers.
+
+Every function takes a list of matrices (one per layer), groups those of equal
+shape, dtype and device, and runs one batched kernel per group, so an update
+step costs a handful of launches and at most one host synchronisation per call
+regardless of the number of layers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+#: Relative jitter added to the diagonal on successive Cholesky retries.
+JITTER_LADDER: tuple[float, ...] = (0.0, 1e-10, 1e-8, 1e-6, 1e-4)
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype used for factor and kernel math: float64 stays, anything else is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(
+    mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]
+) -> list[list[Tensor]]:
+    """Apply ``fn`` to stacks of equally shaped matrices; return per-matrix results."""
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
+    for i, m in enumerate(mats):
+        groups[(m.shape, m.dtype, m.device)].append(i)
+    out: list[list[Tensor]] = [[] for _ in mats]
+    for indices in groups.values():
+        results = fn(torch.stack([mats[i] for i in indices]))
+        for j, i in enumerate(indices):
+            out[i] = [r[j] for r in results]
+    return out
+
+
+def _cholesky_with_ladder(mat: Tensor) -> Tensor:
+    """Cholesky factor of one SPD matrix: jitter ladder in float64, error if all fail."""
+    m64 = mat.to(torch.float64)
+    m64 = 0.5 * (m64 + m64.mT)
+    scale = float(m64.diagonal().abs().mean().clamp_min(1e-30))
+    eye = torch.eye(m64.shape[-1], dtype=m64.dtype, device=m64.device)
+    for jitter in JITTER_LADDER:
+        factor, info = torch.linalg.cholesky_ex(m64 + jitter * scale * eye)
+        if int(info) == 0:
+            return factor
+    raise torch.linalg.LinAlgError(
+        f"matrix of size {mat.shape[-1]} is not positive definite even with jitter "
+        f"{JITTER_LADDER[-1]:g}·mean(diag); is the input finite?"
+    )
+
+
+def spd_inverse_many(mats: Sequence[Tensor]) -> list[Tensor]:
+    """Inverses of symmetric positive definite matrices via Cholesky.
+
+    Each group of equal shapes is factored in one batched call in its own dtype;
+    matrices whose factorisation fails are retried one by one in float64 with a
+    jitter ladder. The result keeps each input's dtype. One host sync per group.
+    """
+
+    def solve(stack: Tensor) -> list[Tensor]:
+        sym = 0.5 * (stack + stack.mT)
+        factor, info = torch.linalg.cholesky_ex(sym)
+        inverse = torch.cholesky_inverse(factor)
+        failed = torch.nonzero(info).flatten().tolist()
+        for k in failed:
+            inverse[k] = torch.cholesky_inverse(_cholesky_with_ladder(sym[k])).to(stack.dtype)
+        return [inverse]
+
+    return [r[0] for r in _grouped(mats, solve)]
+
+
+def cholesky_many(mats: Sequence[Tensor]) -> list[Tensor]:
+    """Lower Cholesky factors of SPD matrices, batched by shape, with the float64 ladder."""
+
+    def factor(stack: Tensor) -> list[Tensor]:
+        sym = 0.5 * (stack + stack.mT)
+        lower, info = torch.linalg.cholesky_ex(sym)
+        for k in torch.nonzero(info).flatten().tolist():
+            lower[k] = _cholesky_with_ladder(sym[k]).to(stack.dtype)
+        return [lower]
+
+    return [r[0] for r in _grouped(mats, factor)]
+
+
+def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """Eigendecompositions of symmetric PSD matrices, batched by shape.
+
+    Eigenvalues are clamped at zero (the factors are PSD; negative values are
+    round-off). Falls back to float64 for a group whose float32 solve fails.
+    """
+
+    def decompose(stack: Tensor) -> list[Tensor]:
+        sym = 0.5 * (stack + stack.mT)
+        try:
+            evals, evecs = torch.linalg.eigh(sym)
+        except torch.linalg.LinAlgError:
+            evals, evecs = torch.linalg.eigh(sym.to(torch.float64))
+            evals, evecs = evals.to(stack.dtype), evecs.to(stack.dtype)
+        return [evals.clamp_min(0.0), evecs]
+
+    return [(r[0], r[1]) for r in _grouped(mats, decompose)]

@@ -1,0 +1,304 @@
+"""HyLoPreconditioner: orchestration only (capture → communicate → solve → precondition)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hylo.config import HyLoConfig, resolve
+from hylo.distributed import Communicator, default_communicator
+from hylo.registry import LayerState, RegisteredLayer, register_layers
+from hylo.solvers import KFACState, LowRankState, LowRankUpdate, kfac_update_many, lowrank_update_many
+
+STATE_FORMAT = 1
+_RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
+
+
+class HyLoPreconditioner:
+    """Drop-in natural-gradient preconditioner: call ``step()`` between backward and ``optimizer.step()``.
+
+    ``step()`` rewrites ``.grad`` of every registered ``nn.Linear``/``nn.Conv2d`` in place with
+    (F̃ + λI)⁻¹ ∇W for the layer's curvature estimate F̃ (see :class:`hylo.HyLoConfig` for the
+    options). Layer inputs and output gradients are captured only on update steps
+    (``step % update_freq == 0``; step 0 is one); in between the stored state is reused.
+
+    Args:
+        model: the model, optionally wrapped in ``DistributedDataParallel``.
+        config: a :class:`HyLoConfig`; keyword options override its fields.
+        communicator: collectives between ranks; default: torch.distributed's default group
+            when initialised with more than one rank, else a 1-rank stand-in.
+        **options: any :class:`HyLoConfig` field, e.g. ``solver="kfac"``, ``damping=1e-3``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: HyLoConfig | None = None,
+        communicator: Communicator | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = dataclasses.replace(config or HyLoConfig(), **options)
+        if self.config.solver not in ("kfac", "sngd"):
+            raise ValueError(f"solver {self.config.solver!r} is not available yet")
+        self.comm = communicator if communicator is not None else default_communicator()
+        self.steps = 0
+        self._needs_update = False
+        self._capture_cache: tuple[int, bool] = (-1, False)
+        self._removed = False
+        found = register_layers(model, self.config.skip_layers, self._capturing)
+        self.layers: list[RegisteredLayer] = found.layers
+        self.skipped = found.skipped
+        self.unsupported = found.unsupported
+        for layer in self.layers:
+            layer.solver = self.config.solver
+        if self.unsupported:
+            listed = "; ".join(f"{name or '<root>'}: {why}" for name, why in self.unsupported)
+            warnings.warn(f"hylo leaves these modules unpreconditioned: {listed}", stacklevel=2)
+        if not self.layers:
+            raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
+
+    # ------------------------------------------------------------------ cadence
+    def _capturing(self) -> bool:
+        """Whether the current step captures inputs and output gradients (cached per step)."""
+        step, flag = self._capture_cache
+        if step != self.steps:
+            freq = resolve("update_freq", self.config.update_freq, self.steps)
+            flag = self._needs_update or self.steps % freq == 0
+            self._capture_cache = (self.steps, flag)
+        return flag
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of all registered layers in place."""
+        if self._removed:
+            raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
+        step = self.steps
+        grads = self._gradients()
+        is_update = self._capturing()
+        try:
+            if not self._finite(grads, is_update):
+                bad = [layer.name for layer, g in zip(self.layers, grads, strict=True) if not torch.isfinite(g).all()]
+                warnings.warn(
+                    f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
+                    "unpreconditioned and stored factors untouched",
+                    stacklevel=2,
+                )
+                self._needs_update = self._needs_update or is_update
+                return
+            if is_update:
+                self._update(step)
+            self._precondition(grads, step)
+        finally:
+            for layer in self.layers:
+                layer.capture.clear()
+            self.steps += 1
+
+    def _gradients(self) -> list[Tensor]:
+        grads = []
+        for layer in self.layers:
+            grad = layer.math.grad_matrix()
+            if grad is None:
+                raise RuntimeError(
+                    f"layer {layer.name!r} has no gradient: call step() after loss.backward() "
+                    "(and do not pass hylo layers that take no part in the loss)"
+                )
+            grads.append(grad)
+        return grads
+
+    def _finite(self, grads: list[Tensor], is_update: bool) -> bool:
+        """One host sync: are all gradients finite (on every rank, on update steps)?"""
+        flag = torch.stack([torch.isfinite(g).all() for g in grads]).all().to(grads[0].dtype)
+        if is_update and self.comm.world_size > 1:
+            (flag,) = self.comm.all_reduce_weighted_mean([flag.reshape(1)], [1.0])
+            return bool(flag.item() == 1.0)
+        return bool(flag.item())
+
+    def _update(self, step: int) -> None:
+        """Capture → communicate → solve, for every layer; non-finite results keep the old state."""
+        missing = [layer.name for layer in self.layers if not layer.capture.complete()]
+        if missing:
+            raise RuntimeError(
+                f"step {step} is an update step but the hooks of {missing} never fired: run the "
+                "forward in train mode with autograd enabled, through the module itself, before step()"
+            )
+        damping = resolve("damping", self.config.damping, step)
+        decay = resolve("factor_decay", self.config.factor_decay, step)
+        kfac_layers = [layer for layer in self.layers if layer.solver == "kfac"]
+        lowrank_layers = [layer for layer in self.layers if layer.solver != "kfac"]
+        new_states: dict[str, LayerState] = {}
+        if kfac_layers:
+            factors, weights = [], []
+            for layer in kfac_layers:
+                a_sum, g_sum, rows = self._batch_factors(layer)
+                factors += [a_sum, g_sum]
+                weights += [float(rows), float(rows)]
+            factors = self.comm.all_reduce_weighted_mean(factors, weights)
+            previous = [layer.state if isinstance(layer.state, KFACState) else None for layer in kfac_layers]
+            pairs = [(factors[2 * i], factors[2 * i + 1]) for i in range(len(kfac_layers))]
+            for layer, state in zip(kfac_layers, kfac_update_many(previous, pairs, decay, damping), strict=True):
+                new_states[layer.name] = state
+        if lowrank_layers:
+            rows = []
+            for layer in lowrank_layers:
+                a, g = self._rows(layer)
+                rows += [a, g]
+            rows = self.comm.all_gather_rows(rows)
+            updates = [LowRankUpdate(rows[2 * i], rows[2 * i + 1], rows[2 * i].shape[0]) for i in range(len(lowrank_layers))]
+            kinds = [layer.solver for layer in lowrank_layers]
+            for layer, state in zip(lowrank_layers, lowrank_update_many(updates, damping, kinds), strict=True):
+                new_states[layer.name] = state
+        self._commit(new_states, step)
+
+    def _batch_factors(self, layer: RegisteredLayer) -> tuple[Tensor, Tensor, int]:
+        """Row-weighted mean of the K-FAC batch factors over this step's forward calls."""
+        parts = [layer.math.kfac_factors(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+        total = sum(n for _, _, n in parts)
+        a = sum((fa * n for fa, _, n in parts), torch.zeros_like(parts[0][0])) / total
+        g = sum((fg * n for _, fg, n in parts), torch.zeros_like(parts[0][1])) / total
+        return a, g, total
+
+    def _rows(self, layer: RegisteredLayer) -> tuple[Tensor, Tensor]:
+        """Per-sample rows of this step's forward calls, concatenated."""
+        pairs = [layer.math.lowrank_rows(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+        return torch.cat([a for a, _ in pairs]), torch.cat([g for _, g in pairs])
+
+    def _commit(self, new_states: Mapping[str, LayerState], step: int) -> None:
+        """Store new states, except non-finite ones (one host sync for all layers)."""
+        names = list(new_states)
+        flags = torch.stack(
+            [torch.stack([torch.isfinite(t).all() for t in new_states[n].tensors().values()]).all() for n in names]
+        ).tolist()
+        rejected = [n for n, ok in zip(names, flags, strict=True) if not ok]
+        if rejected:
+            warnings.warn(f"step {step}: non-finite curvature for {rejected}; keeping their previous state", stacklevel=3)
+            self._needs_update = True
+        else:
+            self._needs_update = False
+        for layer in self.layers:
+            if layer.name in new_states and layer.name not in rejected:
+                layer.state = new_states[layer.name]
+
+    def _precondition(self, grads: list[Tensor], step: int) -> None:
+        pairs = [(layer, grad, layer.state.precondition(grad)) for layer, grad in zip(self.layers, grads, strict=True) if layer.state is not None]
+        if not pairs:
+            return
+        scale: Tensor | None = None
+        if self.config.kl_clip is not None:
+            kl_clip = resolve("kl_clip", self.config.kl_clip, step)
+            assert self.config.lr is not None
+            lr = resolve("lr", self.config.lr, step)
+            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in pairs]).sum().abs() * lr**2
+            scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+        for layer, _, v in pairs:
+            layer.math.set_grad_matrix(v if scale is None else v * scale.to(v.dtype))
+
+    # ------------------------------------------------------------------ introspection
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of curvature state held per layer."""
+        return {layer.name: layer.state.nbytes() if layer.state else 0 for layer in self.layers}
+
+    def summary(self) -> str:
+        """A printable table of registered layers and of the modules left alone."""
+        lines = [f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self.layers)}, world_size={self.comm.world_size})"]
+        lines.append(f"  {'layer':<32} {'type':<8} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver")
+        for layer in self.layers:
+            m = layer.math
+            lines.append(
+                f"  {layer.name:<32} {type(m.module).__name__:<8} {m.d_a:>7} {m.d_g:>7} {str(m.bias is not None):>5}  {layer.solver}"
+            )
+        for name, why in [*self.skipped, *self.unsupported]:
+            lines.append(f"  not preconditioned: {name or '<root>'} ({why})")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    # ------------------------------------------------------------------ lifecycle
+    def remove(self) -> None:
+        """Detach every hook; the model trains as if hylo had never been attached."""
+        for layer in self.layers:
+            layer.capture.remove()
+        self._removed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue identically: step, constant options, per-layer states."""
+        layers: dict[str, Any] = {}
+        for layer in self.layers:
+            entry: dict[str, Any] = {"solver": layer.solver, "d_a": layer.math.d_a, "d_g": layer.math.d_g}
+            if layer.state is not None:
+                entry["damping"] = layer.state.damping
+                entry["tensors"] = {k: v.detach().clone() for k, v in layer.state.tensors().items()}
+                if isinstance(layer.state, LowRankState):
+                    entry["divisor"] = layer.state.divisor
+            layers[layer.name] = entry
+        return {
+            "format": STATE_FORMAT,
+            "steps": self.steps,
+            "needs_update": self._needs_update,
+            "config": self.config.constants(),
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict``; raises ``ValueError`` (changing nothing) if it does not fit this model."""
+        if state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a hylo state_dict of format {STATE_FORMAT} (got format {state_dict.get('format')!r})")
+        saved = state_dict["layers"]
+        names = [layer.name for layer in self.layers]
+        missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}"
+            )
+        restored: dict[str, tuple[str, LayerState | None]] = {}
+        for layer in self.layers:
+            entry = saved[layer.name]
+            m = layer.math
+            if (entry["d_a"], entry["d_g"]) != (m.d_a, m.d_g):
+                raise ValueError(
+                    f"layer {layer.name!r}: state_dict has shape (d_g={entry['d_g']}, d_a={entry['d_a']}), "
+                    f"model has (d_g={m.d_g}, d_a={m.d_a})"
+                )
+            restored[layer.name] = (entry["solver"], self._state_from(layer, entry))
+        config = dict(state_dict.get("config", {}))
+        if config.get("solver", self.config.solver) != self.config.solver:
+            raise ValueError(
+                f"state_dict was made with solver={config['solver']!r}, this preconditioner uses {self.config.solver!r}"
+            )
+        overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
+        self.config = dataclasses.replace(self.config, **overrides)
+        for layer in self.layers:
+            layer.solver, layer.state = restored[layer.name]
+        self.steps = int(state_dict["steps"])
+        self._needs_update = bool(state_dict["needs_update"])
+        self._capture_cache = (-1, False)
+
+    def _state_from(self, layer: RegisteredLayer, entry: Mapping[str, Any]) -> LayerState | None:
+        if "tensors" not in entry:
+            return None
+        device = layer.math.weight.device
+        t = {k: v.to(device) for k, v in entry["tensors"].items()}
+        m = layer.math
+        try:
+            if entry["solver"] == "kfac":
+                expected = {"factor_a": (m.d_a, m.d_a), "factor_g": (m.d_g, m.d_g)}
+                state: LayerState = KFACState(
+                    t["factor_a"], t["factor_g"], t["evals_a"], t["evecs_a"], t["evals_g"], t["evecs_g"], float(entry["damping"])
+                )
+            else:
+                rows = t["a"].shape[0]
+                expected = {"a": (rows, m.d_a), "g": (rows, m.d_g), "inner": (rows, rows)}
+                state = LowRankState(t["a"], t["g"], t["inner"], float(entry["divisor"]), float(entry["damping"]), entry["solver"])
+        except KeyError as err:
+            raise ValueError(f"layer {layer.name!r}: state_dict entry lacks tensor {err}") from err
+        for key, shape in expected.items():
+            if tuple(t[key].shape) != shape:
+                raise ValueError(f"layer {layer.name!r}: {key} has shape {tuple(t[key].shape)}, expected {shape}")
+        return state
