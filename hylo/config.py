@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 SolverName = Literal["kfac", "sngd", "kid", "kis", "hybrid"]
@@ -68,9 +69,19 @@ class HyLoConfig:
         rank_ratio: KID/KIS rows kept per rank, r = max(1, floor(ρ·n)); ρ in (0, 1].
         rank: absolute rows kept per rank (overrides ``rank_ratio`` when set).
         seed: seed of the generator that draws the KIS rows.
+        layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
+        solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
+            :class:`hylo.policy.LayerStats`); overrides the built-in hybrid rule.
+        adaptive: HyLo's fixed windows ``(a0, a1, a2)``: KID while epoch < a0 or a1 < epoch ≤ a2,
+            KIS otherwise (needs ``iters_per_epoch``); replaces the gradient-norm trend.
+        iters_per_epoch: steps per epoch, for ``adaptive``.
+        trend_decay: EMA decay of the per-layer gradient norm.
+        trend_window: steps over which the EMA's relative change is measured.
+        critical_enter: a layer becomes critical (KID) when that change exceeds this.
+        critical_exit: a critical layer returns to KIS when the change falls below this.
     """
 
-    solver: str = "sngd"
+    solver: str = "hybrid"
     update_freq: IntHyper = 10
     damping: Hyper = 1.0
     factor_decay: Hyper = 0.95
@@ -80,6 +91,14 @@ class HyLoConfig:
     rank_ratio: float = 0.1
     rank: int | None = None
     seed: int = 0
+    layer_solvers: Mapping[str, str] = field(default_factory=dict)
+    solver_fn: Callable[[str, int, Any], str] | None = None
+    adaptive: tuple[int, int, int] | None = None
+    iters_per_epoch: int | None = None
+    trend_decay: float = 0.9
+    trend_window: int = 100
+    critical_enter: float = 0.2
+    critical_exit: float = 0.1
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_NAMES:
@@ -102,6 +121,38 @@ class HyLoConfig:
             not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1
         ):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
+
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        layer_choices = tuple(s for s in SOLVER_NAMES if s != "hybrid")
+        for pattern, solver in dict(self.layer_solvers).items():
+            if solver not in layer_choices:
+                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {layer_choices}, got {solver!r}")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"layer_solvers key {pattern!r} is not a valid regular expression: {err}") from err
+        if self.solver_fn is not None and not callable(self.solver_fn):
+            raise ValueError("solver_fn must be callable (layer_name, step, stats) -> solver")
+        if self.adaptive is not None:
+            window = tuple(self.adaptive)
+            if len(window) != 3 or not all(isinstance(e, int) and e >= 0 for e in window) or not (
+                window[1] <= window[2]
+            ):
+                raise ValueError(f"adaptive must be three epochs (a0, a1, a2) with a1 <= a2, got {self.adaptive!r}")
+            object.__setattr__(self, "adaptive", window)
+            if not (isinstance(self.iters_per_epoch, int) and self.iters_per_epoch >= 1):
+                raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
+        if not 0.0 <= self.trend_decay < 1.0:
+            raise ValueError(f"trend_decay must be in [0, 1), got {self.trend_decay!r}")
+        if not (isinstance(self.trend_window, int) and self.trend_window >= 1):
+            raise ValueError(f"trend_window must be an int >= 1, got {self.trend_window!r}")
+        if not (0.0 < self.critical_exit <= self.critical_enter):
+            raise ValueError(
+                f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
+                f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
+            )
 
     def rows_kept(self, local_rows: int) -> int:
         """Rows r each rank keeps for KID/KIS out of ``local_rows``."""

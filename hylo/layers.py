@@ -38,6 +38,10 @@ class LayerMath(ABC):
         return working_dtype(self.weight.dtype)
 
     @abstractmethod
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Rows of the low-rank path (samples) and of the K-FAC factors (incl. positions)."""
+
+    @abstractmethod
     def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample rows (a: n×d_a, g: n×d_g) used by the SMW solvers."""
 
@@ -77,6 +81,11 @@ class LinearMath(LayerMath):
         if self.bias is not None:
             a = _with_ones(a)
         return a, g * a.shape[0]
+
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Every leading position is a row for both paths."""
+        rows = x.numel() // x.shape[-1]
+        return rows, rows
 
     def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
         """Rows a_i (bias 1 appended) and g_i = n·∂L/∂s_i, n = number of positions."""
@@ -135,6 +144,10 @@ class Conv2dMath(LayerMath):
             for j in range(kw)
         ]
         return torch.stack(means, dim=-1).reshape(xp.shape[0], -1)
+
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Samples for the low-rank path; samples × output positions for K-FAC."""
+        return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
 
     def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample surrogate rows (mean over output positions), g scaled by n."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,10 +13,14 @@ from torch import Tensor, nn
 
 from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator, default_communicator
+from hylo.policy import LAYER_SOLVERS, Decision, SolverPolicy
 from hylo.registry import LayerState, RegisteredLayer, register_layers
 from hylo.solvers import KFACState, LowRankState, LowRankUpdate, kfac_update_many, lowrank_update_many
+from hylo.solvers.reduce import kid_skeleton, kis_select
 
 STATE_FORMAT = 1
+#: Decisions kept in ``decision_log`` (oldest dropped first).
+DECISION_LOG_SIZE = 100_000
 _RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
 
 
@@ -44,10 +49,9 @@ class HyLoPreconditioner:
         **options: Any,
     ) -> None:
         self.config = dataclasses.replace(config or HyLoConfig(), **options)
-        if self.config.solver not in ("kfac", "sngd"):
-            raise ValueError(f"solver {self.config.solver!r} is not available yet")
         self.comm = communicator if communicator is not None else default_communicator()
         self.steps = 0
+        self.generator = torch.Generator().manual_seed(self.config.seed)
         self._needs_update = False
         self._capture_cache: tuple[int, bool] = (-1, False)
         self._removed = False
@@ -55,8 +59,10 @@ class HyLoPreconditioner:
         self.layers: list[RegisteredLayer] = found.layers
         self.skipped = found.skipped
         self.unsupported = found.unsupported
+        self.policy = SolverPolicy(self.config, [layer.name for layer in self.layers])
+        self.decision_log: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
         for layer in self.layers:
-            layer.solver = self.config.solver
+            layer.solver = self.policy.override(layer.name) or self.config.solver
         if self.unsupported:
             listed = "; ".join(f"{name or '<root>'}: {why}" for name, why in self.unsupported)
             warnings.warn(f"hylo leaves these modules unpreconditioned: {listed}", stacklevel=2)
@@ -82,8 +88,9 @@ class HyLoPreconditioner:
         step = self.steps
         grads = self._gradients()
         is_update = self._capturing()
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
         try:
-            if not self._finite(grads, is_update):
+            if not self._finite(norms, is_update):
                 bad = [layer.name for layer, g in zip(self.layers, grads, strict=True) if not torch.isfinite(g).all()]
                 warnings.warn(
                     f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
@@ -92,7 +99,9 @@ class HyLoPreconditioner:
                 )
                 self._needs_update = self._needs_update or is_update
                 return
+            self.policy.trend.observe(norms)
             if is_update:
+                self._decide(step)
                 self._update(step)
             self._precondition(grads, step)
         finally:
@@ -112,22 +121,50 @@ class HyLoPreconditioner:
             grads.append(grad)
         return grads
 
-    def _finite(self, grads: list[Tensor], is_update: bool) -> bool:
+    def _finite(self, norms: Tensor, is_update: bool) -> bool:
         """One host sync: are all gradients finite (on every rank, on update steps)?"""
-        flag = torch.stack([torch.isfinite(g).all() for g in grads]).all().to(grads[0].dtype)
+        flag = torch.isfinite(norms).all().to(norms.dtype)
         if is_update and self.comm.world_size > 1:
             (flag,) = self.comm.all_reduce_weighted_mean([flag.reshape(1)], [1.0])
             return bool(flag.item() == 1.0)
         return bool(flag.item())
 
-    def _update(self, step: int) -> None:
-        """Capture → communicate → solve, for every layer; non-finite results keep the old state."""
+    def _decide(self, step: int) -> None:
+        """Choose every layer's solver for this update; identical on all ranks."""
         missing = [layer.name for layer in self.layers if not layer.capture.complete()]
         if missing:
             raise RuntimeError(
                 f"step {step} is an update step but the hooks of {missing} never fired: run the "
                 "forward in train mode with autograd enabled, through the module itself, before step()"
             )
+        shapes = []
+        for layer in self.layers:
+            counts = [layer.math.row_counts(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+            rows, kfac_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
+            kept = self.comm.world_size * self.config.rows_kept(rows)
+            shapes.append((layer.math.d_a, layer.math.d_g, rows, kfac_rows, kept))
+        freq = resolve("update_freq", self.config.update_freq, step)
+        decisions = self.policy.decide(step, shapes, freq, self.comm.world_size)
+        if self.comm.world_size > 1 and self.policy.dynamic:
+            device = self.layers[0].math.weight.device
+            codes = torch.tensor([LAYER_SOLVERS.index(d.solver) for d in decisions], device=device)
+            (codes,) = self.comm.broadcast([codes], src=0)
+            decisions = [
+                dataclasses.replace(d, solver=LAYER_SOLVERS[c]) for d, c in zip(decisions, codes.tolist(), strict=True)
+            ]
+        for layer, decision in zip(self.layers, decisions, strict=True):
+            layer.solver = decision.solver
+        self.decision_log.extend(decisions)
+
+    def solver_of(self, name: str) -> str:
+        """The solver layer ``name`` used at the latest update (its configured one before any)."""
+        for layer in self.layers:
+            if layer.name == name:
+                return layer.solver
+        raise KeyError(f"no registered layer named {name!r}")
+
+    def _update(self, step: int) -> None:
+        """Communicate → solve for every layer; non-finite results keep the old state."""
         damping = resolve("damping", self.config.damping, step)
         decay = resolve("factor_decay", self.config.factor_decay, step)
         kfac_layers = [layer for layer in self.layers if layer.solver == "kfac"]
@@ -145,16 +182,49 @@ class HyLoPreconditioner:
             for layer, state in zip(kfac_layers, kfac_update_many(previous, pairs, decay, damping), strict=True):
                 new_states[layer.name] = state
         if lowrank_layers:
-            rows = []
-            for layer in lowrank_layers:
-                a, g = self._rows(layer)
-                rows += [a, g]
-            rows = self.comm.all_gather_rows(rows)
-            updates = [LowRankUpdate(rows[2 * i], rows[2 * i + 1], rows[2 * i].shape[0]) for i in range(len(lowrank_layers))]
-            kinds = [layer.solver for layer in lowrank_layers]
-            for layer, state in zip(lowrank_layers, lowrank_update_many(updates, damping, kinds), strict=True):
+            for layer, state in zip(lowrank_layers, self._lowrank_states(lowrank_layers, damping), strict=True):
                 new_states[layer.name] = state
         self._commit(new_states, step)
+
+    def _lowrank_states(self, layers: list[RegisteredLayer], damping: float) -> list[LowRankState]:
+        """Local reduction on every rank, one fused all-gather, then batched SMW solves."""
+        base_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        payload: list[Tensor] = []
+        for index, layer in enumerate(layers):
+            a, g = self._rows(layer)
+            n = a.shape[0]
+            r = self.config.rows_kept(n) if layer.solver in ("kid", "kis") else n
+            weights = a.new_zeros(0, 1)
+            if layer.solver == "kis" and r < n:
+                rank_gen = torch.Generator().manual_seed((base_seed + 7919 * index + self.comm.rank) % 2**63)
+                keep = kis_select(a, g, r, rank_gen)
+                a, g = a.index_select(0, keep), g.index_select(0, keep)
+            elif layer.solver == "kid":
+                if r < n:
+                    keep, w_local = kid_skeleton(a, g, r)
+                    a, g = a.index_select(0, keep), g.index_select(0, keep)
+                else:
+                    w_local = torch.eye(n, dtype=a.dtype, device=a.device)
+                weights = w_local.reshape(-1, 1)
+            payload += [a, g, weights, a.new_tensor([[float(n), float(r)]])]
+        gathered = self.comm.all_gather_rows(payload)
+        counts = torch.stack([gathered[4 * i + 3] for i in range(len(layers))]).tolist()  # one host sync
+        updates = []
+        for i, layer in enumerate(layers):
+            a, g, w_flat = gathered[4 * i], gathered[4 * i + 1], gathered[4 * i + 2]
+            total_rows = sum(int(n) for n, _ in counts[i])
+            if layer.solver == "kis":
+                updates.append(LowRankUpdate(a, g, a.shape[0]))
+            elif layer.solver == "kid":
+                sizes = [int(r) for _, r in counts[i]]
+                blocks = [
+                    block.reshape(size, size)
+                    for block, size in zip(torch.split(w_flat.flatten(), [s * s for s in sizes]), sizes, strict=True)
+                ]
+                updates.append(LowRankUpdate(a, g, total_rows, torch.block_diag(*blocks)))
+            else:
+                updates.append(LowRankUpdate(a, g, total_rows))
+        return lowrank_update_many(updates, damping, [layer.solver for layer in layers])
 
     def _batch_factors(self, layer: RegisteredLayer) -> tuple[Tensor, Tensor, int]:
         """Row-weighted mean of the K-FAC batch factors over this step's forward calls."""
@@ -242,6 +312,8 @@ class HyLoPreconditioner:
             "format": STATE_FORMAT,
             "steps": self.steps,
             "needs_update": self._needs_update,
+            "generator": self.generator.get_state(),
+            "trend": self.policy.trend.state_dict(),
             "config": self.config.constants(),
             "layers": layers,
         }
@@ -272,6 +344,11 @@ class HyLoPreconditioner:
             raise ValueError(
                 f"state_dict was made with solver={config['solver']!r}, this preconditioner uses {self.config.solver!r}"
             )
+        generator = torch.Generator()
+        try:
+            generator.set_state(state_dict["generator"])
+        except (KeyError, TypeError, RuntimeError) as err:
+            raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
         overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
         self.config = dataclasses.replace(self.config, **overrides)
         for layer in self.layers:
@@ -279,6 +356,9 @@ class HyLoPreconditioner:
         self.steps = int(state_dict["steps"])
         self._needs_update = bool(state_dict["needs_update"])
         self._capture_cache = (-1, False)
+        self.generator = generator
+        if "trend" in state_dict:
+            self.policy.trend.load_state_dict(state_dict["trend"], self.layers[0].math.weight.device)
 
     def _state_from(self, layer: RegisteredLayer, entry: Mapping[str, Any]) -> LayerState | None:
         if "tensors" not in entry:

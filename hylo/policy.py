@@ -1,0 +1,216 @@
+"""Per-layer solver choice: fixed, overridden, user-defined, or HyLo's hybrid policy.
+
+The hybrid policy (DESIGN.md §4), at every update step and per layer:
+
+1. **Cost model.** Estimated multiply-adds per period of ``update_freq`` steps, from the
+   layer's shapes (d_a, d_g), its local rows n (K-FAC: n_k rows incl. conv positions) and the
+   kept rows m = P·r of the low-rank path:
+
+   - K-FAC:    n_k (d_a² + d_g²)  +  EIGH_COST (d_a³ + d_g³)  +  f · 2 d_a d_g (d_a + d_g)
+   - low-rank: n² (d_a + d_g)  +  m² (d_a + d_g)  +  m³  +  f · 2 m d_a d_g
+
+   (factor build, eigendecompositions, per-step rotations; local kernel, gathered kernel,
+   SMW solve, per-step application). ``kfac`` is taken where its cost is lower.
+2. **Critical regime.** Otherwise ``kid`` while the layer is critical and ``kis`` elsewhere.
+   A layer is critical while the relative change of an EMA of ‖∇W‖ over ``trend_window``
+   steps exceeds ``critical_enter``; it stays critical until the change falls below
+   ``critical_exit`` (hysteresis). Until a full window of history exists a layer is critical
+   (early training). Alternatively HyLo's fixed epoch windows ``adaptive=(a0, a1, a2)``: KID
+   while epoch < a0 or a1 < epoch ≤ a2, KIS otherwise.
+
+Per-layer overrides (``layer_solvers``) beat a user ``solver_fn``, which beats the built-in rule.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hylo.config import HyLoConfig
+
+#: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
+EIGH_COST = 4.0
+#: Solvers a layer can run.
+LAYER_SOLVERS = ("kfac", "sngd", "kid", "kis")
+
+
+def kfac_cost(d_a: int, d_g: int, kfac_rows: int, update_freq: int) -> float:
+    """Estimated multiply-adds of K-FAC per update period (see module docstring)."""
+    return (
+        kfac_rows * (d_a**2 + d_g**2)
+        + EIGH_COST * (d_a**3 + d_g**3)
+        + update_freq * 2.0 * d_a * d_g * (d_a + d_g)
+    )
+
+
+def lowrank_cost(d_a: int, d_g: int, rows: int, kept: int, update_freq: int) -> float:
+    """Estimated multiply-adds of the KID/KIS path per update period (see module docstring)."""
+    return rows**2 * (d_a + d_g) + kept**2 * (d_a + d_g) + kept**3 + update_freq * 2.0 * kept * d_a * d_g
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What a policy knows of one layer at an update step."""
+
+    name: str
+    step: int
+    d_a: int
+    d_g: int
+    rows: int
+    kfac_rows: int
+    kept: int
+    update_freq: int
+    world_size: int
+    grad_norm: float
+    trend: float | None
+    critical: bool
+    cost_kfac: float
+    cost_lowrank: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One layer's solver at one update step and why."""
+
+    step: int
+    layer: str
+    solver: str
+    reason: str
+    critical: bool
+    trend: float | None
+    cost_kfac: float
+    cost_lowrank: float
+
+
+class GradNormTrend:
+    """EMA of each layer's gradient norm, kept on device; sampled on the host at update steps.
+
+    ``observe`` costs one fused update of a vector per step and never syncs; ``sample`` does
+    one host transfer for all layers and updates the critical flags with hysteresis.
+    """
+
+    def __init__(self, n_layers: int, decay: float, window: int, enter: float, exit_: float) -> None:
+        self.decay, self.window, self.enter, self.exit = decay, window, enter, exit_
+        self.ema: Tensor | None = None
+        self.history: deque[tuple[int, list[float]]] = deque()
+        self.critical = [True] * n_layers
+        self.last_trend: list[float | None] = [None] * n_layers
+
+    def observe(self, norms: Tensor) -> None:
+        """Fold this step's per-layer gradient norms into the EMA (on device)."""
+        norms = norms.detach().to(torch.float64)
+        self.ema = norms.clone() if self.ema is None else self.decay * self.ema + (1.0 - self.decay) * norms
+
+    def sample(self, step: int) -> tuple[list[float], list[float | None], list[bool]]:
+        """EMA values, relative change over the window, and critical flags at ``step``."""
+        assert self.ema is not None, "observe() must run before sample()"
+        ema = self.ema.tolist()
+        past = None
+        while self.history and self.history[0][0] <= step - self.window:
+            past = self.history.popleft()
+        if past is not None:
+            self.history.appendleft(past)  # keep the newest value at least a window old
+        self.history.append((step, ema))
+        reference = past[1] if past is not None else None
+        for i, value in enumerate(ema):
+            if reference is None:
+                self.last_trend[i] = None
+                continue
+            trend = abs(value - reference[i]) / max(abs(reference[i]), 1e-30)
+            self.last_trend[i] = trend
+            if self.critical[i] and trend < self.exit:
+                self.critical[i] = False
+            elif not self.critical[i] and trend > self.enter:
+                self.critical[i] = True
+        return ema, list(self.last_trend), list(self.critical)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Serializable state."""
+        return {
+            "ema": None if self.ema is None else self.ema.cpu(),
+            "history": list(self.history),
+            "critical": list(self.critical),
+            "last_trend": list(self.last_trend),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore ``state_dict``."""
+        self.ema = None if state["ema"] is None else state["ema"].to(device)
+        self.history = deque((int(s), list(v)) for s, v in state["history"])
+        self.critical = list(state["critical"])
+        self.last_trend = list(state["last_trend"])
+
+
+class SolverPolicy:
+    """Chooses each layer's solver at update steps from the configuration."""
+
+    def __init__(self, config: HyLoConfig, names: list[str]) -> None:
+        self.config = config
+        self.names = names
+        self.trend = GradNormTrend(
+            len(names), config.trend_decay, config.trend_window, config.critical_enter, config.critical_exit
+        )
+        self._overrides = [
+            (re.compile(pattern), solver) for pattern, solver in dict(config.layer_solvers).items()
+        ]
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether decisions depend on run-time data (and so are broadcast from rank 0)."""
+        return self.config.solver == "hybrid" or self.config.solver_fn is not None
+
+    def override(self, name: str) -> str | None:
+        """The per-layer override for ``name`` (first matching pattern), if any."""
+        for pattern, solver in self._overrides:
+            if pattern.fullmatch(name):
+                return solver
+        return None
+
+    def epoch_window_kid(self, step: int) -> bool:
+        """HyLo's ``--adaptive a0 a1 a2``: KID while epoch < a0 or a1 < epoch ≤ a2."""
+        assert self.config.adaptive is not None and self.config.iters_per_epoch is not None
+        a0, a1, a2 = self.config.adaptive
+        epoch = step // self.config.iters_per_epoch
+        return epoch < a0 or a1 < epoch <= a2
+
+    def decide(self, step: int, shapes: list[tuple[int, int, int, int, int]], update_freq: int, world_size: int) -> list[Decision]:
+        """Decisions for all layers; ``shapes`` holds (d_a, d_g, rows, kfac_rows, kept) per layer."""
+        cfg = self.config
+        if self.dynamic and self.trend.ema is not None:
+            ema, trends, critical = self.trend.sample(step)
+        else:
+            ema, trends, critical = [0.0] * len(self.names), [None] * len(self.names), [True] * len(self.names)
+        decisions = []
+        for i, name in enumerate(self.names):
+            d_a, d_g, rows, kfac_rows, kept = shapes[i]
+            c_kfac = kfac_cost(d_a, d_g, kfac_rows, update_freq)
+            c_low = lowrank_cost(d_a, d_g, rows, kept, update_freq)
+            solver, reason = self._choose(
+                LayerStats(name, step, d_a, d_g, rows, kfac_rows, kept, update_freq, world_size,
+                           ema[i], trends[i], critical[i], c_kfac, c_low)
+            )
+            decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], c_kfac, c_low))
+        return decisions
+
+    def _choose(self, stats: LayerStats) -> tuple[str, str]:
+        cfg = self.config
+        forced = self.override(stats.name)
+        if forced is not None:
+            return forced, "override"
+        if cfg.solver_fn is not None:
+            chosen = cfg.solver_fn(stats.name, stats.step, stats)
+            if chosen not in LAYER_SOLVERS:
+                raise ValueError(f"solver_fn returned {chosen!r} for layer {stats.name!r}; expected one of {LAYER_SOLVERS}")
+            return chosen, "solver_fn"
+        if cfg.solver != "hybrid":
+            return cfg.solver, "fixed"
+        if stats.cost_kfac <= stats.cost_lowrank:
+            return "kfac", "cost"
+        if cfg.adaptive is not None:
+            return ("kid", "epoch window") if self.epoch_window_kid(stats.step) else ("kis", "epoch window")
+        return ("kid", "critical") if stats.critical else ("kis", "stable")

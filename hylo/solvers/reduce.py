@@ -1,0 +1,77 @@
+"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton.
+
+Both run on every rank before the all-gather, touch only n×n kernels (never d×d), and
+need no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hylo.solvers.lowrank import sample_kernel
+
+
+def kis_select(a: Tensor, g: Tensor, r: int, generator: torch.Generator) -> Tensor:
+    """Indices of r rows drawn without replacement with probability ∝ ‖a_i‖²‖g_i‖².
+
+    Uses the exponential-race form of sequential weighted sampling (Efraimidis–Spirakis:
+    keep the r largest log(u_i)/p_i), which has the same distribution as drawing one row
+    at a time ∝ p among those left. Rows with p_i = 0 are taken last, uniformly among
+    themselves (the rows are visited in a random order, so ties break at random).
+    """
+    n = a.shape[0]
+    weights = (a.square().sum(dim=1) * g.square().sum(dim=1)).to(torch.float64)
+    order = torch.randperm(n, generator=generator).to(a.device)
+    u = torch.rand(n, generator=generator, dtype=torch.float64).to(a.device)
+    w = weights[order]
+    keys = torch.where(w > 0, torch.log(u) / w, torch.full_like(u, -torch.inf))
+    return order[torch.topk(keys, r).indices]
+
+
+def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float = 1e-12) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy pivoted Cholesky of a PSD kernel: largest residual diagonal first.
+
+    Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
+    residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its
+    column of L is zero and ``alive`` is False. Deterministic; no host syncs.
+    """
+    k64 = kernel.to(torch.float64)
+    n = k64.shape[0]
+    residual = k64.diagonal().clone()
+    threshold = rel_tol * residual.max().clamp_min(torch.finfo(torch.float64).tiny)
+    factor = k64.new_zeros(n, r)
+    pivots = torch.empty(r, dtype=torch.long, device=kernel.device)
+    alive = torch.empty(r, dtype=torch.bool, device=kernel.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=kernel.device)
+    for k in range(r):
+        j = torch.argmax(torch.where(taken, -torch.inf, residual)).reshape(1)
+        pivot_residual = residual.index_select(0, j)
+        ok = pivot_residual > threshold
+        column = k64.index_select(1, j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
+        factor[:, k] = column
+        residual = residual - column.square()
+        taken = taken.index_fill(0, j, True)
+        pivots[k] = j[0]
+        alive[k] = ok[0]
+    return pivots, factor, alive
+
+
+def kid_skeleton(a: Tensor, g: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r).
+
+    Π = K_JJ⁻¹ K_J,: is obtained from the pivoted Cholesky factor as L_Jᵀ⁻¹ Lᵀ (the same matrix
+    in exact arithmetic, better conditioned); Π[:, J] = I by construction. Skeleton rows that
+    the others already span get a zero row in Π apart from their own column, so the
+    reconstruction U ≈ U_J Π is exact whenever the per-sample gradients span ≤ r dimensions,
+    and W_p stays symmetric positive definite (W_p ⪰ I).
+    """
+    kernel = sample_kernel(a, g)
+    pivots, factor, alive = pivoted_cholesky(kernel, r)
+    lower = factor.index_select(0, pivots)  # L_J, lower triangular in pivot order
+    lower = lower + torch.diag((~alive).to(lower.dtype))
+    interp = torch.linalg.solve_triangular(lower.mT, factor.mT, upper=True)  # (r, n)
+    interp = interp.index_copy(1, pivots, torch.eye(r, dtype=interp.dtype, device=interp.device))
+    weights = interp @ interp.mT
+    return pivots, weights.to(a.dtype)
