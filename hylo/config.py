@@ -79,6 +79,10 @@ class HyLoConfig:
         trend_window: steps over which the EMA's relative change is measured.
         critical_enter: a layer becomes critical (KID) when that change exceeds this.
         critical_exit: a critical layer returns to KIS when the change falls below this.
+        strategy: ``"inverse"`` (owners broadcast solved states; no traffic between updates) or
+            ``"gradient"`` (owners keep their states and broadcast preconditioned gradients
+            every step; less memory per rank).
+        bucket_cap_mb: largest flat buffer of one collective (default communicator only).
     """
 
     solver: str = "hybrid"
@@ -99,6 +103,8 @@ class HyLoConfig:
     trend_window: int = 100
     critical_enter: float = 0.2
     critical_exit: float = 0.1
+    strategy: str = "inverse"
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_NAMES:
@@ -122,6 +128,10 @@ class HyLoConfig:
         ):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
 
+        if self.strategy not in ("inverse", "gradient"):
+            raise ValueError(f"strategy must be 'inverse' or 'gradient', got {self.strategy!r}")
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         self._check_policy()
 
     def _check_policy(self) -> None:

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.policy import LAYER_SOLVERS, Decision, SolverPolicy
-from hylo.registry import LayerState, RegisteredLayer, register_layers
-from hylo.solvers import KFACState, LowRankState, LowRankUpdate, kfac_update_many, lowrank_update_many
-from hylo.solvers.reduce import kid_skeleton, kis_select
+from hylo.registry import RegisteredLayer, register_layers
+from hylo.solvers import KFACState, LowRankState
+from hylo.stage import LayerState, RemoteState, UpdateStage
 
 STATE_FORMAT = 1
 #: Decisions kept in ``decision_log`` (oldest dropped first).
@@ -49,7 +49,8 @@ class HyLoPreconditioner:
         **options: Any,
     ) -> None:
         self.config = dataclasses.replace(config or HyLoConfig(), **options)
-        self.comm = communicator if communicator is not None else default_communicator()
+        self.comm = communicator if communicator is not None else default_communicator(self.config.bucket_cap_mb)
+        self.stage = UpdateStage(self.config, self.comm)
         self.steps = 0
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._needs_update = False
@@ -88,7 +89,7 @@ class HyLoPreconditioner:
         step = self.steps
         grads = self._gradients()
         is_update = self._capturing()
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        norms = torch.stack([torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self.layers, grads, strict=True)]).to(torch.float64)
         try:
             if not self._finite(norms, is_update):
                 bad = [layer.name for layer, g in zip(self.layers, grads, strict=True) if not torch.isfinite(g).all()]
@@ -125,7 +126,7 @@ class HyLoPreconditioner:
         """One host sync: are all gradients finite (on every rank, on update steps)?"""
         flag = torch.isfinite(norms).all().to(norms.dtype)
         if is_update and self.comm.world_size > 1:
-            (flag,) = self.comm.all_reduce_weighted_mean([flag.reshape(1)], [1.0])
+            (flag,) = self.comm.all_reduce_weighted_mean([flag.reshape(1)], [1.0]).wait()
             return bool(flag.item() == 1.0)
         return bool(flag.item())
 
@@ -164,109 +165,32 @@ class HyLoPreconditioner:
         raise KeyError(f"no registered layer named {name!r}")
 
     def _update(self, step: int) -> None:
-        """Communicate → solve for every layer; non-finite results keep the old state."""
+        """Run the distributed update stage and store the new states (non-finite ones rejected)."""
         damping = resolve("damping", self.config.damping, step)
         decay = resolve("factor_decay", self.config.factor_decay, step)
-        kfac_layers = [layer for layer in self.layers if layer.solver == "kfac"]
-        lowrank_layers = [layer for layer in self.layers if layer.solver != "kfac"]
-        new_states: dict[str, LayerState] = {}
-        if kfac_layers:
-            factors, weights = [], []
-            for layer in kfac_layers:
-                a_sum, g_sum, rows = self._batch_factors(layer)
-                factors += [a_sum, g_sum]
-                weights += [float(rows), float(rows)]
-            factors = self.comm.all_reduce_weighted_mean(factors, weights)
-            previous = [layer.state if isinstance(layer.state, KFACState) else None for layer in kfac_layers]
-            pairs = [(factors[2 * i], factors[2 * i + 1]) for i in range(len(kfac_layers))]
-            for layer, state in zip(kfac_layers, kfac_update_many(previous, pairs, decay, damping), strict=True):
-                new_states[layer.name] = state
-        if lowrank_layers:
-            for layer, state in zip(lowrank_layers, self._lowrank_states(lowrank_layers, damping), strict=True):
-                new_states[layer.name] = state
-        self._commit(new_states, step)
-
-    def _lowrank_states(self, layers: list[RegisteredLayer], damping: float) -> list[LowRankState]:
-        """Local reduction on every rank, one fused all-gather, then batched SMW solves."""
         base_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        payload: list[Tensor] = []
-        for index, layer in enumerate(layers):
-            a, g = self._rows(layer)
-            n = a.shape[0]
-            r = self.config.rows_kept(n) if layer.solver in ("kid", "kis") else n
-            weights = a.new_zeros(0, 1)
-            if layer.solver == "kis" and r < n:
-                rank_gen = torch.Generator().manual_seed((base_seed + 7919 * index + self.comm.rank) % 2**63)
-                keep = kis_select(a, g, r, rank_gen)
-                a, g = a.index_select(0, keep), g.index_select(0, keep)
-            elif layer.solver == "kid":
-                if r < n:
-                    keep, w_local = kid_skeleton(a, g, r)
-                    a, g = a.index_select(0, keep), g.index_select(0, keep)
-                else:
-                    w_local = torch.eye(n, dtype=a.dtype, device=a.device)
-                weights = w_local.reshape(-1, 1)
-            payload += [a, g, weights, a.new_tensor([[float(n), float(r)]])]
-        gathered = self.comm.all_gather_rows(payload)
-        counts = torch.stack([gathered[4 * i + 3] for i in range(len(layers))]).tolist()  # one host sync
-        updates = []
-        for i, layer in enumerate(layers):
-            a, g, w_flat = gathered[4 * i], gathered[4 * i + 1], gathered[4 * i + 2]
-            total_rows = sum(int(n) for n, _ in counts[i])
-            if layer.solver == "kis":
-                updates.append(LowRankUpdate(a, g, a.shape[0]))
-            elif layer.solver == "kid":
-                sizes = [int(r) for _, r in counts[i]]
-                blocks = [
-                    block.reshape(size, size)
-                    for block, size in zip(torch.split(w_flat.flatten(), [s * s for s in sizes]), sizes, strict=True)
-                ]
-                updates.append(LowRankUpdate(a, g, total_rows, torch.block_diag(*blocks)))
-            else:
-                updates.append(LowRankUpdate(a, g, total_rows))
-        return lowrank_update_many(updates, damping, [layer.solver for layer in layers])
-
-    def _batch_factors(self, layer: RegisteredLayer) -> tuple[Tensor, Tensor, int]:
-        """Row-weighted mean of the K-FAC batch factors over this step's forward calls."""
-        parts = [layer.math.kfac_factors(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
-        total = sum(n for _, _, n in parts)
-        a = sum((fa * n for fa, _, n in parts), torch.zeros_like(parts[0][0])) / total
-        g = sum((fg * n for _, fg, n in parts), torch.zeros_like(parts[0][1])) / total
-        return a, g, total
-
-    def _rows(self, layer: RegisteredLayer) -> tuple[Tensor, Tensor]:
-        """Per-sample rows of this step's forward calls, concatenated."""
-        pairs = [layer.math.lowrank_rows(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
-        return torch.cat([a for a, _ in pairs]), torch.cat([g for _, g in pairs])
-
-    def _commit(self, new_states: Mapping[str, LayerState], step: int) -> None:
-        """Store new states, except non-finite ones (one host sync for all layers)."""
-        names = list(new_states)
-        flags = torch.stack(
-            [torch.stack([torch.isfinite(t).all() for t in new_states[n].tensors().values()]).all() for n in names]
-        ).tolist()
-        rejected = [n for n, ok in zip(names, flags, strict=True) if not ok]
+        states, rejected = self.stage.update(self.layers, step, damping, decay, base_seed)
         if rejected:
             warnings.warn(f"step {step}: non-finite curvature for {rejected}; keeping their previous state", stacklevel=3)
-            self._needs_update = True
-        else:
-            self._needs_update = False
+        self._needs_update = bool(rejected)
         for layer in self.layers:
-            if layer.name in new_states and layer.name not in rejected:
-                layer.state = new_states[layer.name]
+            if layer.name not in rejected:
+                layer.state = states[layer.name]
+                layer.owner = self.stage.owners[layer.name]
 
     def _precondition(self, grads: list[Tensor], step: int) -> None:
-        pairs = [(layer, grad, layer.state.precondition(grad)) for layer, grad in zip(self.layers, grads, strict=True) if layer.state is not None]
-        if not pairs:
+        """Apply every layer's state (with kl_clip scaling) and write the gradients back."""
+        triples = self.stage.precondition(self.layers, grads)
+        if not triples:
             return
         scale: Tensor | None = None
         if self.config.kl_clip is not None:
             kl_clip = resolve("kl_clip", self.config.kl_clip, step)
             assert self.config.lr is not None
             lr = resolve("lr", self.config.lr, step)
-            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in pairs]).sum().abs() * lr**2
+            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in triples]).sum().abs() * lr**2
             scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-        for layer, _, v in pairs:
+        for layer, _, v in triples:
             layer.math.set_grad_matrix(v if scale is None else v * scale.to(v.dtype))
 
     # ------------------------------------------------------------------ introspection
@@ -301,8 +225,15 @@ class HyLoPreconditioner:
         """Everything needed to continue identically: step, constant options, per-layer states."""
         layers: dict[str, Any] = {}
         for layer in self.layers:
-            entry: dict[str, Any] = {"solver": layer.solver, "d_a": layer.math.d_a, "d_g": layer.math.d_g}
-            if layer.state is not None:
+            entry: dict[str, Any] = {
+                "solver": layer.solver,
+                "d_a": layer.math.d_a,
+                "d_g": layer.math.d_g,
+                "owner": layer.owner,
+            }
+            if isinstance(layer.state, RemoteState):
+                entry["remote"] = True  # solved on another rank: recomputed after loading
+            elif layer.state is not None:
                 entry["damping"] = layer.state.damping
                 entry["tensors"] = {k: v.detach().clone() for k, v in layer.state.tensors().items()}
                 if isinstance(layer.state, LowRankState):
@@ -351,10 +282,13 @@ class HyLoPreconditioner:
             raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
         overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
         self.config = dataclasses.replace(self.config, **overrides)
+        self.stage.config = self.policy.config = self.config
         for layer in self.layers:
             layer.solver, layer.state = restored[layer.name]
+            layer.owner = int(saved[layer.name].get("owner", 0))
         self.steps = int(state_dict["steps"])
-        self._needs_update = bool(state_dict["needs_update"])
+        remote = any(saved[name].get("remote") for name in names)
+        self._needs_update = bool(state_dict["needs_update"]) or remote
         self._capture_cache = (-1, False)
         self.generator = generator
         if "trend" in state_dict:

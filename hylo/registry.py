@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from hylo.capture import LayerCapture
 from hylo.layers import LayerMath, supported_math, unsupported_reason
-from hylo.solvers import KFACState, LowRankState
 
-LayerState = KFACState | LowRankState
+if TYPE_CHECKING:
+    from hylo.stage import LayerState
 
 
 @dataclass
@@ -24,6 +25,7 @@ class RegisteredLayer:
     capture: LayerCapture
     state: LayerState | None = None
     solver: str = "sngd"
+    owner: int = 0
 
 
 @dataclass

@@ -51,28 +51,20 @@ class KFACState:
         }
 
 
-def kfac_update_many(
-    previous: Sequence[KFACState | None],
-    batch_factors: Sequence[tuple[Tensor, Tensor]],
-    decay: float,
-    damping: float,
-) -> list[KFACState]:
-    """New K-FAC states from batch factors: running averages, then batched eigendecompositions.
+def blend_factors(
+    previous: tuple[Tensor, Tensor] | None, batch: tuple[Tensor, Tensor], decay: float
+) -> tuple[Tensor, Tensor]:
+    """Running averages A ← β A + (1 − β) A_batch (same for G); the first update takes the batch."""
+    if previous is None:
+        return batch
+    return (
+        decay * previous[0] + (1.0 - decay) * batch[0],
+        decay * previous[1] + (1.0 - decay) * batch[1],
+    )
 
-    A layer without a previous state takes its batch factors as they are; otherwise
-    A ← β A + (1 − β) A_batch (same for G).
-    """
-    factors: list[tuple[Tensor, Tensor]] = []
-    for prev, (a_batch, g_batch) in zip(previous, batch_factors, strict=True):
-        if prev is None:
-            factors.append((a_batch, g_batch))
-        else:
-            factors.append(
-                (
-                    decay * prev.factor_a + (1.0 - decay) * a_batch,
-                    decay * prev.factor_g + (1.0 - decay) * g_batch,
-                )
-            )
+
+def kfac_update_many(factors: Sequence[tuple[Tensor, Tensor]], damping: float) -> list[KFACState]:
+    """K-FAC states of running factors (A, G): all eigendecompositions batched by shape."""
     decompositions = eigh_many([m for pair in factors for m in pair])
     states = []
     for i, (fa, fg) in enumerate(factors):
