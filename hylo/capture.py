@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,14 +31,17 @@ class LayerCapture:
     def __init__(self, module: nn.Module, should_capture: Callable[[], bool]) -> None:
         self.records: list[Record] = []
         self._should_capture = should_capture
-        self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook)
+        self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
-    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+    def _forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
+    ) -> None:
         if not (module.training and torch.is_grad_enabled() and self._should_capture()):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        record = Record(inputs[0].detach())
+        x = args[0] if args else kwargs["input"]
+        record = Record(x.detach())
         self.records.append(record)
 
         def grad_hook(grad: Tensor) -> None:

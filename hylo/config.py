@@ -121,7 +121,14 @@ class HyLoConfig:
         if isinstance(self.skip_layers, str):
             raise ValueError("skip_layers must be a sequence of names, not a single string")
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        if not (isinstance(self.rank_ratio, (int, float)) and 0.0 < self.rank_ratio <= 1.0):
+        for pattern in self.skip_layers:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(f"skip_layers entry {pattern!r} is not a valid regular expression: {err}") from err
+        if isinstance(self.rank_ratio, bool) or not (
+            isinstance(self.rank_ratio, (int, float)) and 0.0 < self.rank_ratio <= 1.0
+        ):
             raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio!r}")
         if self.rank is not None and (
             not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1

@@ -1,8 +1,10 @@
 """Per-module-type math: how a layer's inputs and output gradients become rows and factors.
 
 Notation (DESIGN.md §2): a layer has weight W of shape (d_g, d_a); with a bias, the bias
-is W's last column and every activation row gets a trailing 1. From one forward/backward
-of a mean-reduced loss over n rows, ``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ.
+is W's last column and every activation row gets a trailing 1. From a mean-reduced loss over
+n rows, ``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ. When a layer runs several times
+in one step (gradient accumulation, shared weights) n is the step's total, passed in as
+``scale`` by the caller.
 """
 
 from __future__ import annotations
@@ -42,12 +44,16 @@ class LayerMath(ABC):
         """Rows of the low-rank path (samples) and of the K-FAC factors (incl. positions)."""
 
     @abstractmethod
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample rows (a: n×d_a, g: n×d_g) used by the SMW solvers."""
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Per-sample rows (a: n×d_a, g: n×d_g, g scaled by ``scale``) used by the SMW solvers."""
 
     @abstractmethod
-    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Batch Kronecker factors A (d_a×d_a), G (d_g×d_g) and the sample count n."""
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Unnormalised Kronecker factors Σ a aᵀ (d_a×d_a) and Σ g gᵀ (d_g×d_g), g scaled by ``scale``.
+
+        Divide the first by the K-FAC row count and the second by the sample count (see
+        :meth:`row_counts`) summed over the step's calls.
+        """
 
     def grad_matrix(self) -> Tensor | None:
         """∇W as a (d_g, d_a) matrix, bias last, or None when backward has not run."""
@@ -74,28 +80,27 @@ class LayerMath(ABC):
 class LinearMath(LayerMath):
     """``nn.Linear`` on inputs of shape (..., d_in): every leading position is a row."""
 
-    def _rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+    def _rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         dtype = self.dtype
         a = x.reshape(-1, x.shape[-1]).to(dtype)
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
         if self.bias is not None:
             a = _with_ones(a)
-        return a, g * a.shape[0]
+        return a, g * scale
 
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
         """Every leading position is a row for both paths."""
         rows = x.numel() // x.shape[-1]
         return rows, rows
 
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
-        """Rows a_i (bias 1 appended) and g_i = n·∂L/∂s_i, n = number of positions."""
-        return self._rows(x, grad_out)
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Rows a_i (bias 1 appended) and g_i = scale·∂L/∂s_i, one per leading position."""
+        return self._rows(x, grad_out, scale)
 
-    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
-        """A = mean a aᵀ, G = mean g gᵀ over rows."""
-        a, g = self._rows(x, grad_out)
-        n = a.shape[0]
-        return a.mT @ a / n, g.mT @ g / n, n
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Σ a aᵀ and Σ g gᵀ over rows (A, G are their means)."""
+        a, g = self._rows(x, grad_out, scale)
+        return a.mT @ a, g.mT @ g
 
 
 class Conv2dMath(LayerMath):
@@ -145,23 +150,32 @@ class Conv2dMath(LayerMath):
         ]
         return torch.stack(means, dim=-1).reshape(xp.shape[0], -1)
 
+    @staticmethod
+    def _batched(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Unbatched (C, H, W) calls become a batch of one."""
+        if x.dim() == 3:
+            return x.unsqueeze(0), grad_out.unsqueeze(0)
+        return x, grad_out
+
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
         """Samples for the low-rank path; samples × output positions for K-FAC."""
+        x, grad_out = self._batched(x, grad_out)
         return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
 
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample surrogate rows (mean over output positions), g scaled by n."""
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Per-sample surrogate rows (mean over output positions), g scaled by ``scale``."""
+        x, grad_out = self._batched(x, grad_out)
         dtype = self.dtype
-        n = x.shape[0]
         xp = self._padded(x.to(dtype))
         a = self._patch_mean(xp, (grad_out.shape[2], grad_out.shape[3]))
         if self.bias is not None:
             a = _with_ones(a)
-        g = grad_out.to(dtype).mean(dim=(2, 3)) * n
+        g = grad_out.to(dtype).mean(dim=(2, 3)) * scale
         return a, g
 
-    def kfac_factors(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, int]:
-        """KFC factors from the unfolded patches and per-position output gradients."""
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Σ over samples and positions of patch outer products and of g gᵀ (g = scale·∂L/∂s)."""
+        x, grad_out = self._batched(x, grad_out)
         dtype = self.dtype
         n = x.shape[0]
         conv = self.conv
@@ -172,8 +186,8 @@ class Conv2dMath(LayerMath):
         a = patches.transpose(1, 2).reshape(n * positions, -1)
         if self.bias is not None:
             a = _with_ones(a)
-        g = grad_out.to(dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * n
-        return a.mT @ a / (n * positions), g.mT @ g / n, n
+        g = grad_out.to(dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * scale
+        return a.mT @ a, g.mT @ g
 
 
 def supported_math(module: nn.Module) -> LayerMath | None:

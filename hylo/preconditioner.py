@@ -65,8 +65,17 @@ class HyLoPreconditioner:
         for layer in self.layers:
             layer.solver = self.policy.override(layer.name) or self.config.solver
         if self.unsupported:
-            listed = "; ".join(f"{name or '<root>'}: {why}" for name, why in self.unsupported)
-            warnings.warn(f"hylo leaves these modules unpreconditioned: {listed}", stacklevel=2)
+            by_reason: dict[str, list[str]] = {}
+            for name, why in self.unsupported:
+                by_reason.setdefault(why, []).append(name or "<root>")
+            listed = "; ".join(
+                f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+                for why, names in by_reason.items()
+            )
+            warnings.warn(
+                f"hylo leaves {len(self.unsupported)} modules unpreconditioned ({listed}); see summary()",
+                stacklevel=2,
+            )
         if not self.layers:
             raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
 

@@ -240,18 +240,27 @@ class UpdateStage:
         return [(layer, grad, results[layer.name]) for layer, grad in ready]
 
 
+def _calls(layer: RegisteredLayer) -> list[tuple[Tensor, Tensor]]:
+    """(input, output gradient) of each of this step's forward calls of the layer."""
+    return [(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+
+
 def _batch_factors(layer: RegisteredLayer) -> tuple[Tensor, Tensor, int]:
-    """Row-weighted mean of the K-FAC batch factors over this step's forward calls."""
-    parts = [layer.math.kfac_factors(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
-    total = sum(n for _, _, n in parts)
-    a = sum((fa * n for fa, _, n in parts), torch.zeros_like(parts[0][0])) / total
-    g = sum((fg * n for _, fg, n in parts), torch.zeros_like(parts[0][1])) / total
-    return a, g, total
+    """K-FAC batch factors over all of this step's calls, and the step's sample count."""
+    calls = _calls(layer)
+    counts = [layer.math.row_counts(x, gy) for x, gy in calls]
+    samples, kfac_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    sums = [layer.math.kfac_factors(x, gy, float(samples)) for x, gy in calls]
+    a = torch.stack([s[0] for s in sums]).sum(0) / kfac_rows
+    g = torch.stack([s[1] for s in sums]).sum(0) / samples
+    return a, g, samples
 
 
 def _rows(layer: RegisteredLayer) -> tuple[Tensor, Tensor]:
-    """Per-sample rows of this step's forward calls, concatenated."""
-    pairs = [layer.math.lowrank_rows(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+    """Per-sample rows of all of this step's calls, g scaled by the step's sample count."""
+    calls = _calls(layer)
+    samples = sum(layer.math.row_counts(x, gy)[0] for x, gy in calls)
+    pairs = [layer.math.lowrank_rows(x, gy, float(samples)) for x, gy in calls]
     return torch.cat([a for a, _ in pairs]), torch.cat([g for _, g in pairs])
 
 

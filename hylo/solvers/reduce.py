@@ -29,15 +29,19 @@ def kis_select(a: Tensor, g: Tensor, r: int, generator: torch.Generator) -> Tens
     return order[torch.topk(keys, r).indices]
 
 
-def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float = 1e-12) -> tuple[Tensor, Tensor, Tensor]:
+def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy pivoted Cholesky of a PSD kernel: largest residual diagonal first.
 
     Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
     residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its
-    column of L is zero and ``alive`` is False. Deterministic; no host syncs.
+    column of L is zero and ``alive`` is False. The default tolerance, 10·n·eps of the
+    kernel's dtype (at least 1e-12), sits above the round-off of a float32 kernel.
+    Runs in float64; deterministic; no host syncs.
     """
+    n = kernel.shape[0]
+    if rel_tol is None:
+        rel_tol = max(1e-12, 10.0 * n * torch.finfo(kernel.dtype).eps)
     k64 = kernel.to(torch.float64)
-    n = k64.shape[0]
     residual = k64.diagonal().clone()
     threshold = rel_tol * residual.max().clamp_min(torch.finfo(torch.float64).tiny)
     factor = k64.new_zeros(n, r)
