@@ -148,7 +148,7 @@ class HyLoConfig:
                 raise ValueError(f"layer_solvers[{pattern!r}] must be one of {layer_choices}, got {solver!r}")
             try:
                 re.compile(pattern)
-            except re.error as err:
+            except (re.error, TypeError) as err:
                 raise ValueError(f"layer_solvers key {pattern!r} is not a valid regular expression: {err}") from err
         if self.solver_fn is not None and not callable(self.solver_fn):
             raise ValueError("solver_fn must be callable (layer_name, step, stats) -> solver")

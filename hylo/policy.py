@@ -37,6 +37,8 @@ from hylo.config import HyLoConfig
 EIGH_COST = 4.0
 #: Solvers a layer can run.
 LAYER_SOLVERS = ("kfac", "sngd", "kid", "kis")
+#: Why a solver was chosen (see :class:`Decision`).
+REASONS = ("override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable")
 
 
 def kfac_cost(d_a: int, d_g: int, kfac_rows: int, update_freq: int) -> float:
@@ -85,6 +87,44 @@ class Decision:
     trend: float | None
     cost_kfac: float
     cost_lowrank: float
+
+
+def encode_decisions(decisions: list[Decision], device: torch.device) -> Tensor:
+    """Decisions as a (layers, 6) float64 tensor, to broadcast from rank 0."""
+    return torch.tensor(
+        [
+            [
+                LAYER_SOLVERS.index(d.solver),
+                REASONS.index(d.reason),
+                float(d.critical),
+                float("nan") if d.trend is None else d.trend,
+                d.cost_kfac,
+                d.cost_lowrank,
+            ]
+            for d in decisions
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+
+
+def decode_decisions(encoded: Tensor, step: int, names: list[str]) -> list[Decision]:
+    """Inverse of :func:`encode_decisions` (one host transfer)."""
+    decisions = []
+    for name, (solver, reason, critical, trend, c_kfac, c_low) in zip(names, encoded.tolist(), strict=True):
+        decisions.append(
+            Decision(
+                step,
+                name,
+                LAYER_SOLVERS[int(solver)],
+                REASONS[int(reason)],
+                bool(critical),
+                None if trend != trend else trend,
+                c_kfac,
+                c_low,
+            )
+        )
+    return decisions
 
 
 class GradNormTrend:

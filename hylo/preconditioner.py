@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator, default_communicator
-from hylo.policy import LAYER_SOLVERS, Decision, SolverPolicy
+from hylo.policy import Decision, SolverPolicy, decode_decisions, encode_decisions
 from hylo.registry import RegisteredLayer, register_layers
 from hylo.solvers import KFACState, LowRankState
 from hylo.stage import LayerState, RemoteState, UpdateStage
@@ -157,11 +157,8 @@ class HyLoPreconditioner:
         decisions = self.policy.decide(step, shapes, freq, self.comm.world_size)
         if self.comm.world_size > 1 and self.policy.dynamic:
             device = self.layers[0].math.weight.device
-            codes = torch.tensor([LAYER_SOLVERS.index(d.solver) for d in decisions], device=device)
-            (codes,) = self.comm.broadcast([codes], src=0)
-            decisions = [
-                dataclasses.replace(d, solver=LAYER_SOLVERS[c]) for d, c in zip(decisions, codes.tolist(), strict=True)
-            ]
+            (encoded,) = self.comm.broadcast([encode_decisions(decisions, device)], src=0)
+            decisions = decode_decisions(encoded, step, [layer.name for layer in self.layers])
         for layer, decision in zip(self.layers, decisions, strict=True):
             layer.solver = decision.solver
         self.decision_log.extend(decisions)

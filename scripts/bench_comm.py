@@ -11,6 +11,11 @@ Metric: payload bytes that all ranks put into collectives during one update step
 - KIS:   P·(r·(d_a + d_g) + 2)·4 + m²·4        (all-gather of sampled rows, [n, r]; broadcast of M)
 - K-FAC: P·(d_a² + d_g²)·4 + (d_a² + d_a + d_g² + d_g)·4   (all-reduce of A, G; broadcast of eigenbases)
 
+Second metric, ``recv/rank``: bytes each rank receives with the usual ring algorithms
+(all-gather: (P−1)·s of the others' payloads s; all-reduce: 2(P−1)/P·S; broadcast: S on the
+P−1 non-source ranks, averaged over ranks). This is the volume that grows with P on the
+low-rank path (every rank receives all P·r rows) and stays ~3·(d_a² + d_g²) for K-FAC.
+
 With one rank nothing is sent. Example:
     python scripts/bench_comm.py --ranks 1 2 4 8 16 32 64 --local-batch 32 --rank-ratio 0.1 --measure
 """
@@ -63,6 +68,20 @@ def analytic_bytes(solver: str, d_a: int, d_g: int, world: int, local_batch: int
     m = world * r
     per_rank = r * (d_a + d_g) + 2 + (r * r if solver == "kid" else 0)
     return FLOAT_BYTES * (world * per_rank + m * m)
+
+
+def received_bytes_per_rank(
+    solver: str, d_a: int, d_g: int, world: int, local_batch: int, rank_ratio: float
+) -> float:
+    """Bytes one rank receives for one layer's update with ring collectives (see module docstring)."""
+    if world == 1:
+        return 0.0
+    share = (world - 1) / world
+    if solver == "kfac":
+        return FLOAT_BYTES * (2 * share * (d_a**2 + d_g**2) + share * (d_a**2 + d_a + d_g**2 + d_g))
+    r = max(1, math.floor(rank_ratio * local_batch))
+    per_rank = r * (d_a + d_g) + 2 + (r * r if solver == "kid" else 0)
+    return FLOAT_BYTES * ((world - 1) * per_rank + share * (world * r) ** 2)
 
 
 def _measure_worker(
@@ -128,7 +147,11 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print(f"{'model':<9} {'P':>3} {'kfac MB':>10} {'kid MB':>9} {'kis MB':>9} {'kfac/kid':>9} {'kfac/kis':>9}")
+    print("payload = bytes put into collectives by all ranks; recv/rank = bytes one rank receives (ring)")
+    print(
+        f"{'model':<9} {'P':>3} {'kfac MB':>10} {'kid MB':>9} {'kis MB':>9} {'kfac/kid':>9} {'kfac/kis':>9}"
+        f" {'kfac recv/rank MB':>18} {'kid recv/rank MB':>17} {'ratio':>7}"
+    )
     for model_name in args.models:
         shapes = layer_shapes(model_name)
         for world in args.ranks:
@@ -143,10 +166,22 @@ def main() -> None:
                      "bytes": b}
                     for (name, d_a, d_g), b in zip(shapes, per_layer, strict=True)
                 ]
-            ratio = (lambda s: totals["kfac"] / totals[s] if totals[s] else float("nan"))
+            recv = {
+                solver: sum(
+                    received_bytes_per_rank(solver, d_a, d_g, world, args.local_batch, args.rank_ratio)
+                    for _, d_a, d_g in shapes
+                )
+                for solver in ("kfac", "kid")
+            }
+
+            def ratio(num: float, den: float) -> float:
+                return num / den if den else float("nan")
+
             print(
                 f"{model_name:<9} {world:>3} {totals['kfac'] / 2**20:>10.2f} {totals['kid'] / 2**20:>9.2f} "
-                f"{totals['kis'] / 2**20:>9.2f} {ratio('kid'):>9.1f} {ratio('kis'):>9.1f}"
+                f"{totals['kis'] / 2**20:>9.2f} {ratio(totals['kfac'], totals['kid']):>9.1f} "
+                f"{ratio(totals['kfac'], totals['kis']):>9.1f} {recv['kfac'] / 2**20:>18.2f} "
+                f"{recv['kid'] / 2**20:>17.2f} {ratio(recv['kfac'], recv['kid']):>7.1f}"
             )
     if args.out:
         with open(args.out, "w", newline="") as f:

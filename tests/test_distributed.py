@@ -1,0 +1,386 @@
+"""Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks) and of the test harness.
+
+- DDP smoke test: every rank ends with the same preconditioned gradients and parameters.
+- DESIGN.md §5 invariant: P ranks with DDP on the global batch split across them give the
+  preconditioned gradients of one process on the whole batch (float64, exact solvers).
+- Unequal local batches: the result matches the definition (DESIGN.md §2-3) computed by a dense
+  oracle written here, independently of hylo.
+- The harness itself: errors and hangs in a rank fail the test promptly and clearly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import hylo
+
+try:
+    from distributed import DistributedTimeoutError, WorkerError, run_distributed
+except ImportError:  # tests/ imported as a package
+    from tests.distributed import DistributedTimeoutError, WorkerError, run_distributed
+
+DAMPING = 1e-2
+LAYERS = ("conv", "fc1", "fc2")
+
+
+class Net(nn.Module):
+    """Conv2d (stride 2, padding 1, bias) → Linear (bias) → Linear (no bias); no BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)  # 5×5 → 3×3: d_a = 19, d_g = 3
+        self.fc1 = nn.Linear(27, 5)  # d_a = 28, d_g = 5
+        self.fc2 = nn.Linear(5, 3, bias=False)  # d_a = 5, d_g = 3
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.conv(x))
+        x = torch.tanh(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def make_model(dtype: torch.dtype) -> Net:
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def make_data(steps: int, batch: int, dtype: torch.dtype, seed: int = 1) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randn(steps, batch, 2, 5, 5, generator=gen).to(dtype)
+    ys = torch.randint(0, 3, (steps, batch), generator=gen)
+    return xs, ys
+
+
+def local_slice(counts: list[int], rank: int) -> slice:
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])
+
+
+def train(
+    rank: int,
+    world_size: int,
+    solver: str,
+    xs: Tensor,
+    ys: Tensor,
+    counts: list[int],
+    update_freq: int,
+    strategy: str = "inverse",
+) -> dict[str, Any]:
+    """A few SGD steps with hylo; DDP when a process group with >1 rank exists.
+
+    Rank ``rank`` trains on rows ``local_slice(counts, rank)`` of each step's global batch.
+    Returns per step the gradients before and after ``preconditioner.step()``, the final
+    parameters and the number of rows in each layer's low-rank state.
+    """
+    model = make_model(xs.dtype)
+    net: nn.Module = model
+    if world_size > 1 and dist.is_initialized():
+        net = nn.parallel.DistributedDataParallel(model)
+    options: dict[str, Any] = {"strategy": strategy} if strategy != "inverse" else {}
+    pre = hylo.HyLoPreconditioner(
+        net, solver=solver, update_freq=update_freq, damping=DAMPING, factor_decay=0.5, **options
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rows = local_slice(counts, rank)
+    raw, preconditioned = [], []
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad()
+        F.cross_entropy(net(x[rows]), y[rows]).backward()
+        raw.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        pre.step()
+        preconditioned.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        opt.step()
+    state_rows = {
+        layer.name: int(layer.state.a.shape[0])
+        for layer in pre.layers
+        if getattr(layer.state, "a", None) is not None
+    }
+    return {
+        "raw": raw,
+        "pre": preconditioned,
+        "params": {k: p.detach().clone() for k, p in model.named_parameters()},
+        "state_rows": state_rows,
+        "world_size": pre.comm.world_size,
+    }
+
+
+def rel_err(actual: Tensor, expected: Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+def assert_rel_close(actual: dict[str, Tensor], expected: dict[str, Tensor], tol: float, what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for key, want in expected.items():
+        err = rel_err(actual[key].to(torch.float64), want.to(torch.float64))
+        assert err <= tol, f"{what}, {key}: relative error {err:.3e} > {tol:g}"
+
+
+# ============================================================================ 1. DDP smoke test
+@pytest.mark.parametrize("strategy", ["inverse", "gradient"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
+    """Two ranks, different data each, update every other step: identical gradients and parameters.
+
+    Bit-identical, not merely close: both ranks solve from the same all-reduced/all-gathered data
+    (or receive the owner's result), so any difference means a rank computed something else.
+    """
+    steps, batch = 3, 8
+    xs, ys = make_data(steps, batch, torch.float32)
+    out = run_distributed(train, 2, solver, xs, ys, [4, 4], 2, strategy)
+    r0, r1 = out
+    assert r0["world_size"] == r1["world_size"] == 2
+    for step in range(steps):
+        for key, g0 in r0["pre"][step].items():
+            g1 = r1["pre"][step][key]
+            assert torch.isfinite(g0).all()
+            diff = float((g1 - g0).abs().max())
+            assert torch.equal(g1, g0), f"step {step} {key}: ranks differ (max abs diff {diff:.3e})"
+            # preconditioning changed the gradient (the comparison is not vacuous)
+            assert not torch.allclose(g0, r0["raw"][step][key])
+    for key, p0 in r0["params"].items():
+        assert torch.equal(r1["params"][key], p0), f"final {key}: ranks differ"
+    if solver == "sngd" and strategy == "inverse":  # every rank holds the rows of the global batch
+        assert r0["state_rows"] == r1["state_rows"] == dict.fromkeys(LAYERS, batch)
+
+
+# ============================================================================ 2. equivalence with one process
+@pytest.mark.parametrize(
+    ("world_size", "strategy"),
+    [(2, "inverse"), (4, "inverse"), (4, "gradient")],
+    ids=["2-inverse", "4-inverse", "4-gradient"],
+)
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
+    """DESIGN.md §5: DDP on the split global batch == one process on the whole batch (float64).
+
+    With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
+    broadcast preconditioned gradients instead of solved states.
+    """
+    steps, batch = 3, 8
+    xs, ys = make_data(steps, batch, torch.float64)
+    reference = train(0, 1, solver, xs, ys, [batch], 1)  # here, in the parent: no process group
+    assert reference["world_size"] == 1
+    counts = [batch // world_size] * world_size
+    out = run_distributed(train, world_size, solver, xs, ys, counts, 1, strategy)
+    for step in range(steps):
+        # not vacuous: the preconditioner is far from a multiple of the identity
+        pre = torch.cat([g.flatten() for g in reference["pre"][step].values()])
+        raw = torch.cat([g.flatten() for g in reference["raw"][step].values()])
+        assert rel_err(pre * DAMPING, raw) > 0.1, f"step {step}: preconditioning is ~ identity/λ"
+        for rank, result in enumerate(out):
+            assert_rel_close(
+                result["raw"][step], reference["raw"][step], 1e-10, f"rank {rank} step {step} DDP grad"
+            )
+            assert_rel_close(
+                result["pre"][step], reference["pre"][step], 1e-5, f"rank {rank} step {step} preconditioned"
+            )
+    for rank, result in enumerate(out):
+        assert_rel_close(result["params"], reference["params"], 1e-5, f"rank {rank} final parameters")
+
+
+# ---------------------------------------------------------------------------- unequal local batches
+def _recorder(name: str, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> Any:
+    def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        inputs[name] = args[0].detach()
+        outputs[name] = output
+
+    return hook
+
+
+def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -> dict[str, Any]:
+    """The definitions of DESIGN.md §2-3, computed densely and independently of hylo.
+
+    Rank p computes L_p = mean over its n_p rows; DDP averages the rank gradients, so
+    ∇W = (1/P) Σ_p ∇L_p. Rows: g_i = n_p ∂L_p/∂s_i (per position for Conv2d, then HyLo's surrogate
+    for SNGD: a_i = mean of the unfolded patches over positions, g_i = mean over positions).
+    SNGD: F = (1/B) Σ u_i u_iᵀ, u_i = vec(g_i a_iᵀ); K-FAC (first update, no running average):
+    A = E[a aᵀ] over all samples (and positions), G = (1/B) Σ_i Σ_pos g gᵀ.
+    """
+    modules = {name: getattr(model, name) for name in LAYERS}
+    batch = sum(counts)
+    a_rows: dict[str, list[Tensor]] = {k: [] for k in LAYERS}
+    g_rows: dict[str, list[Tensor]] = {k: [] for k in LAYERS}
+    a_sum: dict[str, Tensor] = {}
+    a_count: dict[str, int] = dict.fromkeys(LAYERS, 0)
+    g_sum: dict[str, Tensor] = {}
+    grads: dict[str, Tensor] = {}
+    for rank in range(len(counts)):
+        x, y = xs[local_slice(counts, rank)], ys[local_slice(counts, rank)]
+        n = x.shape[0]
+        inputs: dict[str, Tensor] = {}
+        outputs: dict[str, Tensor] = {}
+        handles = [m.register_forward_hook(_recorder(k, inputs, outputs)) for k, m in modules.items()]
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        for h in handles:
+            h.remove()
+        out_tensors = [outputs[k] for k in LAYERS]
+        grad_out = dict(zip(LAYERS, torch.autograd.grad(loss, out_tensors, retain_graph=True), strict=True))
+        loss.backward()
+        for k, m in modules.items():
+            w = m.weight.grad.reshape(m.weight.shape[0], -1)
+            if m.bias is not None:
+                w = torch.cat([w, m.bias.grad[:, None]], dim=1)
+            grads[k] = grads.get(k, 0) + w / len(counts)
+            inp, gout = inputs[k], grad_out[k] * n
+            if isinstance(m, nn.Conv2d):
+                patches = F.unfold(
+                    inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride
+                )
+                patch_rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (n·L, C·kh·kw)
+                a_sample, g_sample = patches.mean(-1), gout.mean((2, 3))
+                g_pos = gout.permute(0, 2, 3, 1).reshape(-1, gout.shape[1])
+            else:
+                patch_rows, a_sample, g_sample, g_pos = inp, inp, gout, gout
+            if m.bias is not None:
+                patch_rows = torch.cat([patch_rows, torch.ones(patch_rows.shape[0], 1, dtype=inp.dtype)], 1)
+                a_sample = torch.cat([a_sample, torch.ones(n, 1, dtype=inp.dtype)], 1)
+            a_rows[k].append(a_sample)
+            g_rows[k].append(g_sample)
+            a_sum[k] = a_sum.get(k, 0) + patch_rows.T @ patch_rows
+            a_count[k] += patch_rows.shape[0]
+            g_sum[k] = g_sum.get(k, 0) + g_pos.T @ g_pos
+    result: dict[str, Any] = {"grad": grads, "sngd": {}, "kfac": {}}
+    for k in LAYERS:
+        grad = grads[k]
+        d = grad.numel()
+        eye = torch.eye(d, dtype=grad.dtype)
+        a, g = torch.cat(a_rows[k]), torch.cat(g_rows[k])
+        u = (g[:, :, None] * a[:, None, :]).reshape(batch, -1)  # row-major vec(g aᵀ), like grad.flatten()
+        fisher = u.T @ u / batch
+        result["sngd"][k] = torch.linalg.solve(fisher + DAMPING * eye, grad.flatten()).reshape(grad.shape)
+        factor_a, factor_g = a_sum[k] / a_count[k], g_sum[k] / batch
+        kron = torch.kron(factor_g, factor_a)  # (G ⊗ A) vec_r(X) = vec_r(G X A)
+        result["kfac"][k] = torch.linalg.solve(kron + DAMPING * eye, grad.flatten()).reshape(grad.shape)
+    return result
+
+
+def as_matrices(grads: dict[str, Tensor], model: Net) -> dict[str, Tensor]:
+    out = {}
+    for k in LAYERS:
+        m = getattr(model, k)
+        w = grads[f"{k}.weight"].reshape(m.weight.shape[0], -1)
+        if m.bias is not None:
+            w = torch.cat([w, grads[f"{k}.bias"][:, None]], dim=1)
+        out[k] = w
+    return out
+
+
+@pytest.mark.parametrize("solver", ["sngd", "kfac"])
+def test_unequal_local_batches_match_definition(solver: str) -> None:
+    """3 and 5 rows on two ranks: the preconditioned gradient is (F̃ + λI)⁻¹ ∇W of the definition.
+
+    F̃ uses all B = 8 rows (divisor B for SNGD, row-weighted factors for K-FAC); ∇W is DDP's
+    (unweighted) average of the rank gradients. The run must neither hang nor differ across ranks.
+    """
+    counts = [3, 5]
+    xs, ys = make_data(1, sum(counts), torch.float64, seed=2)
+    out = run_distributed(train, 2, solver, xs, ys, counts, 1, timeout=60)
+    oracle = reference_curvature(make_model(torch.float64), xs[0], ys[0], counts)
+    for rank, result in enumerate(out):
+        model = make_model(torch.float64)
+        assert_rel_close(as_matrices(result["raw"][0], model), oracle["grad"], 1e-10, f"rank {rank} DDP grad")
+        assert_rel_close(as_matrices(result["pre"][0], model), oracle[solver], 1e-6, f"rank {rank} {solver}")
+    if solver == "sngd":
+        assert out[0]["state_rows"] == out[1]["state_rows"] == dict.fromkeys(LAYERS, sum(counts))
+
+
+def test_single_process_matches_dense_oracle() -> None:
+    """Sanity of the oracle above (and of hylo at world size 1): one process, one step."""
+    xs, ys = make_data(1, 8, torch.float64, seed=2)
+    oracle = reference_curvature(make_model(torch.float64), xs[0], ys[0], [8])
+    model = make_model(torch.float64)
+    for solver in ("sngd", "kfac"):
+        result = train(0, 1, solver, xs, ys, [8], 1)
+        assert_rel_close(as_matrices(result["raw"][0], model), oracle["grad"], 1e-12, "grad")
+        assert_rel_close(as_matrices(result["pre"][0], model), oracle[solver], 1e-8, solver)
+
+
+# ============================================================================ 3. the harness itself
+def _report(rank: int, world_size: int, payload: str) -> dict[str, Any]:
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "dist_rank": dist.get_rank(),
+        "sum": total,
+        "threads": torch.get_num_threads(),
+        "payload": payload,
+        "pid": os.getpid(),
+    }
+
+
+def test_harness_returns_results_by_rank() -> None:
+    out = run_distributed(_report, 3, "hello", timeout=30)
+    assert [r["rank"] for r in out] == [r["dist_rank"] for r in out] == [0, 1, 2]
+    assert all(r["world_size"] == 3 and r["threads"] == 1 and r["payload"] == "hello" for r in out)
+    assert all(float(r["sum"]) == 3.0 for r in out)
+    assert len({r["pid"] for r in out} | {os.getpid()}) == 4
+    assert not multiprocessing.active_children()
+
+
+def _raise_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # rank 0 would wait here for rank 1 forever without the harness
+
+
+def test_harness_reports_worker_error_promptly() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="boom from rank 1") as info:
+        run_distributed(_raise_on_rank_1, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 15, f"took {elapsed:.1f} s to report a worker error"
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "_raise_on_rank_1" in str(info.value)  # the remote traceback is in the message
+    assert "Traceback" in str(info.value)
+    assert not multiprocessing.active_children()
+
+
+def _hang_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(3600)  # never enters the collective
+    dist.all_reduce(torch.ones(1))
+
+
+def test_harness_kills_hung_workers_at_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError, match="timed out after 10 s") as info:
+        run_distributed(_hang_on_rank_1, 2, timeout=10, pg_timeout=120)
+    elapsed = time.monotonic() - start
+    assert 10 <= elapsed < 25, elapsed
+    assert 1 in info.value.unfinished
+    if os.environ.get("HYLO_TEST_START_METHOD", "fork") == "fork":  # spawned ranks may still be importing
+        assert "_hang_on_rank_1" in info.value.stacks.get(1, "")  # where the hung rank was stuck
+    assert not multiprocessing.active_children()
+
+
+def test_harness_collective_timeout_is_a_worker_error() -> None:
+    """With a gloo timeout shorter than the harness timeout, the waiting rank raises inside all_reduce."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="(?i)timed out") as info:
+        run_distributed(_hang_on_rank_1, 2, timeout=60, pg_timeout=2)
+    assert time.monotonic() - start < 20
+    assert info.value.rank == 0
+    assert not multiprocessing.active_children()
+
+
+def _exit_on_rank_0(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_harness_reports_dead_worker() -> None:
+    with pytest.raises(WorkerError, match="rank 0 .*exit code 3"):
+        run_distributed(_exit_on_rank_0, 2, timeout=30)
+    assert not multiprocessing.active_children()
