@@ -220,7 +220,6 @@ class SolverPolicy:
 
     def decide(self, step: int, shapes: list[tuple[int, int, int, int, int]], update_freq: int, world_size: int) -> list[Decision]:
         """Decisions for all layers; ``shapes`` holds (d_a, d_g, rows, kfac_rows, kept) per layer."""
-        cfg = self.config
         if self.dynamic and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
         else:

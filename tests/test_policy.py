@@ -310,7 +310,7 @@ def test_trend_stable_jump_stable_kis_kid_kis_with_hysteresis() -> None:
     solvers = [d.solver for d in log]
 
     reference = _reference_trend(norms, window, decay, enter, exit_)
-    for d, (ema, trend, critical) in zip(log, reference, strict=True):
+    for d, (_ema, trend, critical) in zip(log, reference, strict=True):
         if trend is None:
             assert d.trend is None
         else:

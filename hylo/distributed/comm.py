@@ -10,10 +10,10 @@ asynchronously and return a :class:`Pending`; the caller overlaps other work bef
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-import contextlib
 from contextlib import contextmanager
 
 import torch

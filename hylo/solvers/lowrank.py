@@ -68,8 +68,8 @@ class LowRankState:
 def lowrank_update_many(updates: Sequence[LowRankUpdate], damping: float, kinds: Sequence[str]) -> list[LowRankState]:
     """Build M for every layer, batching equal-size solves across layers."""
     kernels = [sample_kernel(u.a, u.g) / u.divisor for u in updates]
-    weighted = [i for i, u in enumerate(updates) if u.weights is not None]
-    lowers = cholesky_many([updates[i].weights for i in weighted if updates[i].weights is not None])
+    weighted = {i: u.weights for i, u in enumerate(updates) if u.weights is not None}
+    lowers = cholesky_many(list(weighted.values()))
     lower_of = dict(zip(weighted, lowers, strict=True))
     inners = []
     for i, k in enumerate(kernels):
