@@ -33,9 +33,7 @@ class LayerCapture:
         self._should_capture = should_capture
         self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
-    def _forward_hook(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
-    ) -> None:
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
         if not (module.training and torch.is_grad_enabled() and self._should_capture()):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:

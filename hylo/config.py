@@ -130,9 +130,7 @@ class HyLoConfig:
             isinstance(self.rank_ratio, (int, float)) and 0.0 < self.rank_ratio <= 1.0
         ):
             raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio!r}")
-        if self.rank is not None and (
-            not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1
-        ):
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
 
         if self.strategy not in ("inverse", "gradient"):
@@ -154,8 +152,10 @@ class HyLoConfig:
             raise ValueError("solver_fn must be callable (layer_name, step, stats) -> solver")
         if self.adaptive is not None:
             window = tuple(self.adaptive)
-            if len(window) != 3 or not all(isinstance(e, int) and e >= 0 for e in window) or not (
-                window[1] <= window[2]
+            if (
+                len(window) != 3
+                or not all(isinstance(e, int) and e >= 0 for e in window)
+                or not (window[1] <= window[2])
             ):
                 raise ValueError(f"adaptive must be three epochs (a0, a1, a2) with a1 <= a2, got {self.adaptive!r}")
             object.__setattr__(self, "adaptive", window)
@@ -178,8 +178,4 @@ class HyLoConfig:
 
     def constants(self) -> dict[str, Any]:
         """The options that are plain values (callables are left out), for ``state_dict``."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if not callable(getattr(self, f.name))
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}

@@ -23,9 +23,7 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _grouped(
-    mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]
-) -> list[list[Tensor]]:
+def _grouped(mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]) -> list[list[Tensor]]:
     """Apply ``fn`` to stacks of equally shaped matrices; return per-matrix results."""
     groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
     for i, m in enumerate(mats):
@@ -87,11 +85,30 @@ def cholesky_many(mats: Sequence[Tensor]) -> list[Tensor]:
     return [r[0] for r in _grouped(mats, factor)]
 
 
+def _eigh_qr(mat: Tensor) -> tuple[Tensor, Tensor]:
+    """Last resort for one matrix on which LAPACK's divide-and-conquer ``syevd`` (torch's
+    ``eigh``) did not converge, which happens on large factors with many repeated eigenvalues:
+    SciPy's QR-iteration driver ``syev`` in float64 on the CPU. If that fails too, NaN
+    eigenvalues mark the result non-finite, so the update stage keeps the layer's previous
+    state and warns instead of crashing.
+    """
+    import scipy.linalg
+
+    host = mat.detach().to("cpu", torch.float64).numpy()
+    try:
+        evals, evecs = scipy.linalg.eigh(host, driver="ev")
+    except (scipy.linalg.LinAlgError, ValueError):
+        nan = torch.full(mat.shape[:1], float("nan"), dtype=torch.float64, device=mat.device)
+        return nan, torch.eye(mat.shape[0], dtype=torch.float64, device=mat.device)
+    return torch.from_numpy(evals).to(mat.device), torch.from_numpy(evecs).to(mat.device)
+
+
 def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Eigendecompositions of symmetric PSD matrices, batched by shape.
 
     Eigenvalues are clamped at zero (the factors are PSD; negative values are
-    round-off). Falls back to float64 for a group whose float32 solve fails.
+    round-off). Falls back to float64 for a group whose float32 solve fails, then to
+    SciPy's QR-iteration driver per matrix (:func:`_eigh_qr`).
     """
 
     def decompose(stack: Tensor) -> list[Tensor]:
@@ -99,7 +116,11 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         try:
             evals, evecs = torch.linalg.eigh(sym)
         except torch.linalg.LinAlgError:
-            evals, evecs = torch.linalg.eigh(sym.to(torch.float64))
+            try:
+                evals, evecs = torch.linalg.eigh(sym.to(torch.float64))
+            except torch.linalg.LinAlgError:
+                pairs = [_eigh_qr(mat) for mat in sym]
+                evals, evecs = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
             evals, evecs = evals.to(stack.dtype), evecs.to(stack.dtype)
         return [evals.clamp_min(0.0), evecs]
 

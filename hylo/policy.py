@@ -43,11 +43,7 @@ REASONS = ("override", "solver_fn", "fixed", "cost", "epoch window", "critical",
 
 def kfac_cost(d_a: int, d_g: int, kfac_rows: int, update_freq: int) -> float:
     """Estimated multiply-adds of K-FAC per update period (see module docstring)."""
-    return (
-        kfac_rows * (d_a**2 + d_g**2)
-        + EIGH_COST * (d_a**3 + d_g**3)
-        + update_freq * 2.0 * d_a * d_g * (d_a + d_g)
-    )
+    return kfac_rows * (d_a**2 + d_g**2) + EIGH_COST * (d_a**3 + d_g**3) + update_freq * 2.0 * d_a * d_g * (d_a + d_g)
 
 
 def lowrank_cost(d_a: int, d_g: int, rows: int, kept: int, update_freq: int) -> float:
@@ -195,9 +191,7 @@ class SolverPolicy:
         self.trend = GradNormTrend(
             len(names), config.trend_decay, config.trend_window, config.critical_enter, config.critical_exit
         )
-        self._overrides = [
-            (re.compile(pattern), solver) for pattern, solver in dict(config.layer_solvers).items()
-        ]
+        self._overrides = [(re.compile(pattern), solver) for pattern, solver in dict(config.layer_solvers).items()]
 
     @property
     def dynamic(self) -> bool:
@@ -218,7 +212,9 @@ class SolverPolicy:
         epoch = step // self.config.iters_per_epoch
         return epoch < a0 or a1 < epoch <= a2
 
-    def decide(self, step: int, shapes: list[tuple[int, int, int, int, int]], update_freq: int, world_size: int) -> list[Decision]:
+    def decide(
+        self, step: int, shapes: list[tuple[int, int, int, int, int]], update_freq: int, world_size: int
+    ) -> list[Decision]:
         """Decisions for all layers; ``shapes`` holds (d_a, d_g, rows, kfac_rows, kept) per layer."""
         if self.dynamic and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
@@ -230,8 +226,22 @@ class SolverPolicy:
             c_kfac = kfac_cost(d_a, d_g, kfac_rows, update_freq)
             c_low = lowrank_cost(d_a, d_g, rows, kept, update_freq)
             solver, reason = self._choose(
-                LayerStats(name, step, d_a, d_g, rows, kfac_rows, kept, update_freq, world_size,
-                           ema[i], trends[i], critical[i], c_kfac, c_low)
+                LayerStats(
+                    name,
+                    step,
+                    d_a,
+                    d_g,
+                    rows,
+                    kfac_rows,
+                    kept,
+                    update_freq,
+                    world_size,
+                    ema[i],
+                    trends[i],
+                    critical[i],
+                    c_kfac,
+                    c_low,
+                )
             )
             decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], c_kfac, c_low))
         return decisions
@@ -244,7 +254,9 @@ class SolverPolicy:
         if cfg.solver_fn is not None:
             chosen = cfg.solver_fn(stats.name, stats.step, stats)
             if chosen not in LAYER_SOLVERS:
-                raise ValueError(f"solver_fn returned {chosen!r} for layer {stats.name!r}; expected one of {LAYER_SOLVERS}")
+                raise ValueError(
+                    f"solver_fn returned {chosen!r} for layer {stats.name!r}; expected one of {LAYER_SOLVERS}"
+                )
             return chosen, "solver_fn"
         if cfg.solver != "hybrid":
             return cfg.solver, "fixed"

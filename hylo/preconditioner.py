@@ -98,7 +98,9 @@ class HyLoPreconditioner:
         step = self.steps
         grads = self._gradients()
         is_update = self._capturing()
-        norms = torch.stack([torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self.layers, grads, strict=True)]).to(torch.float64)
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self.layers, grads, strict=True)]
+        ).to(torch.float64)
         try:
             if not self._finite(norms, is_update):
                 bad = [layer.name for layer, g in zip(self.layers, grads, strict=True) if not torch.isfinite(g).all()]
@@ -149,7 +151,11 @@ class HyLoPreconditioner:
             )
         shapes = []
         for layer in self.layers:
-            counts = [layer.math.row_counts(r.inputs, r.grad_output) for r in layer.capture.complete() if r.grad_output is not None]
+            counts = [
+                layer.math.row_counts(r.inputs, r.grad_output)
+                for r in layer.capture.complete()
+                if r.grad_output is not None
+            ]
             rows, kfac_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
             kept = self.comm.world_size * self.config.rows_kept(rows)
             shapes.append((layer.math.d_a, layer.math.d_g, rows, kfac_rows, kept))
@@ -177,7 +183,9 @@ class HyLoPreconditioner:
         base_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         states, rejected = self.stage.update(self.layers, step, damping, decay, base_seed)
         if rejected:
-            warnings.warn(f"step {step}: non-finite curvature for {rejected}; keeping their previous state", stacklevel=3)
+            warnings.warn(
+                f"step {step}: non-finite curvature for {rejected}; keeping their previous state", stacklevel=3
+            )
         self._needs_update = bool(rejected)
         for layer in self.layers:
             if layer.name not in rejected:
@@ -206,7 +214,9 @@ class HyLoPreconditioner:
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone."""
-        lines = [f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self.layers)}, world_size={self.comm.world_size})"]
+        lines = [
+            f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self.layers)}, world_size={self.comm.world_size})"
+        ]
         lines.append(f"  {'layer':<32} {'type':<8} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver")
         for layer in self.layers:
             m = layer.math
@@ -258,14 +268,14 @@ class HyLoPreconditioner:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict``; raises ``ValueError`` (changing nothing) if it does not fit this model."""
         if state_dict.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a hylo state_dict of format {STATE_FORMAT} (got format {state_dict.get('format')!r})")
+            raise ValueError(
+                f"not a hylo state_dict of format {STATE_FORMAT} (got format {state_dict.get('format')!r})"
+            )
         saved = state_dict["layers"]
         names = [layer.name for layer in self.layers]
         missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
         if missing or unexpected:
-            raise ValueError(
-                f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}"
-            )
+            raise ValueError(f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}")
         restored: dict[str, tuple[str, LayerState | None]] = {}
         for layer in self.layers:
             entry = saved[layer.name]
@@ -310,12 +320,20 @@ class HyLoPreconditioner:
             if entry["solver"] == "kfac":
                 expected = {"factor_a": (m.d_a, m.d_a), "factor_g": (m.d_g, m.d_g)}
                 state: LayerState = KFACState(
-                    t["factor_a"], t["factor_g"], t["evals_a"], t["evecs_a"], t["evals_g"], t["evecs_g"], float(entry["damping"])
+                    t["factor_a"],
+                    t["factor_g"],
+                    t["evals_a"],
+                    t["evecs_a"],
+                    t["evals_g"],
+                    t["evecs_g"],
+                    float(entry["damping"]),
                 )
             else:
                 rows = t["a"].shape[0]
                 expected = {"a": (rows, m.d_a), "g": (rows, m.d_g), "inner": (rows, rows)}
-                state = LowRankState(t["a"], t["g"], t["inner"], float(entry["divisor"]), float(entry["damping"]), entry["solver"])
+                state = LowRankState(
+                    t["a"], t["g"], t["inner"], float(entry["divisor"]), float(entry["damping"]), entry["solver"]
+                )
         except KeyError as err:
             raise ValueError(f"layer {layer.name!r}: state_dict entry lacks tensor {err}") from err
         for key, shape in expected.items():

@@ -60,9 +60,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def register_layers(
-    model: nn.Module, skip_layers: tuple[str, ...], should_capture: Callable[[], bool]
-) -> Registration:
+def register_layers(model: nn.Module, skip_layers: tuple[str, ...], should_capture: Callable[[], bool]) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest."""
     skip = _matcher(skip_layers)
     result = Registration()

@@ -191,10 +191,17 @@ class UpdateStage:
                     if isinstance(mine, KFACState):
                         parts = [mine.evals_a, mine.evecs_a, mine.evals_g, mine.evecs_g]
                     else:
-                        parts = [fa.new_empty(fa.shape[0]), torch.empty_like(fa), fg.new_empty(fg.shape[0]), torch.empty_like(fg)]
+                        parts = [
+                            fa.new_empty(fa.shape[0]),
+                            torch.empty_like(fa),
+                            fg.new_empty(fg.shape[0]),
+                            torch.empty_like(fg),
+                        ]
                 else:
                     u = update_of[layer.name]
-                    parts = [mine.inner if isinstance(mine, LowRankState) else u.a.new_empty(u.a.shape[0], u.a.shape[0])]
+                    parts = [
+                        mine.inner if isinstance(mine, LowRankState) else u.a.new_empty(u.a.shape[0], u.a.shape[0])
+                    ]
                 tensors += parts
                 tags += [layer.name] * len(parts)
             received = iter(self.comm.broadcast(tensors, src, tags))
@@ -223,7 +230,9 @@ class UpdateStage:
         return [layer.name for layer, ok in zip(layers, flags.tolist(), strict=True) if ok != 1.0]
 
     # ---------------------------------------------------------------- every step
-    def precondition(self, layers: Sequence[RegisteredLayer], grads: Sequence[Tensor]) -> list[tuple[RegisteredLayer, Tensor, Tensor]]:
+    def precondition(
+        self, layers: Sequence[RegisteredLayer], grads: Sequence[Tensor]
+    ) -> list[tuple[RegisteredLayer, Tensor, Tensor]]:
         """(layer, ∇W, V̂) for every layer that has a state; owners broadcast under "gradient"."""
         ready = [(layer, grad) for layer, grad in zip(layers, grads, strict=True) if layer.state is not None]
         results: dict[str, Tensor] = {}
@@ -235,7 +244,9 @@ class UpdateStage:
             for src in range(self.comm.world_size):
                 owned = [(layer, grad) for layer, grad in ready if layer.owner == src]
                 tensors = [results.get(layer.name, torch.empty_like(grad)) for layer, grad in owned]
-                for (layer, _), v in zip(owned, self.comm.broadcast(tensors, src, [x.name for x, _ in owned]), strict=True):
+                for (layer, _), v in zip(
+                    owned, self.comm.broadcast(tensors, src, [x.name for x, _ in owned]), strict=True
+                ):
                     results[layer.name] = v
         return [(layer, grad, results[layer.name]) for layer, grad in ready]
 

@@ -23,11 +23,11 @@ With one rank nothing is sent. Example:
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import socket
 import sys
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +39,7 @@ import hylo
 from hylo.registry import register_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from csv_rows import write_rows  # noqa: E402
 from models import resnet50, resnet_cifar  # noqa: E402
 
 MODELS = {
@@ -70,9 +71,7 @@ def analytic_bytes(solver: str, d_a: int, d_g: int, world: int, local_batch: int
     return FLOAT_BYTES * (world * per_rank + m * m)
 
 
-def received_bytes_per_rank(
-    solver: str, d_a: int, d_g: int, world: int, local_batch: int, rank_ratio: float
-) -> float:
+def received_bytes_per_rank(solver: str, d_a: int, d_g: int, world: int, local_batch: int, rank_ratio: float) -> float:
     """Bytes one rank receives for one layer's update with ring collectives (see module docstring)."""
     if world == 1:
         return 0.0
@@ -95,7 +94,9 @@ def _measure_worker(
         build, classes = MODELS[model_name]
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(build())
-        pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=1, rank_ratio=rank_ratio)
+        with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
+            warnings.filterwarnings("ignore", message="hylo leaves")
+            pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=1, rank_ratio=rank_ratio)
         torch.manual_seed(rank + 1)
         x = torch.randn(local_batch, 3, 32, 32)
         y = torch.randint(0, classes, (local_batch,))
@@ -114,9 +115,7 @@ def measure(model_name: str, solver: str, world: int, local_batch: int, rank_rat
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(
-            target=_measure_worker, args=(r, world, port, model_name, solver, local_batch, rank_ratio, queue)
-        )
+        ctx.Process(target=_measure_worker, args=(r, world, port, model_name, solver, local_batch, rank_ratio, queue))
         for r in range(world)
     ]
     for p in procs:
@@ -162,8 +161,15 @@ def main() -> None:
                 ]
                 totals[solver] = sum(per_layer)
                 rows += [
-                    {"model": model_name, "ranks": world, "solver": solver, "layer": name, "d_a": d_a, "d_g": d_g,
-                     "bytes": b}
+                    {
+                        "model": model_name,
+                        "ranks": world,
+                        "solver": solver,
+                        "layer": name,
+                        "d_a": d_a,
+                        "d_g": d_g,
+                        "bytes": b,
+                    }
                     for (name, d_a, d_g), b in zip(shapes, per_layer, strict=True)
                 ]
             recv = {
@@ -184,10 +190,7 @@ def main() -> None:
                 f"{recv['kid'] / 2**20:>17.2f} {ratio(recv['kfac'], recv['kid']):>7.1f}"
             )
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.out, rows)
         print(f"wrote {args.out}")
     if args.measure:
         print("\nmeasured on gloo vs analytic (per-layer bytes summed over ranks)")

@@ -25,8 +25,9 @@ from models import resnet50, resnet_cifar  # noqa: E402
 MODELS = {"resnet32": (lambda: resnet_cifar(32), 10, 32), "resnet50": (lambda: resnet50(1000), 1000, 224)}
 
 
-def iteration_time(model_name: str, solver: str | None, batch: int, steps: int, warmup: int, update_freq: int,
-                   image: int | None) -> float:
+def iteration_time(
+    model_name: str, solver: str | None, batch: int, steps: int, warmup: int, update_freq: int, image: int | None
+) -> float:
     """Mean seconds per iteration (solver None = plain SGD)."""
     build, classes, default_image = MODELS[model_name]
     torch.manual_seed(0)
@@ -68,13 +69,13 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="hylo leaves")
-    base = iteration_time(args.model, None, args.batch_size, args.steps, args.warmup, args.update_freq,
-                          args.image_size)
+    base = iteration_time(args.model, None, args.batch_size, args.steps, args.warmup, args.update_freq, args.image_size)
     print(f"{'optimizer':<12} {'ms/iter':>9} {'vs SGD':>7}")
     print(f"{'sgd':<12} {1e3 * base:>9.1f} {1.0:>7.2f}")
     for solver in args.solvers:
-        t = iteration_time(args.model, solver, args.batch_size, args.steps, args.warmup, args.update_freq,
-                           args.image_size)
+        t = iteration_time(
+            args.model, solver, args.batch_size, args.steps, args.warmup, args.update_freq, args.image_size
+        )
         print(f"{'sgd+' + solver:<12} {1e3 * t:>9.1f} {t / base:>7.2f}", flush=True)
 
 

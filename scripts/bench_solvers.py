@@ -11,8 +11,9 @@ with the stored state only). The median of ``--repeats`` runs is reported.
 from __future__ import annotations
 
 import argparse
-import csv
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -20,13 +21,18 @@ import torch
 
 import hylo
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from csv_rows import write_rows  # noqa: E402
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_solver(solver: str, d: int, n: int, rank_ratio: float, repeats: int, device: torch.device) -> tuple[float, float]:
+def time_solver(
+    solver: str, d: int, n: int, rank_ratio: float, repeats: int, device: torch.device
+) -> tuple[float, float]:
     """Median seconds of an update step and of a non-update step."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(d, d).to(device)
@@ -72,14 +78,20 @@ def main() -> None:
         for n in args.batches:
             for solver in args.solvers:
                 update_s, step_s = time_solver(solver, d, n, args.rank_ratio, args.repeats, device)
-                rows.append({"solver": solver, "d": d, "n": n, "rank_ratio": args.rank_ratio,
-                             "update_ms": 1e3 * update_s, "step_ms": 1e3 * step_s, "device": device.type})
+                rows.append(
+                    {
+                        "solver": solver,
+                        "d": d,
+                        "n": n,
+                        "rank_ratio": args.rank_ratio,
+                        "update_ms": 1e3 * update_s,
+                        "step_ms": 1e3 * step_s,
+                        "device": device.type,
+                    }
+                )
                 print(f"{solver:<6} {d:>6} {n:>6} {1e3 * update_s:>11.2f} {1e3 * step_s:>9.2f}", flush=True)
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.out, rows)
         print(f"wrote {args.out}")
 
 

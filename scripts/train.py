@@ -14,7 +14,6 @@ so a run on P ranks sees the same data in the same order as a run on one.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from torch import nn
 import hylo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from csv_rows import write_rows  # noqa: E402
 from mnist_common import evaluate, load_mnist_subset, make_model  # noqa: E402
 
 
@@ -40,15 +40,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--solver", default="hybrid", choices=["none", "kfac", "sngd", "kid", "kis", "hybrid"],
-                   help="'none' trains with the plain optimizer")
+    p.add_argument(
+        "--solver",
+        default="hybrid",
+        choices=["none", "kfac", "sngd", "kid", "kis", "hybrid"],
+        help="'none' trains with the plain optimizer",
+    )
     p.add_argument("--freq", type=int, default=10, help="update_freq: steps between curvature updates")
-    p.add_argument("--damping", type=float, default=0.03)
+    p.add_argument("--damping", type=float, default=0.3)
     p.add_argument("--rank-ratio", type=float, default=0.1)
-    p.add_argument("--kl-clip", type=float, default=0.01, help="0 disables")
+    p.add_argument("--kl-clip", type=float, default=1e-3, help="0 disables")
     p.add_argument("--strategy", default="inverse", choices=["inverse", "gradient"])
-    p.add_argument("--adaptive", type=int, nargs=3, default=None, metavar=("A0", "A1", "A2"),
-                   help="HyLo's fixed windows: KID while epoch < A0 or A1 < epoch <= A2")
+    p.add_argument(
+        "--adaptive",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("A0", "A1", "A2"),
+        help="HyLo's fixed windows: KID while epoch < A0 or A1 < epoch <= A2",
+    )
     p.add_argument("--out", default=None, help="CSV with one row per epoch (rank 0)")
     return p.parse_args(argv)
 
@@ -124,19 +134,26 @@ def main(argv: list[str] | None = None) -> None:
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         with torch.no_grad():
             test_acc, test_loss = evaluate(inner, data.x_test.to(device), data.y_test.to(device))
-        row = {"epoch": epoch, "step": step, "train_loss": float(loss.detach()), "test_loss": test_loss,
-               "test_acc": test_acc, "seconds": time.perf_counter() - start, "ranks": world}
+        row = {
+            "epoch": epoch,
+            "step": step,
+            "train_loss": float(loss.detach()),
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "seconds": time.perf_counter() - start,
+            "ranks": world,
+        }
         rows.append(row)
         if rank == 0:
-            print(f"epoch {epoch} step {step} loss {row['train_loss']:.4f} test_acc {test_acc:.4f} "
-                  f"time {row['seconds']:.1f}s ranks {world}", flush=True)
+            print(
+                f"epoch {epoch} step {step} loss {row['train_loss']:.4f} test_acc {test_acc:.4f} "
+                f"time {row['seconds']:.1f}s ranks {world}",
+                flush=True,
+            )
         if args.max_steps is not None and step >= args.max_steps:
             break
     if rank == 0 and args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.out, rows)
     if world > 1:
         dist.destroy_process_group()
 

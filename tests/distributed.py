@@ -152,9 +152,7 @@ def _worker(
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         if not sent:
             message = f"{type(exc).__name__}: {exc}"
-            conn.send_bytes(
-                pickle.dumps(("error", phase, type(exc).__name__, message, traceback.format_exc()))
-            )
+            conn.send_bytes(pickle.dumps(("error", phase, type(exc).__name__, message, traceback.format_exc())))
             sent = True
     finally:
         try:
@@ -376,9 +374,7 @@ def run_distributed(
         try:
             finished = launch.wait(deadline)
             if not finished:
-                unfinished = [
-                    r for r in range(world_size) if not launch.reported(r) or launch.procs[r].is_alive()
-                ]
+                unfinished = [r for r in range(world_size) if not launch.reported(r) or launch.procs[r].is_alive()]
                 stacks = launch.stacks(unfinished)
                 raise DistributedTimeoutError(
                     _timeout_message(fn, world_size, timeout, launch, unfinished, stacks), unfinished, stacks
@@ -403,9 +399,7 @@ def run_distributed(
 def _error_message(fn: Callable[..., Any], world_size: int, launch: _Launch, elapsed: float) -> str:
     items = list(launch.errors.items())
     rank, (phase, _, text, tb) = items[0]
-    where = {"init": " while joining the process group", "run": "", "exit": " after running", "died": ""}[
-        phase
-    ]
+    where = {"init": " while joining the process group", "run": "", "exit": " after running", "died": ""}[phase]
     head = (
         f"run_distributed({_fn_name(fn)}, world_size={world_size}): rank {rank} failed{where} after "
         f"{elapsed:.1f} s: {text}"
@@ -414,9 +408,7 @@ def _error_message(fn: Callable[..., Any], world_size: int, launch: _Launch, ela
     if tb:
         lines += ["", f"--- traceback from rank {rank} ---", tb.rstrip()]
     for other, (_, _, other_text, _) in items[1:]:
-        lines.append(
-            f"(rank {other} also failed afterwards: {other_text.splitlines()[0] if other_text else '?'})"
-        )
+        lines.append(f"(rank {other} also failed afterwards: {other_text.splitlines()[0] if other_text else '?'})")
     silent = [r for r in range(world_size) if not launch.reported(r)]
     if silent:
         lines.append(f"(ranks {silent} had not reported and were killed)")

@@ -99,9 +99,7 @@ def train(
         preconditioned.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
         opt.step()
     state_rows = {
-        layer.name: int(layer.state.a.shape[0])
-        for layer in pre.layers
-        if getattr(layer.state, "a", None) is not None
+        layer.name: int(layer.state.a.shape[0]) for layer in pre.layers if getattr(layer.state, "a", None) is not None
     }
     return {
         "raw": raw,
@@ -176,9 +174,7 @@ def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str)
         raw = torch.cat([g.flatten() for g in reference["raw"][step].values()])
         assert rel_err(pre * DAMPING, raw) > 0.1, f"step {step}: preconditioning is ~ identity/λ"
         for rank, result in enumerate(out):
-            assert_rel_close(
-                result["raw"][step], reference["raw"][step], 1e-10, f"rank {rank} step {step} DDP grad"
-            )
+            assert_rel_close(result["raw"][step], reference["raw"][step], 1e-10, f"rank {rank} step {step} DDP grad")
             assert_rel_close(
                 result["pre"][step], reference["pre"][step], 1e-5, f"rank {rank} step {step} preconditioned"
             )
@@ -232,9 +228,7 @@ def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -
             grads[k] = grads.get(k, 0) + w / len(counts)
             inp, gout = inputs[k], grad_out[k] * n
             if isinstance(m, nn.Conv2d):
-                patches = F.unfold(
-                    inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride
-                )
+                patches = F.unfold(inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
                 patch_rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (n·L, C·kh·kw)
                 a_sample, g_sample = patches.mean(-1), gout.mean((2, 3))
                 g_pos = gout.permute(0, 2, 3, 1).reshape(-1, gout.shape[1])

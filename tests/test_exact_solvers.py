@@ -63,9 +63,7 @@ def dense_sngd(a: Tensor, g: Tensor, grad: Tensor, damping: float) -> Tensor:
     rows = a.shape[0]
     u = torch.einsum("bi,bj->bij", g, a).reshape(rows, -1)
     fisher = u.mT @ u / rows
-    sol = torch.linalg.solve(
-        fisher + damping * torch.eye(fisher.shape[0], dtype=grad.dtype), grad.reshape(-1)
-    )
+    sol = torch.linalg.solve(fisher + damping * torch.eye(fisher.shape[0], dtype=grad.dtype), grad.reshape(-1))
     return sol.reshape(grad.shape)
 
 
@@ -221,9 +219,7 @@ def test_conv1x1_on_1x1_image_equals_linear(solver: str, bias: bool) -> None:
             conv.bias.copy_(lin.bias)
     x = torch.randn(5, 4, dtype=DT)
     labels = torch.randint(0, 3, (5,))
-    _, _, grad_lin, v_lin = one_step(
-        lin, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=0.05
-    )
+    _, _, grad_lin, v_lin = one_step(lin, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=0.05)
     _, _, grad_conv, v_conv = one_step(
         conv,
         x.reshape(5, 4, 1, 1),
@@ -388,3 +384,49 @@ def test_layer_called_twice_matches_one_call_on_stacked_input(solver: str) -> No
     F.cross_entropy(torch.cat([twice(x1), twice(x2)]), labels).backward()
     pre.step()
     assert_rel_close(grad_matrix(twice), expected_v)
+
+
+# --------------------------------------------------------------------------- eigh failures
+def _failing_eigh(*args: object, **kwargs: object) -> None:
+    raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge (simulated)")
+
+
+def test_kfac_falls_back_when_torch_eigh_does_not_converge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LAPACK's syevd can fail on large factors with repeated eigenvalues, even in float64: the
+    SciPy QR-iteration fallback must give the same preconditioned gradient as the dense solve."""
+    damping = 0.05
+    layer = nn.Linear(5, 3, dtype=DT)
+    x = torch.randn(7, 5, dtype=DT)
+    monkeypatch.setattr(torch.linalg, "eigh", _failing_eigh)
+    _, dout, grad, got = one_step(layer, x, lambda out: F.mse_loss(out, fixed_target(out.shape)), solver="kfac",
+                                  damping=damping)  # fmt: skip
+    a, g = linear_rows(layer, x, dout)
+    rows = a.shape[0]
+    assert_rel_close(got, dense_kfac(a.mT @ a / rows, g.mT @ g / rows, grad, damping))
+
+
+def test_kfac_keeps_previous_state_when_every_eigh_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import scipy.linalg
+
+    layer = nn.Linear(5, 3, dtype=DT)
+    pre = HyLoPreconditioner(layer, solver="kfac", update_freq=1, damping=0.05)
+    x = torch.randn(7, 5, dtype=DT)
+    F.mse_loss(layer(x), fixed_target((7, 3))).backward()
+    pre.step()
+    stored = {k: v.clone() for k, v in pre.layers[0].state.tensors().items()}
+
+    def fail_scipy(*args: object, **kwargs: object) -> None:
+        raise scipy.linalg.LinAlgError("simulated")
+
+    monkeypatch.setattr(torch.linalg, "eigh", _failing_eigh)
+    monkeypatch.setattr(scipy.linalg, "eigh", fail_scipy)
+    layer.zero_grad()
+    F.mse_loss(layer(2 * x), fixed_target((7, 3))).backward()
+    grad = grad_matrix(layer)
+    with pytest.warns(UserWarning, match="non-finite curvature"):
+        pre.step()
+    for key, value in pre.layers[0].state.tensors().items():
+        assert torch.equal(value, stored[key]), key
+    state = pre.layers[0].state
+    expected = dense_kfac(stored["factor_a"], stored["factor_g"], grad, 0.05)
+    assert state is not None and rel_err(grad_matrix(layer), expected) < RTOL

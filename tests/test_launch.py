@@ -23,8 +23,7 @@ def _run(cmd: list[str], tmp_path: Path) -> str:
 def test_torchrun_two_ranks_trains_and_writes_csv(tmp_path: Path, solver: str) -> None:
     out = tmp_path / "run.csv"
     stdout = _run(
-        ["bash", "scripts/launch_mnist.sh", "--solver", solver, "--epochs", "1", "--max-steps", "3",
-         "--out", str(out)],
+        ["bash", "scripts/launch_mnist.sh", "--solver", solver, "--epochs", "1", "--max-steps", "3", "--out", str(out)],
         tmp_path,
     )
     assert "world_size=2" in stdout

@@ -163,11 +163,7 @@ def test_lowrank_matches_dense_formula(solver: str) -> None:
     if solver == "kis":
         # the kept rows are r distinct rows of the batch
         match = (state.a[:, None, :] == a[None]).all(-1) & (state.g[:, None, :] == g[None]).all(-1)
-        assert (
-            match.shape == (r, n)
-            and bool(match.any(1).all())
-            and len(set(match.int().argmax(1).tolist())) == r
-        )
+        assert match.shape == (r, n) and bool(match.any(1).all()) and len(set(match.int().argmax(1).tolist())) == r
         u = _u_rows(state.a, state.g)
         fisher = u.mT @ u / r
     else:
@@ -256,9 +252,7 @@ RHOS = (0.1, 0.25, 0.5, 0.75)
 def test_error_decreases_with_rank_ratio_and_kid_beats_kis() -> None:
     def model(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return nn.Sequential(
-            nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 10)
-        ).to(F64)
+        return nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 10)).to(F64)
 
     errors: dict[tuple[str, float], list[float]] = {}
     for seed in range(5):
@@ -267,9 +261,7 @@ def test_error_decreases_with_rank_ratio_and_kid_beats_kis() -> None:
         ref = _preconditioned(model(seed), x, y, solver="sngd", damping=1.0)
         for rho in RHOS:
             for solver in ("kid", "kis"):
-                got = _preconditioned(
-                    model(seed), x, y, solver=solver, damping=1.0, rank_ratio=rho, seed=seed
-                )
+                got = _preconditioned(model(seed), x, y, solver=solver, damping=1.0, rank_ratio=rho, seed=seed)
                 errors.setdefault((solver, rho), []).append(_flat_rel_err(got, ref))
     med = {key: statistics.median(v) for key, v in errors.items()}
     table = {f"{s}@{r}": round(m, 4) for (s, r), m in sorted(med.items())}
@@ -365,9 +357,7 @@ def test_kis_inclusion_probabilities_without_replacement() -> None:
     counts = np.zeros(len(p))
     for _ in range(draws):
         counts[kis_select(a, g, 2, gen).tolist()] += 1
-    incl = np.array(
-        [p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(len(p)) if j != i) for i in range(len(p))]
-    )
+    incl = np.array([p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(len(p)) if j != i) for i in range(len(p))])
     z = (counts / draws - incl) / np.sqrt(incl * (1 - incl) / draws)
     assert np.all(np.abs(z) < 4), (counts / draws, incl)
     # and it is not with-replacement / proportional inclusion (2·p_i), which the big row would exceed
@@ -545,6 +535,4 @@ def test_pivoted_cholesky_is_greedy_on_residual_diagonal() -> None:
     assert float(torch.linalg.eigvalsh(residual).min()) > -1e-10 * float(kernel.abs().max())
     _, full_factor, full_alive = pivoted_cholesky(kernel, 25)
     assert full_alive[:20].all() and not full_alive[20:].any()  # rank(U) = min(25, 5·4) = 20
-    torch.testing.assert_close(
-        full_factor @ full_factor.mT, kernel, rtol=0, atol=1e-10 * float(kernel.abs().max())
-    )
+    torch.testing.assert_close(full_factor @ full_factor.mT, kernel, rtol=0, atol=1e-10 * float(kernel.abs().max()))

@@ -174,9 +174,7 @@ def test_preconditioner_picks_by_cost_on_real_layers() -> None:
     torch.manual_seed(0)
     big = nn.Sequential(OrderedDict(fc=nn.Linear(2000, 2000)))
     small = nn.Sequential(OrderedDict(fc=nn.Linear(4, 3)))
-    conv = nn.Sequential(
-        OrderedDict(conv=nn.Conv2d(2, 4, 3, padding=1), flat=nn.Flatten(), fc=nn.Linear(100, 5))
-    )
+    conv = nn.Sequential(OrderedDict(conv=nn.Conv2d(2, 4, 3, padding=1), flat=nn.Flatten(), fc=nn.Linear(100, 5)))
 
     pre_big = HyLoPreconditioner(big, solver="hybrid")
     assert pre_big.solver_of("fc") == "hybrid"  # configured solver before the first update
@@ -250,9 +248,7 @@ def test_grad_norm_trend_window_and_hysteresis_unit() -> None:
         assert critical == [expected], (step, trends)
 
 
-def _reference_trend(
-    norms: list[float], window: int, decay: float, enter: float, exit_: float
-) -> list[tuple]:
+def _reference_trend(norms: list[float], window: int, decay: float, enter: float, exit_: float) -> list[tuple]:
     """Independent trend/hysteresis model for update_freq=1: (ema, trend, critical) per step."""
     emas: list[float] = []
     critical = True
@@ -554,9 +550,7 @@ def test_layer_solvers_nested_module_names() -> None:
 def test_solver_fn_receives_sensible_layer_stats() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
-        OrderedDict(
-            conv=nn.Conv2d(2, 4, 3, padding=1), act=nn.Tanh(), flat=nn.Flatten(), fc=nn.Linear(100, 5)
-        )
+        OrderedDict(conv=nn.Conv2d(2, 4, 3, padding=1), act=nn.Tanh(), flat=nn.Flatten(), fc=nn.Linear(100, 5))
     ).to(DT)
     seen: list[LayerStats] = []
 
@@ -566,9 +560,7 @@ def test_solver_fn_receives_sensible_layer_stats() -> None:
         return LAYER_SOLVERS[(step // 3) % 4]
 
     decay = 0.5
-    pre = HyLoPreconditioner(
-        model, solver="kfac", update_freq=3, rank_ratio=0.5, solver_fn=fn, trend_decay=decay
-    )
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=3, rank_ratio=0.5, solver_fn=fn, trend_decay=decay)
     assert pre.policy.dynamic  # a solver_fn makes decisions data-dependent even with a fixed solver
     gen = torch.Generator().manual_seed(3)
     norms: dict[str, list[float]] = {"conv": [], "fc": []}
@@ -657,13 +649,9 @@ def test_layer_override_with_fixed_solver() -> None:
         ("head", "kis", "fixed"),
     }
     for step in range(3):
-        torch.testing.assert_close(
-            grads[step]["fc2"], results["kfac"][1][step]["fc2"], rtol=1e-10, atol=1e-12
-        )
+        torch.testing.assert_close(grads[step]["fc2"], results["kfac"][1][step]["fc2"], rtol=1e-10, atol=1e-12)
         for name in ("fc1", "head"):
-            torch.testing.assert_close(
-                grads[step][name], results["kis"][1][step][name], rtol=1e-10, atol=1e-12
-            )
+            torch.testing.assert_close(grads[step][name], results["kis"][1][step][name], rtol=1e-10, atol=1e-12)
     # not vacuous: K-FAC and KIS differ on fc2
     assert not torch.allclose(results["kfac"][1][0]["fc2"], results["kis"][1][0]["fc2"], rtol=1e-3)
 
@@ -716,9 +704,7 @@ def test_switching_solvers_mid_run_matches_fresh_preconditioner() -> None:
             state = next(layer.state for layer in pre.layers if layer.name == name)
             assert state.kind == solver
             if switched or solver != "kfac":
-                torch.testing.assert_close(
-                    got, want, rtol=1e-9, atol=1e-12, msg=f"step {step} {name} {solver}"
-                )
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"step {step} {name} {solver}")
                 checked["switch"] += switched
             else:
                 # K-FAC continued: the running average differs from this batch alone
@@ -883,9 +869,7 @@ def test_solver_of_unknown_name_raises_key_error() -> None:
             pre.solver_of(name)
 
 
-def _checkpoint_run(
-    model: nn.Module, opt: torch.optim.Optimizer, pre: HyLoPreconditioner, steps: range
-) -> None:
+def _checkpoint_run(model: nn.Module, opt: torch.optim.Optimizer, pre: HyLoPreconditioner, steps: range) -> None:
     for step in steps:
         x, direction = data(0, 32, 2, 64, seed=3)
         scale = 10.0 if step >= 6 else 1.0
@@ -898,9 +882,7 @@ def _checkpoint_run(
 def _checkpoint_parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, HyLoPreconditioner]:
     model = wide_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    pre = HyLoPreconditioner(
-        model, solver="hybrid", update_freq=2, trend_window=2, trend_decay=0.5, rank_ratio=0.5
-    )
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, trend_window=2, trend_decay=0.5, rank_ratio=0.5)
     return model, opt, pre
 
 

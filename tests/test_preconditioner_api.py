@@ -58,9 +58,7 @@ def grads(model: nn.Module) -> list[Tensor]:
 
 def state_snapshot(pre: HyLoPreconditioner) -> dict[str, dict[str, Tensor] | None]:
     return {
-        layer.name: None
-        if layer.state is None
-        else {k: v.detach().clone() for k, v in layer.state.tensors().items()}
+        layer.name: None if layer.state is None else {k: v.detach().clone() for k, v in layer.state.tensors().items()}
         for layer in pre.layers
     }
 
@@ -219,15 +217,11 @@ def test_state_dict_round_trip_is_bit_exact(solver: str, save_at: int) -> None:
 
 # --------------------------------------------------------------------------- 8. load_state_dict mismatches
 def _renamed() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(l1=nn.Linear(4, 6, dtype=DT), act=nn.Tanh(), l2=nn.Linear(6, 3, dtype=DT))
-    )
+    return nn.Sequential(OrderedDict(l1=nn.Linear(4, 6, dtype=DT), act=nn.Tanh(), l2=nn.Linear(6, 3, dtype=DT)))
 
 
 def _reshaped() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(fc1=nn.Linear(4, 5, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(5, 3, dtype=DT))
-    )
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 5, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(5, 3, dtype=DT)))
 
 
 def _no_bias() -> nn.Module:
@@ -506,17 +500,13 @@ def test_frozen_layer_is_skipped_and_model_without_supported_layers_raises() -> 
 @pytest.mark.parametrize("solver", ["kfac", "sngd"])
 @pytest.mark.parametrize(("kl_clip", "clipped"), [(1e-4, True), (1e4, False)])
 @pytest.mark.parametrize("callable_options", [False, True], ids=["const", "callable"])
-def test_kl_clip_scales_by_the_trust_region(
-    solver: str, kl_clip: float, clipped: bool, callable_options: bool
-) -> None:
+def test_kl_clip_scales_by_the_trust_region(solver: str, kl_clip: float, clipped: bool, callable_options: bool) -> None:
     lr = 0.1
     model = mlp()
     reference = copy.deepcopy(model)
     clip_option = (lambda step: kl_clip) if callable_options else kl_clip
     lr_option = (lambda step: lr) if callable_options else lr
-    pre = HyLoPreconditioner(
-        model, solver=solver, update_freq=1, damping=0.1, kl_clip=clip_option, lr=lr_option
-    )
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=1, damping=0.1, kl_clip=clip_option, lr=lr_option)
     pre_ref = HyLoPreconditioner(reference, solver=solver, update_freq=1, damping=0.1)
     backward(model, 0)
     backward(reference, 0)

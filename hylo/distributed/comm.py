@@ -58,7 +58,12 @@ class Pending:
     """Collectives in flight; ``wait()`` completes them and returns the results (once)."""
 
     def __init__(
-        self, works: Sequence[dist.Work], finish: Callable[[], list[Tensor]], what: str = "", rank: int = 0, world_size: int = 1
+        self,
+        works: Sequence[dist.Work],
+        finish: Callable[[], list[Tensor]],
+        what: str = "",
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self._works = list(works)
         self._finish = finish

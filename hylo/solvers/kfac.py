@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from hylo.numerics import eigh_many
@@ -32,7 +33,7 @@ class KFACState:
         """Preconditioned (d_g, d_a) gradient."""
         g = grad.to(self.evecs_a.dtype)
         rotated = self.evecs_g.mT @ g @ self.evecs_a
-        rotated = rotated / (self.evals_g[:, None] * self.evals_a[None, :] + self.damping)
+        rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
         return (self.evecs_g @ rotated @ self.evecs_a.mT).to(grad.dtype)
 
     def nbytes(self) -> int:

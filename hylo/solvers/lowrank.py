@@ -53,8 +53,10 @@ class LowRankState:
         work = grad.to(self.a.dtype)
         z = ((self.g @ work) * self.a).sum(dim=1)
         c = self.inner @ z
-        correction = (self.g.mT * (c / self.divisor)) @ self.a
-        return ((work - correction) / self.damping).to(grad.dtype)
+        weighted_g = self.g.mT * (c / self.divisor)
+        # (∇W − Gᵀ diag(c/D) A) / λ in one fused pass over the d_g × d_a gradient.
+        inv_damping = 1.0 / self.damping
+        return torch.addmm(work, weighted_g, self.a, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
 
     def nbytes(self) -> int:
         """Bytes held by this state: O(m·(d_a + d_g) + m²)."""
