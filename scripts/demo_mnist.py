@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from csv_rows import write_rows  # noqa: E402
 from mnist_common import RunConfig, RunResult, load_mnist_subset, train  # noqa: E402
 
 HYLO_SOLVERS = ("sngd", "kfac", "kid", "kis", "hybrid")
@@ -119,33 +119,28 @@ def format_table(results: list[RunResult]) -> str:
 
 def write_csv(path: Path, results: list[RunResult]) -> None:
     """One row per run with its settings and outcome."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(
-            ["run", "lr", "epochs", "batch_size", "steps", "damping", "update_freq", "kl_clip", "seed",
-             "test_accuracy", "test_loss", "train_loss", "seconds"]
-        )  # fmt: skip
-        for r in results:
-            c = r.config
-            hylo_run = c.solver is not None
-            writer.writerow(
-                [
-                    r.name,
-                    c.lr,
-                    c.epochs,
-                    c.batch_size,
-                    r.steps,
-                    c.damping if hylo_run else "",
-                    c.update_freq if hylo_run else "",
-                    (c.kl_clip or "") if hylo_run else "",
-                    c.seed,
-                    f"{r.test_accuracy:.4f}",
-                    f"{r.test_loss:.4f}",
-                    f"{r.train_loss:.4f}",
-                    f"{r.seconds:.2f}",
-                ]
-            )
+    rows = []
+    for r in results:
+        c = r.config
+        hylo_run = c.solver is not None
+        rows.append(
+            {
+                "run": r.name,
+                "lr": c.lr,
+                "epochs": c.epochs,
+                "batch_size": c.batch_size,
+                "steps": r.steps,
+                "damping": c.damping if hylo_run else "",
+                "update_freq": c.update_freq if hylo_run else "",
+                "kl_clip": (c.kl_clip or "") if hylo_run else "",
+                "seed": c.seed,
+                "test_accuracy": f"{r.test_accuracy:.4f}",
+                "test_loss": f"{r.test_loss:.4f}",
+                "train_loss": f"{r.train_loss:.4f}",
+                "seconds": f"{r.seconds:.2f}",
+            }
+        )
+    write_rows(path, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
