@@ -1,7 +1,7 @@
 """hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo)."""
 
 from hylo.config import HyLoConfig
-from hylo.preconditioner import HyLoPreconditioner
+from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 
 __version__ = "0.1.0"
-__all__ = ["HyLoConfig", "HyLoPreconditioner", "__version__"]
+__all__ = ["HyLoConfig", "HyLoPreconditioner", "LayerInfo", "__version__"]

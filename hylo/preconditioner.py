@@ -24,6 +24,18 @@ DECISION_LOG_SIZE = 100_000
 _RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """A registered layer as :meth:`HyLoPreconditioner.layer_info` reports it."""
+
+    name: str
+    module_type: str
+    d_a: int
+    d_g: int
+    bias: bool
+    solver: str
+
+
 class HyLoPreconditioner:
     """Drop-in natural-gradient preconditioner: call ``step()`` between backward and ``optimizer.step()``.
 
@@ -208,6 +220,20 @@ class HyLoPreconditioner:
             layer.math.set_grad_matrix(v if scale is None else v * scale.to(v.dtype))
 
     # ------------------------------------------------------------------ introspection
+    def layer_info(self) -> list[LayerInfo]:
+        """One record per registered layer: name, module type, d_a, d_g, bias and current solver."""
+        return [
+            LayerInfo(
+                layer.name,
+                type(layer.math.module).__name__,
+                layer.math.d_a,
+                layer.math.d_g,
+                layer.math.bias is not None,
+                layer.solver,
+            )
+            for layer in self.layers
+        ]
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes of curvature state held per layer."""
         return {layer.name: layer.state.nbytes() if layer.state else 0 for layer in self.layers}
