@@ -1,7 +1,22 @@
-"""hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo)."""
+"""hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo).
+
+The public API is what this module exports. The collaborators a user may inject or extend
+are in :mod:`hylo.distributed` (communicators) and :mod:`hylo.solvers` (solver families);
+every other module is internal and may change between releases.
+"""
 
 from hylo.config import HyLoConfig
+from hylo.distributed import CommunicationError
+from hylo.policy import Decision, LayerStats
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 
 __version__ = "0.1.0"
-__all__ = ["HyLoConfig", "HyLoPreconditioner", "LayerInfo", "__version__"]
+__all__ = [
+    "CommunicationError",
+    "Decision",
+    "HyLoConfig",
+    "HyLoPreconditioner",
+    "LayerInfo",
+    "LayerStats",
+    "__version__",
+]

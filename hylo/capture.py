@@ -47,9 +47,9 @@ class LayerCapture:
 
         output.register_hook(grad_hook)
 
-    def complete(self) -> list[Record]:
-        """Records whose backward has run."""
-        return [r for r in self.records if r.grad_output is not None]
+    def calls(self) -> list[tuple[Tensor, Tensor]]:
+        """(input, output gradient) of each forward call whose backward has run."""
+        return [(r.inputs, r.grad_output) for r in self.records if r.grad_output is not None]
 
     def clear(self) -> None:
         """Drop everything captured."""

@@ -6,11 +6,19 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
-SolverName = Literal["kfac", "sngd", "kid", "kis", "hybrid"]
-#: Every solver name the preconditioner understands.
-SOLVER_NAMES: tuple[str, ...] = ("kfac", "sngd", "kid", "kis", "hybrid")
+from hylo.solvers import LAYER_SOLVERS, LayerSolver
+
+if TYPE_CHECKING:
+    from hylo.policy import LayerStats
+
+#: What ``solver`` accepts: a layer solver, or ``"hybrid"`` to choose one per layer and update.
+SolverName = Literal[LayerSolver, "hybrid"]
+SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
+#: How owners share solved layers between ranks (see :class:`HyLoConfig`).
+Strategy = Literal["inverse", "gradient"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
@@ -85,7 +93,7 @@ class HyLoConfig:
         bucket_cap_mb: largest flat buffer of one collective (default communicator only).
     """
 
-    solver: str = "hybrid"
+    solver: SolverName = "hybrid"
     update_freq: IntHyper = 10
     damping: Hyper = 1.0
     factor_decay: Hyper = 0.95
@@ -95,15 +103,15 @@ class HyLoConfig:
     rank_ratio: float = 0.1
     rank: int | None = None
     seed: int = 0
-    layer_solvers: Mapping[str, str] = field(default_factory=dict)
-    solver_fn: Callable[[str, int, Any], str] | None = None
+    layer_solvers: Mapping[str, LayerSolver] = field(default_factory=dict)
+    solver_fn: Callable[[str, int, LayerStats], LayerSolver] | None = None
     adaptive: tuple[int, int, int] | None = None
     iters_per_epoch: int | None = None
     trend_decay: float = 0.9
     trend_window: int = 100
     critical_enter: float = 0.2
     critical_exit: float = 0.1
-    strategy: str = "inverse"
+    strategy: Strategy = "inverse"
     bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
@@ -133,17 +141,16 @@ class HyLoConfig:
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
 
-        if self.strategy not in ("inverse", "gradient"):
-            raise ValueError(f"strategy must be 'inverse' or 'gradient', got {self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         self._check_policy()
 
     def _check_policy(self) -> None:
-        layer_choices = tuple(s for s in SOLVER_NAMES if s != "hybrid")
         for pattern, solver in dict(self.layer_solvers).items():
-            if solver not in layer_choices:
-                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {layer_choices}, got {solver!r}")
+            if solver not in LAYER_SOLVERS:
+                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {LAYER_SOLVERS}, got {solver!r}")
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as err:
@@ -170,6 +177,17 @@ class HyLoConfig:
                 f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
                 f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
             )
+
+    def override_for(self, layer: str) -> LayerSolver | None:
+        """The ``layer_solvers`` entry whose pattern fully matches ``layer`` first, if any."""
+        for pattern, solver in self.layer_solvers.items():
+            if re.fullmatch(pattern, layer):
+                return solver
+        return None
+
+    def initial_solver(self, layer: str) -> SolverName:
+        """A layer's solver before its first update: its override, else ``solver``."""
+        return self.override_for(layer) or self.solver
 
     def rows_kept(self, local_rows: int) -> int:
         """Rows r each rank keeps for KID/KIS out of ``local_rows``."""

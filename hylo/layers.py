@@ -1,6 +1,6 @@
 """Per-module-type math: how a layer's inputs and output gradients become rows and factors.
 
-Notation (DESIGN.md §2): a layer has weight W of shape (d_g, d_a); with a bias, the bias
+Notation (docs/design.md, "Notation"): a layer has weight W of shape (d_g, d_a); with a bias, the bias
 is W's last column and every activation row gets a trailing 1. From a mean-reduced loss over
 n rows, ``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ. When a layer runs several times
 in one step (gradient accumulation, shared weights) n is the step's total, passed in as
@@ -10,6 +10,8 @@ in one step (gradient accumulation, shared weights) n is the step's total, passe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,61 @@ def unsupported_reason(module: nn.Module) -> str:
     if isinstance(module, nn.Conv2d) and module.groups != 1:
         return f"grouped/depthwise Conv2d (groups={module.groups}) is not supported"
     return f"{type(module).__name__} is not a supported layer type (Linear, Conv2d)"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the cost model needs of a layer: its dimensions and row counts.
+
+    ``rows`` are the local samples n, ``kfac_rows`` the K-FAC rows n_k (samples × output
+    positions for a convolution) and ``kept`` the rows m the low-rank solve sees after the
+    gather (P·r).
+    """
+
+    d_a: int
+    d_g: int
+    rows: int = 0
+    kfac_rows: int = 0
+    kept: int = 0
+
+
+@dataclass(frozen=True)
+class LayerBatch:
+    """One layer's captured calls at an update step, with its row counts computed once.
+
+    The same record feeds the hybrid policy (its shape and costs) and the update stage (its
+    rows and factors). ``rows`` are the step's samples n over all calls, ``kfac_rows`` the
+    K-FAC rows n_k (samples × output positions for a convolution) and ``kept`` the rows r a
+    rank keeps on the KID/KIS path.
+    """
+
+    math: LayerMath
+    calls: tuple[tuple[Tensor, Tensor], ...]
+    rows: int
+    kfac_rows: int
+    kept: int
+
+    @classmethod
+    def collect(
+        cls, math: LayerMath, calls: Sequence[tuple[Tensor, Tensor]], rows_kept: Callable[[int], int]
+    ) -> LayerBatch:
+        """Count the rows of this step's (input, output gradient) calls."""
+        counts = [math.row_counts(x, gy) for x, gy in calls]
+        rows = sum(c[0] for c in counts)
+        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), rows_kept(rows))
+
+    def shape(self, world_size: int) -> LayerShape:
+        """The layer's shape for the cost model, with the P·r rows gathered from ``world_size`` ranks."""
+        return LayerShape(self.math.d_a, self.math.d_g, self.rows, self.kfac_rows, world_size * self.kept)
+
+    def kfac_factors(self) -> tuple[Tensor, Tensor]:
+        """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls."""
+        sums = [self.math.kfac_factors(x, gy, float(self.rows)) for x, gy in self.calls]
+        a = torch.stack([s[0] for s in sums]).sum(0) / self.kfac_rows
+        g = torch.stack([s[1] for s in sums]).sum(0) / self.rows
+        return a, g
+
+    def lowrank_rows(self) -> tuple[Tensor, Tensor]:
+        """Per-sample rows of all calls, g scaled by the step's sample count."""
+        pairs = [self.math.lowrank_rows(x, gy, float(self.rows)) for x, gy in self.calls]
+        return torch.cat([a for a, _ in pairs]), torch.cat([g for _, g in pairs])

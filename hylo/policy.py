@@ -1,16 +1,17 @@
 """Per-layer solver choice: fixed, overridden, user-defined, or HyLo's hybrid policy.
 
-The hybrid policy (DESIGN.md §4), at every update step and per layer:
+The hybrid policy (docs/design.md, "Hybrid policy"), at every update step and per layer:
 
-1. **Cost model.** Estimated multiply-adds per period of ``update_freq`` steps, from the
-   layer's shapes (d_a, d_g), its local rows n (K-FAC: n_k rows incl. conv positions) and the
-   kept rows m = P·r of the low-rank path:
+1. **Cost model.** Each family's :meth:`~hylo.solvers.base.SolverFamily.cost` per period of
+   ``update_freq`` = f steps, from the layer's shape (d_a, d_g), its local rows n (K-FAC: n_k
+   rows incl. conv positions) and the kept rows m = P·r of the low-rank path:
 
-   - K-FAC:    n_k (d_a² + d_g²)  +  EIGH_COST (d_a³ + d_g³)  +  f · 2 d_a d_g (d_a + d_g)
+   - K-FAC:    n_k (d_a² + d_g²)  +  4 (d_a³ + d_g³)  +  f · 2 d_a d_g (d_a + d_g)
    - low-rank: n² (d_a + d_g)  +  m² (d_a + d_g)  +  m³  +  f · 2 m d_a d_g
 
    (factor build, eigendecompositions, per-step rotations; local kernel, gathered kernel,
-   SMW solve, per-step application). ``kfac`` is taken where its cost is lower.
+   SMW solve, per-step application). ``kfac`` is taken where its cost is lower. The same
+   estimates' solve parts balance the owners of the distributed stage.
 2. **Critical regime.** Otherwise ``kid`` while the layer is critical and ``kis`` elsewhere.
    A layer is critical while the relative change of an EMA of ‖∇W‖ over ``trend_window``
    steps exceeds ``critical_enter``; it stays critical until the change falls below
@@ -23,32 +24,21 @@ Per-layer overrides (``layer_solvers``) beat a user ``solver_fn``, which beats t
 
 from __future__ import annotations
 
-import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from hylo.config import HyLoConfig
+from hylo.layers import LayerShape
+from hylo.solvers import LAYER_SOLVERS, LayerSolver, family_of
 
-#: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
-EIGH_COST = 4.0
-#: Solvers a layer can run.
-LAYER_SOLVERS = ("kfac", "sngd", "kid", "kis")
 #: Why a solver was chosen (see :class:`Decision`).
-REASONS = ("override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable")
-
-
-def kfac_cost(d_a: int, d_g: int, kfac_rows: int, update_freq: int) -> float:
-    """Estimated multiply-adds of K-FAC per update period (see module docstring)."""
-    return kfac_rows * (d_a**2 + d_g**2) + EIGH_COST * (d_a**3 + d_g**3) + update_freq * 2.0 * d_a * d_g * (d_a + d_g)
-
-
-def lowrank_cost(d_a: int, d_g: int, rows: int, kept: int, update_freq: int) -> float:
-    """Estimated multiply-adds of the KID/KIS path per update period (see module docstring)."""
-    return rows**2 * (d_a + d_g) + kept**2 * (d_a + d_g) + kept**3 + update_freq * 2.0 * kept * d_a * d_g
+Reason = Literal["override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable"]
+REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
 @dataclass(frozen=True)
@@ -77,15 +67,15 @@ class Decision:
 
     step: int
     layer: str
-    solver: str
-    reason: str
+    solver: LayerSolver
+    reason: Reason
     critical: bool
     trend: float | None
     cost_kfac: float
     cost_lowrank: float
 
 
-def encode_decisions(decisions: list[Decision], device: torch.device) -> Tensor:
+def encode_decisions(decisions: Sequence[Decision], device: torch.device) -> Tensor:
     """Decisions as a (layers, 6) float64 tensor, to broadcast from rank 0."""
     return torch.tensor(
         [
@@ -191,19 +181,11 @@ class SolverPolicy:
         self.trend = GradNormTrend(
             len(names), config.trend_decay, config.trend_window, config.critical_enter, config.critical_exit
         )
-        self._overrides = [(re.compile(pattern), solver) for pattern, solver in dict(config.layer_solvers).items()]
 
     @property
     def dynamic(self) -> bool:
         """Whether decisions depend on run-time data (and so are broadcast from rank 0)."""
         return self.config.solver == "hybrid" or self.config.solver_fn is not None
-
-    def override(self, name: str) -> str | None:
-        """The per-layer override for ``name`` (first matching pattern), if any."""
-        for pattern, solver in self._overrides:
-            if pattern.fullmatch(name):
-                return solver
-        return None
 
     def epoch_window_kid(self, step: int) -> bool:
         """HyLo's ``--adaptive a0 a1 a2``: KID while epoch < a0 or a1 < epoch ≤ a2."""
@@ -212,28 +194,26 @@ class SolverPolicy:
         epoch = step // self.config.iters_per_epoch
         return epoch < a0 or a1 < epoch <= a2
 
-    def decide(
-        self, step: int, shapes: list[tuple[int, int, int, int, int]], update_freq: int, world_size: int
-    ) -> list[Decision]:
-        """Decisions for all layers; ``shapes`` holds (d_a, d_g, rows, kfac_rows, kept) per layer."""
+    def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
+        """Decisions for all layers; ``shapes[i].kept`` is the P·r rows of layer i's low-rank path."""
         if self.dynamic and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
         else:
             ema, trends, critical = [0.0] * len(self.names), [None] * len(self.names), [True] * len(self.names)
         decisions = []
         for i, name in enumerate(self.names):
-            d_a, d_g, rows, kfac_rows, kept = shapes[i]
-            c_kfac = kfac_cost(d_a, d_g, kfac_rows, update_freq)
-            c_low = lowrank_cost(d_a, d_g, rows, kept, update_freq)
+            shape = shapes[i]
+            c_kfac = family_of("kfac").cost(shape).per_period(update_freq)
+            c_low = family_of("kis").cost(shape).per_period(update_freq)
             solver, reason = self._choose(
                 LayerStats(
                     name,
                     step,
-                    d_a,
-                    d_g,
-                    rows,
-                    kfac_rows,
-                    kept,
+                    shape.d_a,
+                    shape.d_g,
+                    shape.rows,
+                    shape.kfac_rows,
+                    shape.kept,
                     update_freq,
                     world_size,
                     ema[i],
@@ -246,9 +226,9 @@ class SolverPolicy:
             decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], c_kfac, c_low))
         return decisions
 
-    def _choose(self, stats: LayerStats) -> tuple[str, str]:
+    def _choose(self, stats: LayerStats) -> tuple[LayerSolver, Reason]:
         cfg = self.config
-        forced = self.override(stats.name)
+        forced = cfg.override_for(stats.name)
         if forced is not None:
             return forced, "override"
         if cfg.solver_fn is not None:

@@ -1,4 +1,9 @@
-"""HyLoPreconditioner: orchestration only (capture → communicate → solve → precondition)."""
+"""HyLoPreconditioner: orchestration only (capture → decide → update stage → precondition).
+
+docs/design.md, "Data path of one step". The preconditioner keeps the cadence, the
+all-finite check, the policy's decisions and the per-layer records; the math is in the
+solver families, the communication in the stage and the communicator.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo.config import HyLoConfig, resolve
+from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
+from hylo.layers import LayerBatch
+from hylo.payload import CONTROL, Payload
 from hylo.policy import Decision, SolverPolicy, decode_decisions, encode_decisions
 from hylo.registry import RegisteredLayer, register_layers
-from hylo.solvers import KFACState, LowRankState
-from hylo.stage import LayerState, RemoteState, UpdateStage
+from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
+from hylo.solvers.base import UpdateContext, UpdateJob
+from hylo.stage import UpdateStage
 
 STATE_FORMAT = 1
 #: Decisions kept in ``decision_log`` (oldest dropped first).
@@ -33,7 +41,7 @@ class LayerInfo:
     d_a: int
     d_g: int
     bias: bool
-    solver: str
+    solver: SolverName
 
 
 class HyLoPreconditioner:
@@ -62,33 +70,32 @@ class HyLoPreconditioner:
     ) -> None:
         self.config = dataclasses.replace(config or HyLoConfig(), **options)
         self.comm = communicator if communicator is not None else default_communicator(self.config.bucket_cap_mb)
-        self.stage = UpdateStage(self.config, self.comm)
         self.steps = 0
-        self.generator = torch.Generator().manual_seed(self.config.seed)
+        #: Per-update decisions (bounded; oldest dropped first).
+        self.decision_log: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
+        self._stage = UpdateStage(self.config.strategy, self.comm)
+        self._generator = torch.Generator().manual_seed(self.config.seed)
         self._needs_update = False
         self._capture_cache: tuple[int, bool] = (-1, False)
         self._removed = False
-        found = register_layers(model, self.config.skip_layers, self._capturing)
-        self.layers: list[RegisteredLayer] = found.layers
-        self.skipped = found.skipped
-        self.unsupported = found.unsupported
-        self.policy = SolverPolicy(self.config, [layer.name for layer in self.layers])
-        self.decision_log: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
-        for layer in self.layers:
-            layer.solver = self.policy.override(layer.name) or self.config.solver
-        if self.unsupported:
+        found = register_layers(model, self.config.skip_layers, self._capturing, self.config.initial_solver)
+        self._layers: list[RegisteredLayer] = found.layers
+        self._skipped = found.skipped
+        self._unsupported = found.unsupported
+        self._policy = SolverPolicy(self.config, [layer.name for layer in self._layers])
+        if self._unsupported:
             by_reason: dict[str, list[str]] = {}
-            for name, why in self.unsupported:
+            for name, why in self._unsupported:
                 by_reason.setdefault(why, []).append(name or "<root>")
             listed = "; ".join(
                 f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
                 for why, names in by_reason.items()
             )
             warnings.warn(
-                f"hylo leaves {len(self.unsupported)} modules unpreconditioned ({listed}); see summary()",
+                f"hylo leaves {len(self._unsupported)} modules unpreconditioned ({listed}); see summary()",
                 stacklevel=2,
             )
-        if not self.layers:
+        if not self._layers:
             raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
 
     # ------------------------------------------------------------------ cadence
@@ -111,11 +118,11 @@ class HyLoPreconditioner:
         grads = self._gradients()
         is_update = self._capturing()
         norms = torch.stack(
-            [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self.layers, grads, strict=True)]
+            [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self._layers, grads, strict=True)]
         ).to(torch.float64)
         try:
-            if not self._finite(norms, is_update):
-                bad = [layer.name for layer, g in zip(self.layers, grads, strict=True) if not torch.isfinite(g).all()]
+            if not self._all_finite(norms, is_update):
+                bad = [layer.name for layer, g in zip(self._layers, grads, strict=True) if not torch.isfinite(g).all()]
                 warnings.warn(
                     f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
                     "unpreconditioned and stored factors untouched",
@@ -123,19 +130,19 @@ class HyLoPreconditioner:
                 )
                 self._needs_update = self._needs_update or is_update
                 return
-            self.policy.trend.observe(norms)
+            self._policy.trend.observe(norms)
             if is_update:
-                self._decide(step)
-                self._update(step)
+                batches = self._batches(step)
+                self._update(step, batches, self._decide(step, batches))
             self._precondition(grads, step)
         finally:
-            for layer in self.layers:
+            for layer in self._layers:
                 layer.capture.clear()
             self.steps += 1
 
     def _gradients(self) -> list[Tensor]:
         grads = []
-        for layer in self.layers:
+        for layer in self._layers:
             grad = layer.math.grad_matrix()
             if grad is None:
                 raise RuntimeError(
@@ -145,68 +152,68 @@ class HyLoPreconditioner:
             grads.append(grad)
         return grads
 
-    def _finite(self, norms: Tensor, is_update: bool) -> bool:
+    def _all_finite(self, norms: Tensor, is_update: bool) -> bool:
         """One host sync: are all gradients finite (on every rank, on update steps)?"""
-        flag = torch.isfinite(norms).all().to(norms.dtype)
+        finite = torch.isfinite(norms).all()
         if is_update and self.comm.world_size > 1:
-            (flag,) = self.comm.all_reduce_weighted_mean([flag.reshape(1)], [1.0]).wait()
-            return bool(flag.item() == 1.0)
-        return bool(flag.item())
+            finite = self.comm.all_true(finite.reshape(1))[0]
+        return bool(finite)
 
-    def _decide(self, step: int) -> None:
-        """Choose every layer's solver for this update; identical on all ranks."""
-        missing = [layer.name for layer in self.layers if not layer.capture.complete()]
+    def _batches(self, step: int) -> list[LayerBatch]:
+        """Every layer's captured calls at this update step, counted once."""
+        calls = [layer.capture.calls() for layer in self._layers]
+        missing = [layer.name for layer, c in zip(self._layers, calls, strict=True) if not c]
         if missing:
             raise RuntimeError(
                 f"step {step} is an update step but the hooks of {missing} never fired: run the "
                 "forward in train mode with autograd enabled, through the module itself, before step()"
             )
-        shapes = []
-        for layer in self.layers:
-            counts = [
-                layer.math.row_counts(r.inputs, r.grad_output)
-                for r in layer.capture.complete()
-                if r.grad_output is not None
-            ]
-            rows, kfac_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
-            kept = self.comm.world_size * self.config.rows_kept(rows)
-            shapes.append((layer.math.d_a, layer.math.d_g, rows, kfac_rows, kept))
+        return [
+            LayerBatch.collect(layer.math, c, self.config.rows_kept)
+            for layer, c in zip(self._layers, calls, strict=True)
+        ]
+
+    def _decide(self, step: int, batches: list[LayerBatch]) -> list[LayerSolver]:
+        """Choose every layer's solver for this update; identical on all ranks."""
         freq = resolve("update_freq", self.config.update_freq, step)
-        decisions = self.policy.decide(step, shapes, freq, self.comm.world_size)
-        if self.comm.world_size > 1 and self.policy.dynamic:
-            device = self.layers[0].math.weight.device
-            (encoded,) = self.comm.broadcast([encode_decisions(decisions, device)], src=0)
-            decisions = decode_decisions(encoded, step, [layer.name for layer in self.layers])
-        for layer, decision in zip(self.layers, decisions, strict=True):
+        world = self.comm.world_size
+        decisions = self._policy.decide(step, [batch.shape(world) for batch in batches], freq, world)
+        if world > 1 and self._policy.dynamic:
+            key = (CONTROL, "decisions")
+            device = self._layers[0].math.weight.device
+            encoded = self.comm.broadcast(Payload({key: encode_decisions(decisions, device)}), src=0)[key]
+            decisions = decode_decisions(encoded, step, [layer.name for layer in self._layers])
+        for layer, decision in zip(self._layers, decisions, strict=True):
             layer.solver = decision.solver
         self.decision_log.extend(decisions)
+        return [decision.solver for decision in decisions]
 
-    def solver_of(self, name: str) -> str:
-        """The solver layer ``name`` used at the latest update (its configured one before any)."""
-        for layer in self.layers:
-            if layer.name == name:
-                return layer.solver
-        raise KeyError(f"no registered layer named {name!r}")
-
-    def _update(self, step: int) -> None:
-        """Run the distributed update stage and store the new states (non-finite ones rejected)."""
-        damping = resolve("damping", self.config.damping, step)
-        decay = resolve("factor_decay", self.config.factor_decay, step)
-        base_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        states, rejected = self.stage.update(self.layers, step, damping, decay, base_seed)
-        if rejected:
+    def _update(self, step: int, batches: list[LayerBatch], solvers: list[LayerSolver]) -> None:
+        """Run the update stage and store the new states (non-finite ones rejected)."""
+        context = UpdateContext(
+            rank=self.comm.rank,
+            damping=resolve("damping", self.config.damping, step),
+            factor_decay=resolve("factor_decay", self.config.factor_decay, step),
+            seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)),
+        )
+        jobs = [
+            UpdateJob(layer.name, solver, batch, layer.state)
+            for layer, batch, solver in zip(self._layers, batches, solvers, strict=True)
+        ]
+        result = self._stage.update(jobs, context)
+        if result.rejected:
             warnings.warn(
-                f"step {step}: non-finite curvature for {rejected}; keeping their previous state", stacklevel=3
+                f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=3
             )
-        self._needs_update = bool(rejected)
-        for layer in self.layers:
-            if layer.name not in rejected:
-                layer.state = states[layer.name]
-                layer.owner = self.stage.owners[layer.name]
+        self._needs_update = bool(result.rejected)
+        for layer in self._layers:
+            if layer.name not in result.rejected:
+                layer.state = result.states[layer.name]
+                layer.owner = result.owners[layer.name]
 
     def _precondition(self, grads: list[Tensor], step: int) -> None:
         """Apply every layer's state (with kl_clip scaling) and write the gradients back."""
-        triples = self.stage.precondition(self.layers, grads)
+        triples = self._stage.precondition(self._layers, grads)
         if not triples:
             return
         scale: Tensor | None = None
@@ -231,25 +238,32 @@ class HyLoPreconditioner:
                 layer.math.bias is not None,
                 layer.solver,
             )
-            for layer in self.layers
+            for layer in self._layers
         ]
+
+    def solver_of(self, name: str) -> SolverName:
+        """The solver layer ``name`` used at the latest update (its configured one before any)."""
+        for layer in self._layers:
+            if layer.name == name:
+                return layer.solver
+        raise KeyError(f"no registered layer named {name!r}")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of curvature state held per layer."""
-        return {layer.name: layer.state.nbytes() if layer.state else 0 for layer in self.layers}
+        return {layer.name: layer.state.nbytes() if layer.state else 0 for layer in self._layers}
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone."""
         lines = [
-            f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self.layers)}, world_size={self.comm.world_size})"
+            f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self._layers)}, "
+            f"world_size={self.comm.world_size})",
+            f"  {'layer':<32} {'type':<8} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver",
         ]
-        lines.append(f"  {'layer':<32} {'type':<8} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver")
-        for layer in self.layers:
-            m = layer.math
+        for info in self.layer_info():
             lines.append(
-                f"  {layer.name:<32} {type(m.module).__name__:<8} {m.d_a:>7} {m.d_g:>7} {str(m.bias is not None):>5}  {layer.solver}"
+                f"  {info.name:<32} {info.module_type:<8} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}  {info.solver}"
             )
-        for name, why in [*self.skipped, *self.unsupported]:
+        for name, why in [*self._skipped, *self._unsupported]:
             lines.append(f"  not preconditioned: {name or '<root>'} ({why})")
         return "\n".join(lines)
 
@@ -259,14 +273,14 @@ class HyLoPreconditioner:
     # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:
         """Detach every hook; the model trains as if hylo had never been attached."""
-        for layer in self.layers:
+        for layer in self._layers:
             layer.capture.remove()
         self._removed = True
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue identically: step, constant options, per-layer states."""
         layers: dict[str, Any] = {}
-        for layer in self.layers:
+        for layer in self._layers:
             entry: dict[str, Any] = {
                 "solver": layer.solver,
                 "d_a": layer.math.d_a,
@@ -276,17 +290,14 @@ class HyLoPreconditioner:
             if isinstance(layer.state, RemoteState):
                 entry["remote"] = True  # solved on another rank: recomputed after loading
             elif layer.state is not None:
-                entry["damping"] = layer.state.damping
-                entry["tensors"] = {k: v.detach().clone() for k, v in layer.state.tensors().items()}
-                if isinstance(layer.state, LowRankState):
-                    entry["divisor"] = layer.state.divisor
+                entry.update(layer.state.to_dict())
             layers[layer.name] = entry
         return {
             "format": STATE_FORMAT,
             "steps": self.steps,
             "needs_update": self._needs_update,
-            "generator": self.generator.get_state(),
-            "trend": self.policy.trend.state_dict(),
+            "generator": self._generator.get_state(),
+            "trend": self._policy.trend.state_dict(),
             "config": self.config.constants(),
             "layers": layers,
         }
@@ -298,20 +309,11 @@ class HyLoPreconditioner:
                 f"not a hylo state_dict of format {STATE_FORMAT} (got format {state_dict.get('format')!r})"
             )
         saved = state_dict["layers"]
-        names = [layer.name for layer in self.layers]
+        names = [layer.name for layer in self._layers]
         missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
         if missing or unexpected:
             raise ValueError(f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}")
-        restored: dict[str, tuple[str, LayerState | None]] = {}
-        for layer in self.layers:
-            entry = saved[layer.name]
-            m = layer.math
-            if (entry["d_a"], entry["d_g"]) != (m.d_a, m.d_g):
-                raise ValueError(
-                    f"layer {layer.name!r}: state_dict has shape (d_g={entry['d_g']}, d_a={entry['d_a']}), "
-                    f"model has (d_g={m.d_g}, d_a={m.d_a})"
-                )
-            restored[layer.name] = (entry["solver"], self._state_from(layer, entry))
+        restored = {layer.name: self._restore(layer, saved[layer.name]) for layer in self._layers}
         config = dict(state_dict.get("config", {}))
         if config.get("solver", self.config.solver) != self.config.solver:
             raise ValueError(
@@ -324,45 +326,34 @@ class HyLoPreconditioner:
             raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
         overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
         self.config = dataclasses.replace(self.config, **overrides)
-        self.stage.config = self.policy.config = self.config
-        for layer in self.layers:
+        self._policy.config = self.config
+        for layer in self._layers:
             layer.solver, layer.state = restored[layer.name]
             layer.owner = int(saved[layer.name].get("owner", 0))
         self.steps = int(state_dict["steps"])
         remote = any(saved[name].get("remote") for name in names)
         self._needs_update = bool(state_dict["needs_update"]) or remote
         self._capture_cache = (-1, False)
-        self.generator = generator
+        self._generator = generator
         if "trend" in state_dict:
-            self.policy.trend.load_state_dict(state_dict["trend"], self.layers[0].math.weight.device)
+            self._policy.trend.load_state_dict(state_dict["trend"], self._layers[0].math.weight.device)
 
-    def _state_from(self, layer: RegisteredLayer, entry: Mapping[str, Any]) -> LayerState | None:
-        if "tensors" not in entry:
-            return None
-        device = layer.math.weight.device
-        t = {k: v.to(device) for k, v in entry["tensors"].items()}
+    def _restore(self, layer: RegisteredLayer, entry: Mapping[str, Any]) -> tuple[SolverName, HeldState | None]:
+        """A saved layer entry checked against ``layer``: its solver and state (``ValueError`` if it does not fit)."""
         m = layer.math
+        if (entry["d_a"], entry["d_g"]) != (m.d_a, m.d_g):
+            raise ValueError(
+                f"layer {layer.name!r}: state_dict has shape (d_g={entry['d_g']}, d_a={entry['d_a']}), "
+                f"model has (d_g={m.d_g}, d_a={m.d_a})"
+            )
+        solver = entry["solver"]
+        if solver not in SOLVER_NAMES:
+            raise ValueError(f"layer {layer.name!r}: state_dict names an unknown solver {solver!r}")
+        if "tensors" not in entry:
+            return solver, None
         try:
-            if entry["solver"] == "kfac":
-                expected = {"factor_a": (m.d_a, m.d_a), "factor_g": (m.d_g, m.d_g)}
-                state: LayerState = KFACState(
-                    t["factor_a"],
-                    t["factor_g"],
-                    t["evals_a"],
-                    t["evecs_a"],
-                    t["evals_g"],
-                    t["evecs_g"],
-                    float(entry["damping"]),
-                )
-            else:
-                rows = t["a"].shape[0]
-                expected = {"a": (rows, m.d_a), "g": (rows, m.d_g), "inner": (rows, rows)}
-                state = LowRankState(
-                    t["a"], t["g"], t["inner"], float(entry["divisor"]), float(entry["damping"]), entry["solver"]
-                )
+            return solver, family_of(solver).state_from_dict(entry, m.d_a, m.d_g, m.weight.device)
         except KeyError as err:
-            raise ValueError(f"layer {layer.name!r}: state_dict entry lacks tensor {err}") from err
-        for key, shape in expected.items():
-            if tuple(t[key].shape) != shape:
-                raise ValueError(f"layer {layer.name!r}: {key} has shape {tuple(t[key].shape)}, expected {shape}")
-        return state
+            raise ValueError(f"layer {layer.name!r}: state_dict entry lacks {err}") from err
+        except ValueError as err:
+            raise ValueError(f"layer {layer.name!r}: {err}") from err

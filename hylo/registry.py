@@ -5,26 +5,28 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from hylo.capture import LayerCapture
+from hylo.config import SolverName
 from hylo.layers import LayerMath, supported_math, unsupported_reason
-
-if TYPE_CHECKING:
-    from hylo.stage import LayerState
+from hylo.solvers import HeldState
 
 
 @dataclass
 class RegisteredLayer:
-    """One preconditioned layer: its math helper, its hooks and its current curvature state."""
+    """One preconditioned layer: its math, its hooks, its solver and what it holds.
+
+    ``solver`` is the configured solver until the first update, then the one the latest
+    update used; ``owner`` is the rank that solved ``state`` (the one place it is kept).
+    """
 
     name: str
     math: LayerMath
     capture: LayerCapture
-    state: LayerState | None = None
-    solver: str = "sngd"
+    solver: SolverName
+    state: HeldState | None = None
     owner: int = 0
 
 
@@ -38,16 +40,15 @@ class Registration:
 
 
 def _matcher(patterns: tuple[str, ...]) -> Callable[[str, nn.Module], bool]:
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append((pattern.lower(), re.compile(pattern)))
-        except re.error as err:
-            raise ValueError(f"skip_layers entry {pattern!r} is not a valid regular expression: {err}") from err
+    """Whether a module's name or its class name fully matches one of ``patterns``."""
+    try:
+        compiled = [re.compile(pattern) for pattern in patterns]
+    except re.error as err:
+        raise ValueError(f"skip_layers holds an invalid regular expression: {err}") from err
 
     def matches(name: str, module: nn.Module) -> bool:
-        cls = type(module).__name__.lower()
-        return any(lower == cls or rx.fullmatch(name) for lower, rx in compiled)
+        cls = type(module).__name__
+        return any(rx.fullmatch(name) or rx.fullmatch(cls) for rx in compiled)
 
     return matches
 
@@ -60,7 +61,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def register_layers(model: nn.Module, skip_layers: tuple[str, ...], should_capture: Callable[[], bool]) -> Registration:
+def register_layers(
+    model: nn.Module,
+    skip_layers: tuple[str, ...],
+    should_capture: Callable[[], bool],
+    initial_solver: Callable[[str], SolverName],
+) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest."""
     skip = _matcher(skip_layers)
     result = Registration()
@@ -85,5 +91,5 @@ def register_layers(model: nn.Module, skip_layers: tuple[str, ...], should_captu
         if not math.weight.requires_grad:
             result.skipped.append((name, "weight does not require grad"))
             continue
-        result.layers.append(RegisteredLayer(name, math, LayerCapture(module, should_capture)))
+        result.layers.append(RegisteredLayer(name, math, LayerCapture(module, should_capture), initial_solver(name)))
     return result

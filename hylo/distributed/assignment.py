@@ -23,11 +23,3 @@ def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
         owners[index] = rank
         heapq.heappush(loads, (load + float(costs[index]), rank))
     return owners
-
-
-def rank_loads(costs: Sequence[float], owners: Sequence[int], world_size: int) -> list[float]:
-    """Total estimated cost per rank for an assignment."""
-    loads = [0.0] * world_size
-    for cost, owner in zip(costs, owners, strict=True):
-        loads[owner] += cost
-    return loads

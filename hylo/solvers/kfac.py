@@ -1,23 +1,48 @@
-"""K-FAC: (A ⊗ G + λI)⁻¹ vec ∇W through the eigendecompositions of the running factors."""
+"""The K-FAC family: (A ⊗ G + λI)⁻¹ vec ∇W through eigendecompositions of running factors.
+
+docs/design.md, "K-FAC". Each rank builds its batch factors A = E[a aᵀ] and G = E[g gᵀ]; the
+ranks average them weighted by their sample counts; every rank blends them into the running
+averages (decay β; the first update takes the batch factors as they are); the owner
+eigendecomposes A and G and the state applies V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from hylo.layers import LayerShape
 from hylo.numerics import eigh_many
+from hylo.payload import Payload
+from hylo.solvers.base import (
+    Contribution,
+    CostEstimate,
+    Exchange,
+    LayerState,
+    SolverFamily,
+    UpdateContext,
+    UpdateJob,
+    carried_from,
+    check_shapes,
+)
+
+#: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
+EIGH_COST = 4.0
 
 
 @dataclass
-class KFACState:
+class KFACState(LayerState):
     """Running Kronecker factors of one layer and their eigendecompositions.
 
     ``precondition`` computes V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ, which is exactly
     (A ⊗ G + λI)⁻¹ vec ∇W for the stored A, G and the damping λ of the last update.
     """
+
+    family: ClassVar[str] = "kfac"
 
     factor_a: Tensor
     factor_g: Tensor
@@ -27,8 +52,6 @@ class KFACState:
     evecs_g: Tensor
     damping: float
 
-    kind = "kfac"
-
     def precondition(self, grad: Tensor) -> Tensor:
         """Preconditioned (d_g, d_a) gradient."""
         g = grad.to(self.evecs_a.dtype)
@@ -36,12 +59,8 @@ class KFACState:
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
         return (self.evecs_g @ rotated @ self.evecs_a.mT).to(grad.dtype)
 
-    def nbytes(self) -> int:
-        """Bytes held by this state."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
     def tensors(self) -> dict[str, Tensor]:
-        """The tensors of this state by name."""
+        """Factors and eigendecompositions by name."""
         return {
             "factor_a": self.factor_a,
             "factor_g": self.factor_g,
@@ -50,6 +69,43 @@ class KFACState:
             "evals_g": self.evals_g,
             "evecs_g": self.evecs_g,
         }
+
+    def carried(self) -> dict[str, Tensor]:
+        """The running factors, which the next update blends with its batch factors."""
+        return {"factor_a": self.factor_a, "factor_g": self.factor_g}
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> KFACState:
+        """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
+        t = {k: v.to(device) for k, v in entry["tensors"].items()}
+        check_shapes(
+            t,
+            {
+                "factor_a": (d_a, d_a),
+                "factor_g": (d_g, d_g),
+                "evals_a": (d_a,),
+                "evecs_a": (d_a, d_a),
+                "evals_g": (d_g,),
+                "evecs_g": (d_g, d_g),
+            },
+        )
+        return cls(
+            t["factor_a"],
+            t["factor_g"],
+            t["evals_a"],
+            t["evecs_a"],
+            t["evals_g"],
+            t["evecs_g"],
+            float(entry["damping"]),
+        )
+
+
+@dataclass
+class KFACFactors:
+    """A layer's running factors after this update's blend: the input of its eigendecompositions."""
+
+    factor_a: Tensor
+    factor_g: Tensor
 
 
 def blend_factors(
@@ -64,11 +120,76 @@ def blend_factors(
     )
 
 
-def kfac_update_many(factors: Sequence[tuple[Tensor, Tensor]], damping: float) -> list[KFACState]:
-    """K-FAC states of running factors (A, G): all eigendecompositions batched by shape."""
-    decompositions = eigh_many([m for pair in factors for m in pair])
-    states = []
-    for i, (fa, fg) in enumerate(factors):
-        (ea, qa), (eg, qg) = decompositions[2 * i], decompositions[2 * i + 1]
-        states.append(KFACState(fa, fg, ea, qa, eg, qg, damping))
-    return states
+class KFACFamily(SolverFamily[KFACFactors]):
+    """K-FAC: batch factors averaged over ranks, blended, eigendecomposed by the owner."""
+
+    name = "kfac"
+    solvers = ("kfac",)
+    state_type = KFACState
+
+    def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
+        """Each layer's batch factors, weighted by its sample count in the mean over ranks."""
+        share = Contribution(Exchange.MEAN, Payload())
+        for job in jobs:
+            factor_a, factor_g = job.batch.kfac_factors()
+            share.payload.add(job.name, {"factor_a": factor_a, "factor_g": factor_g})
+            share.weights[(job.name, "factor_a")] = share.weights[(job.name, "factor_g")] = float(job.batch.rows)
+        return share
+
+    def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACFactors]:
+        """Blend the rank-averaged batch factors into each layer's running factors."""
+        prepared = []
+        for job in jobs:
+            carried = carried_from(job.previous, self.name)
+            previous = (carried["factor_a"], carried["factor_g"]) if carried else None
+            batch = (received[(job.name, "factor_a")], received[(job.name, "factor_g")])
+            prepared.append(KFACFactors(*blend_factors(previous, batch, context.factor_decay)))
+        return prepared
+
+    def cost(self, shape: LayerShape) -> CostEstimate:
+        """Factors n_k(d_a² + d_g²), eigendecompositions 4(d_a³ + d_g³), rotations 2 d_a d_g (d_a + d_g) a step."""
+        d_a, d_g = shape.d_a, shape.d_g
+        return CostEstimate(
+            build=shape.kfac_rows * (d_a**2 + d_g**2),
+            solve=EIGH_COST * (d_a**3 + d_g**3),
+            apply=2.0 * d_a * d_g * (d_a + d_g),
+        )
+
+    def solve_cost(self, prepared: KFACFactors) -> float:
+        """The eigendecompositions' cost."""
+        return self.cost(LayerShape(prepared.factor_a.shape[0], prepared.factor_g.shape[0])).solve
+
+    def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
+        """Eigendecompositions of every A and G, batched by shape."""
+        decompositions = eigh_many([m for f in prepared for m in (f.factor_a, f.factor_g)])
+        return [
+            {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
+            for (ea, qa), (eg, qg) in zip(decompositions[0::2], decompositions[1::2], strict=True)
+        ]
+
+    def solution_template(self, prepared: KFACFactors) -> dict[str, Tensor]:
+        """Buffers for another rank's eigendecompositions."""
+        fa, fg = prepared.factor_a, prepared.factor_g
+        return {
+            "evals_a": fa.new_empty(fa.shape[0]),
+            "evecs_a": torch.empty_like(fa),
+            "evals_g": fg.new_empty(fg.shape[0]),
+            "evecs_g": torch.empty_like(fg),
+        }
+
+    def assemble(self, prepared: KFACFactors, solution: Mapping[str, Tensor], context: UpdateContext) -> KFACState:
+        """The running factors with their eigendecompositions."""
+        s = solution
+        return KFACState(
+            prepared.factor_a,
+            prepared.factor_g,
+            s["evals_a"],
+            s["evecs_a"],
+            s["evals_g"],
+            s["evecs_g"],
+            context.damping,
+        )
+
+    def carried(self, prepared: KFACFactors) -> dict[str, Tensor]:
+        """Every rank keeps the running factors (the next update blends with them)."""
+        return {"factor_a": prepared.factor_a, "factor_g": prepared.factor_g}

@@ -1,4 +1,4 @@
-"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton.
+"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md).
 
 Both run on every rank before the all-gather, touch only n×n kernels (never d×d), and
 need no host synchronisation.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hylo.solvers.lowrank import sample_kernel
+from hylo.solvers.smw import sample_kernel
 
 
 def kis_select(a: Tensor, g: Tensor, r: int, generator: torch.Generator) -> Tensor:

@@ -1,0 +1,30 @@
+"""Named payloads: the unit every collective moves (docs/design.md, "Named payloads").
+
+A payload maps ``(layer, field)`` to a tensor, in insertion order. Solver families build
+payloads from their layers' tensors; the communicator flattens and buckets them and hands
+back a payload with the same keys. No caller indexes tensors by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+#: ``(layer name, field name)``.
+PayloadKey = tuple[str, str]
+#: Key prefix of traffic that belongs to no layer (row counts, weights, flags, policy decisions).
+CONTROL = "<control>"
+
+
+class Payload(dict[PayloadKey, Tensor]):
+    """Tensors keyed by ``(layer, field)``; iteration follows insertion order."""
+
+    def add(self, layer: str, fields: Mapping[str, Tensor]) -> None:
+        """Insert every ``field → tensor`` of ``layer``."""
+        for field, tensor in fields.items():
+            self[(layer, field)] = tensor
+
+    def fields(self, layer: str) -> dict[str, Tensor]:
+        """The ``field → tensor`` entries of ``layer``, in insertion order."""
+        return {field: tensor for (name, field), tensor in self.items() if name == layer}

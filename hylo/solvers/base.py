@@ -1,0 +1,210 @@
+"""The solver-family interface (docs/design.md, "Solver families").
+
+A family is the math of one kind of curvature estimate, split into the phases of an update
+step so that the stage can run any family without knowing its name:
+
+1. :meth:`SolverFamily.contribute` — on every rank, reduce the layers' captured batches to
+   the tensors this family shares with the other ranks (a :class:`Contribution`);
+2. :meth:`SolverFamily.prepare` — from what every rank contributed, the inputs of each
+   layer's solve, known identically on every rank;
+3. :meth:`SolverFamily.solve` — on a layer's owner, the solved tensors, batched across layers;
+4. :meth:`SolverFamily.assemble` — a :class:`LayerState` from a layer's inputs and its solved
+   tensors (on the owner, or on every rank after a broadcast).
+
+A family also owns its cost estimate (:meth:`SolverFamily.cost`, used by the hybrid policy
+and by owner assignment), its state type and that state's ``to_dict``/``from_dict``.
+Nothing here talks to other ranks: a :class:`Contribution` only says which collective its
+payload needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from hylo.layers import LayerBatch, LayerShape
+from hylo.payload import Payload, PayloadKey
+
+
+def _nbytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class LayerState(ABC):
+    """A layer's solved curvature: applied to its gradient at every step until the next update."""
+
+    #: Name of the family that builds this state.
+    family: ClassVar[str]
+    damping: float
+
+    @abstractmethod
+    def precondition(self, grad: Tensor) -> Tensor:
+        """The preconditioned (d_g, d_a) gradient."""
+
+    @abstractmethod
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor of the state, by name (what ``state_dict`` saves)."""
+
+    def carried(self) -> dict[str, Tensor]:
+        """Tensors the next update of the same family builds on (K-FAC's running factors)."""
+        return {}
+
+    def nbytes(self) -> int:
+        """Bytes held by this state."""
+        return _nbytes(self.tensors())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``state_dict`` (tensors cloned)."""
+        return {"damping": self.damping, "tensors": {k: v.detach().clone() for k, v in self.tensors().items()}}
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
+        """A state saved by :meth:`to_dict`; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
+
+
+@dataclass
+class RemoteState:
+    """A layer another rank owns (``strategy="gradient"``): only what the next update builds on."""
+
+    family: str
+    carried_tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    def carried(self) -> dict[str, Tensor]:
+        """What the owner's state would carry to the next update."""
+        return self.carried_tensors
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The carried tensors (all this rank holds of the layer)."""
+        return self.carried_tensors
+
+    def nbytes(self) -> int:
+        """Bytes held on this rank."""
+        return _nbytes(self.carried_tensors)
+
+
+#: What a layer holds between updates: a solved state, another rank's layer, or nothing yet.
+HeldState = LayerState | RemoteState
+
+
+def carried_from(previous: HeldState | None, family: str) -> dict[str, Tensor]:
+    """The tensors ``previous`` carries for ``family`` (empty if it belongs to another family)."""
+    if previous is None or previous.family != family:
+        return {}
+    return previous.carried()
+
+
+def check_shapes(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` naming the first tensor that is missing or has an unexpected shape."""
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise ValueError(f"state_dict entry lacks tensor {key!r}")
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {shape}")
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Estimated multiply-adds of one layer: per update (build, solve) and per step (apply)."""
+
+    build: float
+    solve: float
+    apply: float
+
+    def per_period(self, update_freq: int) -> float:
+        """Cost of one update period: the update plus ``update_freq`` applications."""
+        return self.build + self.solve + update_freq * self.apply
+
+
+class Exchange(enum.Enum):
+    """The collective a family's contribution needs."""
+
+    MEAN = "weighted mean over ranks (all-reduce)"
+    ROWS = "every rank's rows, concatenated in rank order (all-gather)"
+
+
+@dataclass
+class Contribution:
+    """What a family's layers put into one collective at an update step."""
+
+    exchange: Exchange
+    payload: Payload
+    #: Per key, this rank's weight in a :attr:`Exchange.MEAN` (e.g. its sample count).
+    weights: dict[PayloadKey, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpdateJob:
+    """One layer's work at an update step: its captured batch, its solver and what it held."""
+
+    name: str
+    solver: str
+    batch: LayerBatch
+    previous: HeldState | None
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """Per-update values every family phase may need."""
+
+    rank: int
+    damping: float
+    factor_decay: float
+    #: Seed of this update's random draws (KIS); each layer and rank derives its own from it.
+    seed: int
+
+
+PreparedT = TypeVar("PreparedT")
+
+
+class SolverFamily(ABC, Generic[PreparedT]):
+    """The math of one family of solvers, phase by phase (see the module docstring)."""
+
+    #: The family's name (states carry it).
+    name: ClassVar[str]
+    #: The solver names this family runs.
+    solvers: ClassVar[tuple[str, ...]]
+    #: The type of this family's solved states.
+    state_type: ClassVar[type[LayerState]]
+
+    @abstractmethod
+    def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
+        """Local reduction of every job's batch on this rank: what it shares with the others."""
+
+    @abstractmethod
+    def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[PreparedT]:
+        """Each job's solve inputs from the collective's result; identical on every rank."""
+
+    @abstractmethod
+    def cost(self, shape: LayerShape) -> CostEstimate:
+        """Estimated multiply-adds of a layer of ``shape`` on this family's path."""
+
+    @abstractmethod
+    def solve_cost(self, prepared: PreparedT) -> float:
+        """The solve part of :meth:`cost` for prepared inputs (balances owners)."""
+
+    @abstractmethod
+    def solve(self, prepared: Sequence[PreparedT], context: UpdateContext) -> list[dict[str, Tensor]]:
+        """Solved tensors of each layer, batched across layers (run by the owners)."""
+
+    @abstractmethod
+    def solution_template(self, prepared: PreparedT) -> dict[str, Tensor]:
+        """Uninitialised tensors shaped like :meth:`solve`'s output (to receive a broadcast)."""
+
+    @abstractmethod
+    def assemble(self, prepared: PreparedT, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
+        """The layer's state from its inputs and its solved tensors."""
+
+    @abstractmethod
+    def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
+        """What a rank that does not own the layer keeps for the next update."""
+
+    def state_from_dict(self, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
+        """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
+        return self.state_type.from_dict(entry, d_a, d_g, device)
