@@ -1,0 +1,1 @@
+"""Shared test kit: the forked-gloo harness, small models, dense references and tolerances."""
