@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import socket
-import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -36,26 +34,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hylo
-from hylo.registry import register_layers
+from scripts.engine import write_rows
+from scripts.models import MODELS
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from csv_rows import write_rows  # noqa: E402
-from models import resnet50, resnet_cifar  # noqa: E402
-
-MODELS = {
-    "resnet32": (lambda: resnet_cifar(32), 10),
-    "resnet50": (lambda: resnet50(1000), 1000),
-}
 FLOAT_BYTES = 4
 
 
 def layer_shapes(model_name: str) -> list[tuple[str, int, int]]:
     """(name, d_a, d_g) of every layer hylo registers in the model."""
-    model = MODELS[model_name][0]()
-    found = register_layers(model, (), lambda: False)
-    shapes = [(x.name, x.math.d_a, x.math.d_g) for x in found.layers]
-    for layer in found.layers:
-        layer.capture.remove()
+    with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
+        warnings.filterwarnings("ignore", message="hylo leaves")
+        pre = hylo.HyLoPreconditioner(MODELS[model_name].build())
+    shapes = [(info.name, info.d_a, info.d_g) for info in pre.layer_info()]
+    pre.remove()
     return shapes
 
 
@@ -91,15 +82,15 @@ def _measure_worker(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
     try:
-        build, classes = MODELS[model_name]
+        spec = MODELS[model_name]
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(build())
+        model = torch.nn.parallel.DistributedDataParallel(spec.build())
         with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
             warnings.filterwarnings("ignore", message="hylo leaves")
             pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=1, rank_ratio=rank_ratio)
         torch.manual_seed(rank + 1)
-        x = torch.randn(local_batch, 3, 32, 32)
-        y = torch.randint(0, classes, (local_batch,))
+        # the bytes do not depend on the image side: at most 32 keeps ResNet-50 cheap
+        x, y = spec.random_batch(local_batch, side=min(32, spec.input_shape[-1]))
         torch.nn.functional.cross_entropy(model(x), y).backward()
         pre.step()
         queue.put((rank, dict(pre.comm.bytes_by_tag)))
@@ -135,7 +126,7 @@ def measure(model_name: str, solver: str, world: int, local_batch: int, rank_rat
 def main() -> None:
     """Print the analytic table (and measured checks), optionally write CSVs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["resnet32", "resnet50"], choices=list(MODELS))
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--local-batch", type=int, default=32)
     parser.add_argument("--rank-ratio", type=float, default=0.1)

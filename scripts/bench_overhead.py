@@ -11,30 +11,23 @@ time of an iteration (forward, backward, preconditioner, optimizer) over ``--ste
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
+import warnings
 
 import torch
 
 import hylo
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import resnet50, resnet_cifar  # noqa: E402
-
-MODELS = {"resnet32": (lambda: resnet_cifar(32), 10, 32), "resnet50": (lambda: resnet50(1000), 1000, 224)}
+from scripts.models import MODELS
 
 
 def iteration_time(
     model_name: str, solver: str | None, batch: int, steps: int, warmup: int, update_freq: int, image: int | None
 ) -> float:
     """Mean seconds per iteration (solver None = plain SGD)."""
-    build, classes, default_image = MODELS[model_name]
+    spec = MODELS[model_name]
     torch.manual_seed(0)
-    model = build()
-    size = image or default_image
-    x = torch.randn(batch, 3, size, size)
-    y = torch.randint(0, classes, (batch,))
+    model = spec.build()
+    x, y = spec.random_batch(batch, side=image or None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     pre = None
     if solver is not None:
@@ -66,8 +59,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    import warnings
-
     warnings.filterwarnings("ignore", message="hylo leaves")
     base = iteration_time(args.model, None, args.batch_size, args.steps, args.warmup, args.update_freq, args.image_size)
     print(f"{'optimizer':<12} {'ms/iter':>9} {'vs SGD':>7}")

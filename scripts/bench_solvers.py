@@ -11,18 +11,14 @@ with the stored state only). The median of ``--repeats`` runs is reported.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 import hylo
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from csv_rows import write_rows  # noqa: E402
+from scripts.engine import write_rows
 
 
 def _sync(device: torch.device) -> None:

