@@ -7,8 +7,8 @@ every other module is internal and may change between releases.
 
 from hylo.config import HyLoConfig
 from hylo.distributed import CommunicationError
-from hylo.policy import Decision, LayerStats
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
+from hylo.records import Decision, LayerStats
 
 __version__ = "0.1.0"
 __all__ = [

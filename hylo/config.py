@@ -6,12 +6,10 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
+from hylo.records import LayerStats
 from hylo.solvers import LAYER_SOLVERS, LayerSolver
-
-if TYPE_CHECKING:
-    from hylo.policy import LayerStats
 
 #: What ``solver`` accepts: a layer solver, or ``"hybrid"`` to choose one per layer and update.
 SolverName = Literal[LayerSolver, "hybrid"]
@@ -79,7 +77,7 @@ class HyLoConfig:
         seed: seed of the generator that draws the KIS rows.
         layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
         solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
-            :class:`hylo.policy.LayerStats`); overrides the built-in hybrid rule.
+            :class:`hylo.LayerStats`); overrides the built-in hybrid rule.
         adaptive: HyLo's fixed windows ``(a0, a1, a2)``: KID while epoch < a0 or a1 < epoch ≤ a2,
             KIS otherwise (needs ``iters_per_epoch``); replaces the gradient-norm trend.
         iters_per_epoch: steps per epoch, for ``adaptive``.

@@ -26,53 +26,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from hylo.config import HyLoConfig
 from hylo.layers import LayerShape
+from hylo.records import REASONS, Decision, LayerStats, Reason
 from hylo.solvers import LAYER_SOLVERS, LayerSolver, family_of
-
-#: Why a solver was chosen (see :class:`Decision`).
-Reason = Literal["override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable"]
-REASONS: tuple[Reason, ...] = get_args(Reason)
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """What a policy knows of one layer at an update step."""
-
-    name: str
-    step: int
-    d_a: int
-    d_g: int
-    rows: int
-    kfac_rows: int
-    kept: int
-    update_freq: int
-    world_size: int
-    grad_norm: float
-    trend: float | None
-    critical: bool
-    cost_kfac: float
-    cost_lowrank: float
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One layer's solver at one update step and why."""
-
-    step: int
-    layer: str
-    solver: LayerSolver
-    reason: Reason
-    critical: bool
-    trend: float | None
-    cost_kfac: float
-    cost_lowrank: float
 
 
 def encode_decisions(decisions: Sequence[Decision], device: torch.device) -> Tensor:

@@ -20,7 +20,8 @@ from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.layers import LayerBatch
 from hylo.payload import CONTROL, Payload
-from hylo.policy import Decision, SolverPolicy, decode_decisions, encode_decisions
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
+from hylo.records import Decision
 from hylo.registry import RegisteredLayer, register_layers
 from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
@@ -57,7 +58,7 @@ class HyLoPreconditioner:
         config: a :class:`HyLoConfig`; keyword options override its fields.
         communicator: collectives between ranks; default: torch.distributed's default group
             when initialised with more than one rank, else a 1-rank stand-in.
-        **options: any :class:`HyLoConfig` field, e.g. ``solver="kfac"``, ``damping=1e-3``.
+        **options: any :class:`HyLoConfig` field, e.g. ``damping=1e-3``, ``update_freq=20``.
     """
 
     def __init__(

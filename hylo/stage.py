@@ -1,4 +1,4 @@
-"""The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path").
+"""The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path of one step").
 
 At an update step, for P ranks, with layers grouped by solver family:
 

@@ -1,4 +1,4 @@
-"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md).
+"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md, "KID", "KIS").
 
 Both run on every rank before the all-gather, touch only n×n kernels (never d×d), and
 need no host synchronisation.

@@ -1,0 +1,46 @@
+"""Plain records hylo hands to user code: the policy's view of a layer and its logged decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from hylo.solvers import LayerSolver
+
+#: Why a solver was chosen (see :class:`Decision`).
+Reason = Literal["override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable"]
+REASONS: tuple[Reason, ...] = get_args(Reason)
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What a policy knows of one layer at an update step (the argument of ``solver_fn``)."""
+
+    name: str
+    step: int
+    d_a: int
+    d_g: int
+    rows: int
+    kfac_rows: int
+    kept: int
+    update_freq: int
+    world_size: int
+    grad_norm: float
+    trend: float | None
+    critical: bool
+    cost_kfac: float
+    cost_lowrank: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One layer's solver at one update step and why (an entry of ``decision_log``)."""
+
+    step: int
+    layer: str
+    solver: LayerSolver
+    reason: Reason
+    critical: bool
+    trend: float | None
+    cost_kfac: float
+    cost_lowrank: float
