@@ -1,0 +1,69 @@
+"""Comparisons and tolerances shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hylo import HyLoPreconditioner
+
+#: dtype of the models whose results are compared tightly.
+DT = torch.float64
+#: Relative (Frobenius) error allowed between a float64 preconditioned gradient and its dense oracle.
+RTOL = 1e-8
+#: Relative error allowed between two float64 computations of the same quantity (no solve in between).
+REPLAY_RTOL = 1e-12
+
+
+def rel_err(actual: Tensor, expected: Tensor, floor: float = 0.0) -> float:
+    """‖actual − expected‖ / max(‖expected‖, floor) (Frobenius norms)."""
+    return float((actual - expected).norm() / expected.norm().clamp_min(floor))
+
+
+def assert_rel_close(actual: Tensor, expected: Tensor, rtol: float = RTOL) -> None:
+    """Same shape and ``rel_err(actual, expected) <= rtol``."""
+    assert actual.shape == expected.shape
+    err = rel_err(actual, expected)
+    assert err <= rtol, f"relative error {err:.3e} > {rtol:g}"
+
+
+def grad_matrix(module: nn.Module) -> Tensor:
+    """∇W of a Linear/Conv2d as (d_g, d_a), bias as the last column (a copy)."""
+    weight = module.weight
+    grad = weight.grad.reshape(weight.shape[0], -1)
+    if module.bias is not None:
+        grad = torch.cat([grad, module.bias.grad.reshape(-1, 1)], dim=1)
+    return grad.detach().clone()
+
+
+def grads(model: nn.Module) -> list[Tensor]:
+    """Copies of the gradients of every parameter of ``model``."""
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def state_snapshot(pre: HyLoPreconditioner) -> dict[str, dict[str, Tensor] | None]:
+    """Copies of every registered layer's state tensors, by layer name (``None`` before any update)."""
+    return {
+        layer.name: None if layer.state is None else {k: v.detach().clone() for k, v in layer.state.tensors().items()}
+        for layer in pre._layers
+    }
+
+
+def assert_same_tensors(a: object, b: object) -> None:
+    """Recursive equality of nested dicts/lists of tensors and plain values (bit for bit)."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor)
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tensors(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple))
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
