@@ -1,9 +1,11 @@
 """The low-rank solvers end to end (hylo/solvers/smw.py and hylo/solvers/lowrank.py; DESIGN.md §2-3).
 
-Covers the invariants of the spec (ρ = 1 and rank ≥ n reduce to SNGD, KID is exact on data whose
-per-sample gradients span ≤ r dimensions), the KIS and KID formulas against a dense oracle, the
-error-vs-ρ trend, KIS draws and seeds, and the memory of the low-rank states. The row reductions
-themselves (kis_select, kid_skeleton, pivoted Cholesky) are in test_reduce.py.
+Covers SNGD against the dense (F + λI)⁻¹ vec ∇W of tests/kit/reference.py (float64, relative 1e-8;
+the ``solver`` parameter of those comparisons is SNGD's half of a kfac/sngd parametrization whose
+K-FAC half is in test_kfac.py), the invariants of the spec (ρ = 1 and rank ≥ n reduce to SNGD, KID
+is exact on data whose per-sample gradients span ≤ r dimensions), the KIS and KID formulas against
+a dense oracle, the error-vs-ρ trend, KIS draws and seeds, and the memory of the low-rank states.
+The row reductions themselves (kis_select, kid_skeleton, pivoted Cholesky) are in test_reduce.py.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from torch import Tensor, nn
 
 from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.solvers.reduce import kid_skeleton
-from tests.kit.checks import DT, rel_err
-from tests.kit.models import classifier_convnet, classifier_inputs, classifier_mlp
-from tests.kit.reference import u_rows
+from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
+from tests.kit.models import classifier_convnet, classifier_inputs, classifier_mlp, fixed_target, one_step
+from tests.kit.reference import CONV_CASES, conv_reference, dense_sngd, linear_rows, u_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -51,6 +53,81 @@ def _max_rel_err(got: list[Tensor], ref: list[Tensor]) -> float:
 def _flat_rel_err(got: list[Tensor], ref: list[Tensor]) -> float:
     """Relative error of all tensors flattened into one vector."""
     return rel_err(torch.cat([t.flatten() for t in got]), torch.cat([t.flatten() for t in ref]))
+
+
+# --------------------------------------------------------------------------- SNGD vs dense: Linear
+@pytest.mark.parametrize("solver", ["sngd"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 5)], ids=["2d", "leading-dims"])
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_linear_matches_dense(solver: str, bias: bool, shape: tuple[int, ...], loss: str) -> None:
+    damping = 0.05
+    layer = nn.Linear(5, 3, bias=bias, dtype=DT)
+    x = torch.randn(shape, dtype=DT)
+    labels = torch.randint(0, 3, shape[:-1])
+    if loss == "ce":
+
+        def loss_fn(out: Tensor) -> Tensor:
+            return F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))
+
+    else:
+
+        def loss_fn(out: Tensor) -> Tensor:
+            return F.mse_loss(out, fixed_target(out.shape))
+
+    _, dout, grad, got = one_step(layer, x, loss_fn, solver=solver, damping=damping)
+    a, g = linear_rows(layer, x, dout)
+    rows = a.shape[0]
+    assert rows == x[..., 0].numel()
+    assert_rel_close(g.mT @ a / rows, grad, REPLAY_RTOL)  # the reference rows reproduce ∇W
+    expected = dense_sngd(a, g, grad, damping)
+    assert rel_err(expected, grad / damping) > 1e-2  # the curvature matters at this damping
+    assert_rel_close(got, expected)
+
+
+# --------------------------------------------------------------------------- SNGD vs dense: Conv2d
+@pytest.mark.parametrize("solver", ["sngd"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_conv2d_matches_dense(solver: str, bias: bool, case: str) -> None:
+    damping = 1e-5
+    conv = nn.Conv2d(2, 3, bias=bias, dtype=DT, **CONV_CASES[case])
+    x = torch.randn(3, 2, 6, 7, dtype=DT)
+
+    def loss_fn(out: Tensor) -> Tensor:
+        return F.mse_loss(out, fixed_target(out.shape))
+
+    out, dout, grad, got = one_step(conv, x, loss_fn, solver=solver, damping=damping)
+    ref = conv_reference(conv, x, out, dout)
+    assert_rel_close(ref["grad"], grad, REPLAY_RTOL)  # unfold + padding reproduce autograd's ∇W
+    expected = dense_sngd(ref["a"], ref["g"], grad, damping)
+    assert rel_err(expected, grad / damping) > 1e-2
+    assert_rel_close(got, expected)
+
+
+# --------------------------------------------------------------------------- SNGD: callable damping
+@pytest.mark.parametrize("solver", ["sngd"])
+def test_callable_damping_is_evaluated_per_update(solver: str) -> None:
+    def schedule(step: int) -> float:
+        return 0.2 / (step + 1)
+
+    layer = nn.Linear(4, 3, dtype=DT)
+    # factor_decay=0 makes every K-FAC update use the batch factors alone
+    pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=schedule, factor_decay=0.0)
+    for step in range(3):
+        layer.zero_grad()
+        x = torch.randn(6, 4, dtype=DT)
+        labels = torch.randint(0, 3, (6,))
+        out = layer(x)
+        out.retain_grad()
+        F.cross_entropy(out, labels).backward()
+        grad = grad_matrix(layer)
+        pre.step()
+        a, g = linear_rows(layer, x, out.grad)
+        lam = schedule(step)
+        expected = dense_sngd(a, g, grad, lam)
+        assert_rel_close(grad_matrix(layer), expected)
 
 
 # ------------------------------------------------------------------- 1. ρ = 1 / rank ≥ n ⇒ SNGD

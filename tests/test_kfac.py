@@ -1,0 +1,185 @@
+"""The K-FAC solver (hylo/solvers/kfac.py) against dense references built independently in tests/kit/reference.py.
+
+Every reference is assembled from the layer's input and the autograd gradient w.r.t. its output
+(``out.retain_grad()``), never from hylo's own capture or row code, and then solved densely:
+(A ⊗ G + λI) vec(V) = vec(∇W) with column-major vec, W of shape (d_g, d_a).
+
+Models are float64 so the comparisons can be tight (relative 1e-8 in the Frobenius norm). The
+``solver`` parameter of the dense comparisons is K-FAC's half of a kfac/sngd parametrization
+(SNGD's half is in test_lowrank.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo import HyLoPreconditioner
+from tests.kit.checks import DT, REPLAY_RTOL, RTOL, assert_rel_close, grad_matrix, rel_err
+from tests.kit.models import fixed_target, one_step
+from tests.kit.reference import CONV_CASES, conv_reference, dense_kfac, linear_rows, vec_cm
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_reference_vec_convention() -> None:
+    """kron(A, G) acts on column-major vec as X ↦ G X Aᵀ (the convention dense_kfac relies on)."""
+    a, g, x = torch.randn(4, 4, dtype=DT), torch.randn(3, 3, dtype=DT), torch.randn(3, 4, dtype=DT)
+    torch.testing.assert_close(torch.kron(a, g) @ vec_cm(x), vec_cm(g @ x @ a.mT), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- 1. Linear
+@pytest.mark.parametrize("solver", ["kfac"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 5)], ids=["2d", "leading-dims"])
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_linear_matches_dense(solver: str, bias: bool, shape: tuple[int, ...], loss: str) -> None:
+    damping = 0.05
+    layer = nn.Linear(5, 3, bias=bias, dtype=DT)
+    x = torch.randn(shape, dtype=DT)
+    labels = torch.randint(0, 3, shape[:-1])
+    if loss == "ce":
+
+        def loss_fn(out: Tensor) -> Tensor:
+            return F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))
+
+    else:
+
+        def loss_fn(out: Tensor) -> Tensor:
+            return F.mse_loss(out, fixed_target(out.shape))
+
+    _, dout, grad, got = one_step(layer, x, loss_fn, solver=solver, damping=damping)
+    a, g = linear_rows(layer, x, dout)
+    rows = a.shape[0]
+    assert rows == x[..., 0].numel()
+    assert_rel_close(g.mT @ a / rows, grad, REPLAY_RTOL)  # the reference rows reproduce ∇W
+    expected = dense_kfac(a.mT @ a / rows, g.mT @ g / rows, grad, damping)
+    assert rel_err(expected, grad / damping) > 1e-2  # the curvature matters at this damping
+    assert_rel_close(got, expected)
+
+
+# --------------------------------------------------------------------------- 1. Conv2d
+@pytest.mark.parametrize("solver", ["kfac"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_conv2d_matches_dense(solver: str, bias: bool, case: str) -> None:
+    damping = 1e-5
+    conv = nn.Conv2d(2, 3, bias=bias, dtype=DT, **CONV_CASES[case])
+    x = torch.randn(3, 2, 6, 7, dtype=DT)
+
+    def loss_fn(out: Tensor) -> Tensor:
+        return F.mse_loss(out, fixed_target(out.shape))
+
+    out, dout, grad, got = one_step(conv, x, loss_fn, solver=solver, damping=damping)
+    ref = conv_reference(conv, x, out, dout)
+    assert_rel_close(ref["grad"], grad, REPLAY_RTOL)  # unfold + padding reproduce autograd's ∇W
+    expected = dense_kfac(ref["A"], ref["G"], grad, damping)
+    assert rel_err(expected, grad / damping) > 1e-2
+    assert_rel_close(got, expected)
+
+
+# --------------------------------------------------------------------------- 5. callable damping
+@pytest.mark.parametrize("solver", ["kfac"])
+def test_callable_damping_is_evaluated_per_update(solver: str) -> None:
+    def schedule(step: int) -> float:
+        return 0.2 / (step + 1)
+
+    layer = nn.Linear(4, 3, dtype=DT)
+    # factor_decay=0 makes every K-FAC update use the batch factors alone
+    pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=schedule, factor_decay=0.0)
+    for step in range(3):
+        layer.zero_grad()
+        x = torch.randn(6, 4, dtype=DT)
+        labels = torch.randint(0, 3, (6,))
+        out = layer(x)
+        out.retain_grad()
+        F.cross_entropy(out, labels).backward()
+        grad = grad_matrix(layer)
+        pre.step()
+        a, g = linear_rows(layer, x, out.grad)
+        lam = schedule(step)
+        expected = dense_kfac(a.mT @ a / 6, g.mT @ g / 6, grad, lam)
+        assert_rel_close(grad_matrix(layer), expected)
+
+
+# --------------------------------------------------------------------------- 6. K-FAC running average
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_kfac_running_average(kind: str) -> None:
+    decay, damping = 0.7, 0.05
+    if kind == "linear":
+        layer: nn.Module = nn.Linear(4, 3, dtype=DT)
+    else:
+        layer = nn.Conv2d(2, 3, 3, stride=2, padding=1, dtype=DT)
+    pre = HyLoPreconditioner(layer, solver="kfac", update_freq=1, factor_decay=decay, damping=damping)
+    running: tuple[Tensor, Tensor] | None = None
+    for step in range(3):
+        layer.zero_grad()
+        x = torch.randn((6, 4) if kind == "linear" else (3, 2, 5, 5), dtype=DT)
+        out = layer(x)
+        out.retain_grad()
+        F.mse_loss(out, fixed_target(out.shape, seed=step)).backward()
+        grad = grad_matrix(layer)
+        pre.step()
+        if kind == "linear":
+            a, g = linear_rows(layer, x, out.grad)
+            batch = (a.mT @ a / a.shape[0], g.mT @ g / a.shape[0])
+        else:
+            ref = conv_reference(layer, x, out, out.grad)
+            batch = (ref["A"], ref["G"])
+        if running is None:  # the first update takes the batch factors as they are
+            running = batch
+        else:
+            running = tuple(decay * old + (1 - decay) * new for old, new in zip(running, batch, strict=True))
+        state = pre._layers[0].state
+        assert_rel_close(state.factor_a, running[0], REPLAY_RTOL)
+        assert_rel_close(state.factor_g, running[1], REPLAY_RTOL)
+        assert_rel_close(grad_matrix(layer), dense_kfac(running[0], running[1], grad, damping))
+
+
+# --------------------------------------------------------------------------- eigh failures
+def _failing_eigh(*args: object, **kwargs: object) -> None:
+    raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge (simulated)")
+
+
+def test_kfac_falls_back_when_torch_eigh_does_not_converge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LAPACK's syevd can fail on large factors with repeated eigenvalues, even in float64: the
+    SciPy QR-iteration fallback must give the same preconditioned gradient as the dense solve."""
+    damping = 0.05
+    layer = nn.Linear(5, 3, dtype=DT)
+    x = torch.randn(7, 5, dtype=DT)
+    monkeypatch.setattr(torch.linalg, "eigh", _failing_eigh)
+    _, dout, grad, got = one_step(layer, x, lambda out: F.mse_loss(out, fixed_target(out.shape)), solver="kfac",
+                                  damping=damping)  # fmt: skip
+    a, g = linear_rows(layer, x, dout)
+    rows = a.shape[0]
+    assert_rel_close(got, dense_kfac(a.mT @ a / rows, g.mT @ g / rows, grad, damping))
+
+
+def test_kfac_keeps_previous_state_when_every_eigh_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import scipy.linalg
+
+    layer = nn.Linear(5, 3, dtype=DT)
+    pre = HyLoPreconditioner(layer, solver="kfac", update_freq=1, damping=0.05)
+    x = torch.randn(7, 5, dtype=DT)
+    F.mse_loss(layer(x), fixed_target((7, 3))).backward()
+    pre.step()
+    stored = {k: v.clone() for k, v in pre._layers[0].state.tensors().items()}
+
+    def fail_scipy(*args: object, **kwargs: object) -> None:
+        raise scipy.linalg.LinAlgError("simulated")
+
+    monkeypatch.setattr(torch.linalg, "eigh", _failing_eigh)
+    monkeypatch.setattr(scipy.linalg, "eigh", fail_scipy)
+    layer.zero_grad()
+    F.mse_loss(layer(2 * x), fixed_target((7, 3))).backward()
+    grad = grad_matrix(layer)
+    with pytest.warns(UserWarning, match="non-finite curvature"):
+        pre.step()
+    for key, value in pre._layers[0].state.tensors().items():
+        assert torch.equal(value, stored[key]), key
+    state = pre._layers[0].state
+    expected = dense_kfac(stored["factor_a"], stored["factor_g"], grad, 0.05)
+    assert state is not None and rel_err(grad_matrix(layer), expected) < RTOL

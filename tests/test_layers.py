@@ -1,0 +1,139 @@
+"""Layer math and capture (hylo/layers.py, hylo/capture.py): what a layer's rows are, whichever way it is called.
+
+A 1×1 convolution on a 1×1 image is a Linear; a convolution followed by an in-place ReLU is
+captured before the ReLU; gradient accumulation and a layer called twice count every call once.
+Each case runs under both exact solvers, against dense references (tests/kit/reference.py) or
+against the equivalent plain call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hylo import HyLoPreconditioner
+from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
+from tests.kit.models import one_step
+from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# --------------------------------------------------------------------------- 2. 1×1 conv == Linear
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_conv1x1_on_1x1_image_equals_linear(solver: str, bias: bool) -> None:
+    lin = nn.Linear(4, 3, bias=bias, dtype=DT)
+    conv = nn.Conv2d(4, 3, 1, bias=bias, dtype=DT)
+    with torch.no_grad():
+        conv.weight.copy_(lin.weight.reshape(3, 4, 1, 1))
+        if bias:
+            conv.bias.copy_(lin.bias)
+    x = torch.randn(5, 4, dtype=DT)
+    labels = torch.randint(0, 3, (5,))
+    _, _, grad_lin, v_lin = one_step(lin, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=0.05)
+    _, _, grad_conv, v_conv = one_step(
+        conv,
+        x.reshape(5, 4, 1, 1),
+        lambda out: F.cross_entropy(out.reshape(5, 3), labels),
+        solver=solver,
+        damping=0.05,
+    )
+    torch.testing.assert_close(grad_conv, grad_lin, rtol=1e-12, atol=1e-14)
+    assert rel_err(v_lin, grad_lin / 0.05) > 1e-2
+    torch.testing.assert_close(v_conv, v_lin, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- 3. in-place ReLU
+def _conv_relu_net(inplace: bool) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1, dtype=DT),
+        nn.ReLU(inplace=inplace),
+        nn.Flatten(),
+        nn.Linear(3 * 5 * 5, 4, dtype=DT),
+    )
+
+
+@pytest.mark.parametrize("solver", ["sngd", "kfac"])
+def test_conv_followed_by_inplace_relu(solver: str) -> None:
+    damping = 0.01
+    model = _conv_relu_net(inplace=True)
+    ref = _conv_relu_net(inplace=False)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    labels = torch.randint(0, 4, (4,))
+
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=1, damping=damping)
+    F.cross_entropy(model(x), labels).backward()
+    conv_layer = next(layer for layer in pre._layers if layer.name == "0")
+    (record,) = conv_layer.capture.records
+    grads = [grad_matrix(model[0]), grad_matrix(model[3])]
+    pre.step()
+
+    # independent reference: same weights, out-of-place ReLU, gradients via retain_grad
+    s = ref[0](x)
+    s.retain_grad()
+    h = ref[1](s)
+    h.retain_grad()
+    flat = ref[2](h)
+    logits = ref[3](flat)
+    logits.retain_grad()
+    F.cross_entropy(logits, labels).backward()
+    assert not torch.equal(s.grad, h.grad)  # the ReLU masks something: pre- and post-ReLU differ
+    torch.testing.assert_close(record.grad_output, s.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grads[0], grad_matrix(ref[0]), rtol=1e-12, atol=1e-14)
+
+    conv_ref = conv_reference(ref[0], x, s, s.grad)
+    a, g = linear_rows(ref[3], flat, logits.grad)
+    if solver == "sngd":
+        expected_conv = dense_sngd(conv_ref["a"], conv_ref["g"], grads[0], damping)
+        expected_lin = dense_sngd(a, g, grads[1], damping)
+    else:
+        expected_conv = dense_kfac(conv_ref["A"], conv_ref["G"], grads[0], damping)
+        expected_lin = dense_kfac(a.mT @ a / 4, g.mT @ g / 4, grads[1], damping)
+    assert_rel_close(grad_matrix(model[0]), expected_conv)
+    assert_rel_close(grad_matrix(model[3]), expected_lin)
+
+
+# --------------------------------------------------------------------------- several forward calls per step
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_gradient_accumulation_matches_one_batch(solver: str) -> None:
+    damping = 0.05
+    whole = nn.Linear(4, 3, dtype=DT)
+    accumulated = nn.Linear(4, 3, dtype=DT)
+    accumulated.load_state_dict(whole.state_dict())
+    x = torch.randn(8, 4, dtype=DT)
+    labels = torch.randint(0, 3, (8,))
+    _, dout, grad, expected_v = one_step(
+        whole, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=damping
+    )
+    a, g = linear_rows(whole, x, dout)
+    if solver == "kfac":
+        assert_rel_close(expected_v, dense_kfac(a.mT @ a / 8, g.mT @ g / 8, grad, damping))
+    else:
+        assert_rel_close(expected_v, dense_sngd(a, g, grad, damping))
+
+    pre = HyLoPreconditioner(accumulated, solver=solver, update_freq=1, damping=damping)
+    for xs, ys in zip(x.split(4), labels.split(4), strict=True):  # two micro-batches, loss / 2 each
+        (F.cross_entropy(accumulated(xs), ys) / 2).backward()
+    assert_rel_close(grad_matrix(accumulated), grad, REPLAY_RTOL)
+    pre.step()
+    assert_rel_close(grad_matrix(accumulated), expected_v)
+
+
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_layer_called_twice_matches_one_call_on_stacked_input(solver: str) -> None:
+    once = nn.Linear(4, 3, dtype=DT)
+    twice = nn.Linear(4, 3, dtype=DT)
+    twice.load_state_dict(once.state_dict())
+    x1, x2 = torch.randn(5, 4, dtype=DT), torch.randn(5, 4, dtype=DT)
+    labels = torch.randint(0, 3, (10,))
+    _, _, _, expected_v = one_step(
+        once, torch.cat([x1, x2]), lambda out: F.cross_entropy(out, labels), solver=solver, damping=0.05
+    )
+    pre = HyLoPreconditioner(twice, solver=solver, update_freq=1, damping=0.05)
+    F.cross_entropy(torch.cat([twice(x1), twice(x2)]), labels).backward()
+    pre.step()
+    assert_rel_close(grad_matrix(twice), expected_v)
