@@ -6,17 +6,51 @@ with its gradient-norm trend); a state_dict that does not fit the model raises a
 
 from __future__ import annotations
 
+import copy
 import io
+from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from tests.kit.models import classifier_inputs, classifier_mlp
+from tests.kit.checks import DT, assert_same_tensors, state_snapshot
+from tests.kit.models import classifier_inputs, classifier_mlp, mlp, run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# --------------------------------------------------------------------------- exact solvers
+@pytest.mark.parametrize("save_at", [3, 4], ids=["before-update-step", "between-updates"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_state_dict_round_trip_is_bit_exact(solver: str, save_at: int) -> None:
+    options = {"solver": solver, "update_freq": 3, "damping": 0.1, "factor_decay": 0.8}
+
+    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, HyLoPreconditioner]:
+        model = mlp(seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, optimizer, HyLoPreconditioner(model, **options)
+
+    model, optimizer, pre = make(0)
+    run(model, pre, range(save_at), optimizer)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "pre": pre.state_dict()}, buffer)
+    run(model, pre, range(save_at, 7), optimizer)
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)  # weights_only=True: the state_dict holds plain data only
+    model2, optimizer2, pre2 = make(1)
+    model2.load_state_dict(checkpoint["model"])
+    optimizer2.load_state_dict(checkpoint["opt"])
+    pre2.load_state_dict(checkpoint["pre"])
+    run(model2, pre2, range(save_at, 7), optimizer2)
+
+    for (name, p), q in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert_same_tensors(state_snapshot(pre), state_snapshot(pre2))
 
 
 # --------------------------------------------------------------------------- low-rank solvers
@@ -63,3 +97,73 @@ def test_state_dict_round_trip_continues_bit_for_bit(solver: str, save_at: int) 
     assert all(torch.equal(s, r) for s, r in zip(straight, resumed, strict=True))
     again, _ = _training_run(solver, 6, None)  # the uninterrupted run itself is deterministic
     assert all(torch.equal(s, r) for s, r in zip(straight, again, strict=True))
+
+
+# --------------------------------------------------------------------------- load_state_dict mismatches
+def _renamed() -> nn.Module:
+    return nn.Sequential(OrderedDict(l1=nn.Linear(4, 6, dtype=DT), act=nn.Tanh(), l2=nn.Linear(6, 3, dtype=DT)))
+
+
+def _reshaped() -> nn.Module:
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 5, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(5, 3, dtype=DT)))
+
+
+def _no_bias() -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(fc1=nn.Linear(4, 6, bias=False, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(6, 3, dtype=DT))
+    )
+
+
+def _extra_layer() -> nn.Module:
+    model = mlp()
+    model.add_module("fc3", nn.Linear(3, 3, dtype=DT))
+    return model
+
+
+@pytest.mark.parametrize("other", [_renamed, _reshaped, _no_bias, _extra_layer])
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_load_state_dict_from_other_model_raises_and_changes_nothing(
+    solver: str, other: Callable[[], nn.Module]
+) -> None:
+    source_model = other()
+    source = HyLoPreconditioner(source_model, solver=solver, update_freq=1)
+    run(source_model, source, [0])
+    saved = source.state_dict()
+
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.3)
+    run(model, pre, range(3))
+    before = copy.deepcopy(pre.state_dict())
+    states_before = [layer.state for layer in pre._layers]
+    with pytest.raises(ValueError, match=r"layer|shape|d_a|d_g"):
+        pre.load_state_dict(saved)
+    assert_same_tensors(pre.state_dict(), before)
+    assert all(layer.state is old for layer, old in zip(pre._layers, states_before, strict=True))
+    run(model, pre, [3])  # still usable
+
+
+@pytest.mark.parametrize(("saved_solver", "solver"), [("sngd", "kfac"), ("kfac", "sngd")])
+def test_load_state_dict_solver_mismatch_raises(saved_solver: str, solver: str) -> None:
+    source_model = mlp()
+    source = HyLoPreconditioner(source_model, solver=saved_solver, update_freq=1)
+    run(source_model, source, [0])
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=1)
+    run(model, pre, [0])
+    before = copy.deepcopy(pre.state_dict())
+    with pytest.raises(ValueError, match="solver"):
+        pre.load_state_dict(source.state_dict())
+    assert_same_tensors(pre.state_dict(), before)
+
+
+def test_load_state_dict_with_corrupt_tensor_shape_raises() -> None:
+    source_model = mlp()
+    source = HyLoPreconditioner(source_model, solver="sngd", update_freq=1)
+    run(source_model, source, [0])
+    saved = source.state_dict()
+    saved["layers"]["fc1"]["tensors"]["a"] = saved["layers"]["fc1"]["tensors"]["a"][:, :-1]
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    with pytest.raises(ValueError, match="fc1"):
+        pre.load_state_dict(saved)
+    assert all(layer.state is None for layer in pre._layers)

@@ -1,6 +1,7 @@
 """Option validation of HyLoConfig (hylo/config.py), directly and through HyLoPreconditioner.
 
-Invalid options raise a ValueError naming the option; rank/rank_ratio and ``rows_kept``.
+Invalid options raise a ValueError naming the option (kl_clip needs lr, skip_layers must be
+valid regular expressions); rank/rank_ratio and ``rows_kept``.
 """
 
 from __future__ import annotations
@@ -8,9 +9,56 @@ from __future__ import annotations
 import pytest
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from tests.kit.models import classifier_mlp
+from tests.kit.models import classifier_mlp, mlp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# --------------------------------------------------------------------------- errors name the option
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"damping": 0}, "damping"),
+        ({"damping": -1.0}, "damping"),
+        ({"damping": float("nan")}, "damping"),
+        ({"damping": float("inf")}, "damping"),
+        ({"update_freq": 0}, "update_freq"),
+        ({"update_freq": 1.5}, "update_freq"),
+        ({"update_freq": -3}, "update_freq"),
+        ({"factor_decay": 1.0}, "factor_decay"),
+        ({"factor_decay": -0.1}, "factor_decay"),
+        ({"kl_clip": 1e-3}, "lr"),
+        ({"kl_clip": 0.0, "lr": 0.1}, "kl_clip"),
+        ({"kl_clip": 1.0, "lr": -0.1}, "lr"),
+        ({"rank_ratio": 0}, "rank_ratio"),
+        ({"rank_ratio": 1.5}, "rank_ratio"),
+        ({"rank": 0}, "rank"),
+        ({"solver": "adam"}, "solver"),
+        ({"solver": "KFAC"}, "solver"),
+        ({"skip_layers": "fc1"}, "skip_layers"),
+    ],
+)
+def test_invalid_option_raises_value_error_naming_it(options: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoPreconditioner(mlp(), **options)
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoConfig(**options)
+
+
+def test_invalid_skip_layers_regex_raises_in_preconditioner() -> None:
+    with pytest.raises(ValueError, match="skip_layers"):
+        HyLoPreconditioner(mlp(), skip_layers=("fc[",))
+
+
+def test_invalid_skip_layers_regex_raises_in_config() -> None:
+    with pytest.raises(ValueError, match="skip_layers"):
+        HyLoConfig(skip_layers=("fc[",))
+
+
+def test_kl_clip_without_lr_message_names_both() -> None:
+    with pytest.raises(ValueError, match=r"\blr\b") as info:
+        HyLoPreconditioner(mlp(), kl_clip=1e-3)
+    assert "kl_clip" in str(info.value)
 
 
 # --------------------------------------------------------------------------- rank and rank_ratio

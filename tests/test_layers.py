@@ -1,12 +1,15 @@
 """Layer math and capture (hylo/layers.py, hylo/capture.py): what a layer's rows are, whichever way it is called.
 
 A 1×1 convolution on a 1×1 image is a Linear; a convolution followed by an in-place ReLU is
-captured before the ReLU; gradient accumulation and a layer called twice count every call once.
-Each case runs under both exact solvers, against dense references (tests/kit/reference.py) or
-against the equivalent plain call.
+captured before the ReLU; gradient accumulation and a layer called twice count every call once; a
+keyword call and an unbatched convolution input are captured like the plain call; nothing is
+captured in eval mode or without grad. The cases run under both exact solvers, against dense
+references (tests/kit/reference.py) or against the equivalent plain call.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from torch import nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
-from tests.kit.models import one_step
+from tests.kit.models import batch, mlp, one_step
 from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -137,3 +140,45 @@ def test_layer_called_twice_matches_one_call_on_stacked_input(solver: str) -> No
     F.cross_entropy(torch.cat([twice(x1), twice(x2)]), labels).backward()
     pre.step()
     assert_rel_close(grad_matrix(twice), expected_v)
+
+
+# --------------------------------------------------------------------------- calling conventions
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_keyword_call_matches_positional_call(solver: str) -> None:
+    positional = nn.Linear(4, 3, dtype=DT)
+    keyword = copy.deepcopy(positional)
+    x, y = batch(0)
+    results = []
+    for layer, call in [(positional, lambda m: m(x)), (keyword, lambda m: m(input=x))]:
+        pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=0.1)
+        F.cross_entropy(call(layer), y).backward()
+        pre.step()
+        results.append(grad_matrix(layer))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_unbatched_conv_input_matches_batch_of_one(solver: str) -> None:
+    batched = nn.Conv2d(2, 3, 3, dtype=DT)
+    unbatched = copy.deepcopy(batched)
+    x = torch.randn(2, 5, 5, dtype=DT)
+    results = []
+    for layer, inp in [(batched, x[None]), (unbatched, x)]:
+        pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=0.1)
+        layer(inp).square().mean().backward()
+        pre.step()
+        results.append(grad_matrix(layer))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------- when nothing is captured
+def test_no_capture_in_eval_mode_or_without_grad() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    x, _ = batch(0)
+    model.eval()
+    model(x)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert all(not layer.capture.records for layer in pre._layers)

@@ -1,9 +1,12 @@
-"""HyLoPreconditioner's public behaviour: cadence, hyperparameters, checkpoints, lifecycle, errors."""
+"""HyLoPreconditioner's public behaviour (hylo/preconditioner.py): cadence, callable hyperparameters,
+lifecycle, errors, unsupported and skipped layers, kl_clip, memory_usage, solver_of and summary.
+
+Checkpoints are in test_checkpoint.py, option validation in test_config.py.
+"""
 
 from __future__ import annotations
 
 import copy
-import io
 import math
 import re
 import warnings
@@ -15,89 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hylo import HyLoConfig, HyLoPreconditioner
+from hylo import HyLoPreconditioner
+from tests.kit.checks import DT, assert_same_tensors, grads, state_snapshot
+from tests.kit.models import backward, batch, mlp, run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-DT = torch.float64
-
-
-# --------------------------------------------------------------------------- helpers
-def mlp(seed: int = 0, dtype: torch.dtype = DT) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        OrderedDict(
-            fc1=nn.Linear(4, 6, dtype=dtype),
-            act=nn.Tanh(),
-            fc2=nn.Linear(6, 3, dtype=dtype),
-        )
-    )
-
-
-def batch(step: int, n: int = 8) -> tuple[Tensor, Tensor]:
-    """Deterministic data of step ``step``."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 4, generator=gen, dtype=DT), torch.randint(0, 3, (n,), generator=gen)
-
-
-def backward(model: nn.Module, step: int, n: int = 8) -> None:
-    x, y = batch(step, n)
-    F.cross_entropy(model(x), y).backward()
-
-
-def grad_matrix(module: nn.Module) -> Tensor:
-    grad = module.weight.grad.reshape(module.weight.shape[0], -1)
-    if module.bias is not None:
-        grad = torch.cat([grad, module.bias.grad.reshape(-1, 1)], dim=1)
-    return grad.detach().clone()
-
-
-def grads(model: nn.Module) -> list[Tensor]:
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def state_snapshot(pre: HyLoPreconditioner) -> dict[str, dict[str, Tensor] | None]:
-    return {
-        layer.name: None if layer.state is None else {k: v.detach().clone() for k, v in layer.state.tensors().items()}
-        for layer in pre.layers
-    }
-
-
-def assert_same_tensors(a: object, b: object) -> None:
-    """Recursive equality of nested dicts/lists of tensors and plain values (bit for bit)."""
-    if isinstance(a, Tensor):
-        assert isinstance(b, Tensor)
-        assert a.shape == b.shape
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict)
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same_tensors(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple))
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_tensors(x, y)
-    else:
-        assert a == b
-
-
-def run(
-    model: nn.Module,
-    pre: HyLoPreconditioner,
-    steps: Iterable[int],
-    optimizer: torch.optim.Optimizer | None = None,
-) -> None:
-    for step in steps:
-        if optimizer is not None:
-            optimizer.zero_grad()
-        else:
-            model.zero_grad()
-        backward(model, step)
-        pre.step()
-        if optimizer is not None:
-            optimizer.step()
 
 
 # --------------------------------------------------------------------------- 4. update cadence
@@ -107,19 +32,19 @@ def _cadence(pre: HyLoPreconditioner, model: nn.Module, steps: int) -> tuple[lis
     for step in range(steps):
         model.zero_grad()
         backward(model, step)
-        has_records = [bool(layer.capture.records) for layer in pre.layers]
+        has_records = [bool(layer.capture.records) for layer in pre._layers]
         assert len(set(has_records)) == 1, "all layers capture on the same steps"
         if has_records[0]:
             captured.append(step)
-        before = [layer.state for layer in pre.layers]
-        raw = [layer.math.grad_matrix().clone() for layer in pre.layers]
+        before = [layer.state for layer in pre._layers]
+        raw = [layer.math.grad_matrix().clone() for layer in pre._layers]
         pre.step()
-        changed = [layer.state is not old for layer, old in zip(pre.layers, before, strict=True)]
+        changed = [layer.state is not old for layer, old in zip(pre._layers, before, strict=True)]
         assert len(set(changed)) == 1, "all layers update on the same steps"
         if changed[0]:
             replaced.append(step)
         else:  # between updates the stored state is reused on the fresh gradient
-            for layer, old, g in zip(pre.layers, before, raw, strict=True):
+            for layer, old, g in zip(pre._layers, before, raw, strict=True):
                 torch.testing.assert_close(layer.math.grad_matrix(), old.precondition(g), rtol=1e-12, atol=0)
                 assert not torch.allclose(layer.math.grad_matrix(), g)
     return captured, replaced
@@ -132,18 +57,6 @@ def test_update_cadence(solver: str) -> None:
     captured, replaced = _cadence(pre, model, 8)
     assert captured == [0, 3, 6]
     assert replaced == [0, 3, 6]
-
-
-def test_no_capture_in_eval_mode_or_without_grad() -> None:
-    model = mlp()
-    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
-    x, _ = batch(0)
-    model.eval()
-    model(x)
-    model.train()
-    with torch.no_grad():
-        model(x)
-    assert all(not layer.capture.records for layer in pre.layers)
 
 
 # --------------------------------------------------------------------------- 5. callable hyperparameters
@@ -185,106 +98,6 @@ def test_callable_returning_invalid_value_raises(
         run(model, pre, [1])
 
 
-# --------------------------------------------------------------------------- 7. state_dict round trip
-@pytest.mark.parametrize("save_at", [3, 4], ids=["before-update-step", "between-updates"])
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
-def test_state_dict_round_trip_is_bit_exact(solver: str, save_at: int) -> None:
-    options = {"solver": solver, "update_freq": 3, "damping": 0.1, "factor_decay": 0.8}
-
-    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, HyLoPreconditioner]:
-        model = mlp(seed)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return model, optimizer, HyLoPreconditioner(model, **options)
-
-    model, optimizer, pre = make(0)
-    run(model, pre, range(save_at), optimizer)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "pre": pre.state_dict()}, buffer)
-    run(model, pre, range(save_at, 7), optimizer)
-
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)  # weights_only=True: the state_dict holds plain data only
-    model2, optimizer2, pre2 = make(1)
-    model2.load_state_dict(checkpoint["model"])
-    optimizer2.load_state_dict(checkpoint["opt"])
-    pre2.load_state_dict(checkpoint["pre"])
-    run(model2, pre2, range(save_at, 7), optimizer2)
-
-    for (name, p), q in zip(model.named_parameters(), model2.parameters(), strict=True):
-        assert torch.equal(p, q), name
-    assert_same_tensors(state_snapshot(pre), state_snapshot(pre2))
-
-
-# --------------------------------------------------------------------------- 8. load_state_dict mismatches
-def _renamed() -> nn.Module:
-    return nn.Sequential(OrderedDict(l1=nn.Linear(4, 6, dtype=DT), act=nn.Tanh(), l2=nn.Linear(6, 3, dtype=DT)))
-
-
-def _reshaped() -> nn.Module:
-    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 5, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(5, 3, dtype=DT)))
-
-
-def _no_bias() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(fc1=nn.Linear(4, 6, bias=False, dtype=DT), act=nn.Tanh(), fc2=nn.Linear(6, 3, dtype=DT))
-    )
-
-
-def _extra_layer() -> nn.Module:
-    model = mlp()
-    model.add_module("fc3", nn.Linear(3, 3, dtype=DT))
-    return model
-
-
-@pytest.mark.parametrize("other", [_renamed, _reshaped, _no_bias, _extra_layer])
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
-def test_load_state_dict_from_other_model_raises_and_changes_nothing(
-    solver: str, other: Callable[[], nn.Module]
-) -> None:
-    source_model = other()
-    source = HyLoPreconditioner(source_model, solver=solver, update_freq=1)
-    run(source_model, source, [0])
-    saved = source.state_dict()
-
-    model = mlp()
-    pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.3)
-    run(model, pre, range(3))
-    before = copy.deepcopy(pre.state_dict())
-    states_before = [layer.state for layer in pre.layers]
-    with pytest.raises(ValueError, match=r"layer|shape|d_a|d_g"):
-        pre.load_state_dict(saved)
-    assert_same_tensors(pre.state_dict(), before)
-    assert all(layer.state is old for layer, old in zip(pre.layers, states_before, strict=True))
-    run(model, pre, [3])  # still usable
-
-
-@pytest.mark.parametrize(("saved_solver", "solver"), [("sngd", "kfac"), ("kfac", "sngd")])
-def test_load_state_dict_solver_mismatch_raises(saved_solver: str, solver: str) -> None:
-    source_model = mlp()
-    source = HyLoPreconditioner(source_model, solver=saved_solver, update_freq=1)
-    run(source_model, source, [0])
-    model = mlp()
-    pre = HyLoPreconditioner(model, solver=solver, update_freq=1)
-    run(model, pre, [0])
-    before = copy.deepcopy(pre.state_dict())
-    with pytest.raises(ValueError, match="solver"):
-        pre.load_state_dict(source.state_dict())
-    assert_same_tensors(pre.state_dict(), before)
-
-
-def test_load_state_dict_with_corrupt_tensor_shape_raises() -> None:
-    source_model = mlp()
-    source = HyLoPreconditioner(source_model, solver="sngd", update_freq=1)
-    run(source_model, source, [0])
-    saved = source.state_dict()
-    saved["layers"]["fc1"]["tensors"]["a"] = saved["layers"]["fc1"]["tensors"]["a"][:, :-1]
-    model = mlp()
-    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
-    with pytest.raises(ValueError, match="fc1"):
-        pre.load_state_dict(saved)
-    assert all(layer.state is None for layer in pre.layers)
-
-
 # --------------------------------------------------------------------------- 9. remove
 def test_remove_detaches_hooks_and_disables_step() -> None:
     model = mlp()
@@ -300,56 +113,10 @@ def test_remove_detaches_hooks_and_disables_step() -> None:
     with pytest.raises(RuntimeError):
         pre.step()
     assert_same_tensors(grads(model), raw)
-    assert all(not layer.capture.records for layer in pre.layers)
+    assert all(not layer.capture.records for layer in pre._layers)
 
 
 # --------------------------------------------------------------------------- 10. bad input
-@pytest.mark.parametrize(
-    ("options", "name"),
-    [
-        ({"damping": 0}, "damping"),
-        ({"damping": -1.0}, "damping"),
-        ({"damping": float("nan")}, "damping"),
-        ({"damping": float("inf")}, "damping"),
-        ({"update_freq": 0}, "update_freq"),
-        ({"update_freq": 1.5}, "update_freq"),
-        ({"update_freq": -3}, "update_freq"),
-        ({"factor_decay": 1.0}, "factor_decay"),
-        ({"factor_decay": -0.1}, "factor_decay"),
-        ({"kl_clip": 1e-3}, "lr"),
-        ({"kl_clip": 0.0, "lr": 0.1}, "kl_clip"),
-        ({"kl_clip": 1.0, "lr": -0.1}, "lr"),
-        ({"rank_ratio": 0}, "rank_ratio"),
-        ({"rank_ratio": 1.5}, "rank_ratio"),
-        ({"rank": 0}, "rank"),
-        ({"solver": "adam"}, "solver"),
-        ({"solver": "KFAC"}, "solver"),
-        ({"skip_layers": "fc1"}, "skip_layers"),
-    ],
-)
-def test_invalid_option_raises_value_error_naming_it(options: dict[str, object], name: str) -> None:
-    with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        HyLoPreconditioner(mlp(), **options)
-    with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        HyLoConfig(**options)
-
-
-def test_invalid_skip_layers_regex_raises_in_preconditioner() -> None:
-    with pytest.raises(ValueError, match="skip_layers"):
-        HyLoPreconditioner(mlp(), skip_layers=("fc[",))
-
-
-def test_invalid_skip_layers_regex_raises_in_config() -> None:
-    with pytest.raises(ValueError, match="skip_layers"):
-        HyLoConfig(skip_layers=("fc[",))
-
-
-def test_kl_clip_without_lr_message_names_both() -> None:
-    with pytest.raises(ValueError, match=r"\blr\b") as info:
-        HyLoPreconditioner(mlp(), kl_clip=1e-3)
-    assert "kl_clip" in str(info.value)
-
-
 def test_step_before_backward_names_the_layer() -> None:
     model = mlp()
     pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
@@ -384,7 +151,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
     model = mlp()
     pre = HyLoPreconditioner(model, solver=solver, update_freq=update_freq, damping=0.1)
     run(model, pre, [0])
-    states = [layer.state for layer in pre.layers]
+    states = [layer.state for layer in pre._layers]
     snapshot = state_snapshot(pre)
 
     model.zero_grad()
@@ -396,7 +163,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
         pre.step()
     for p, g in zip(model.parameters(), raw, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
-    assert all(layer.state is old for layer, old in zip(pre.layers, states, strict=True))
+    assert all(layer.state is old for layer, old in zip(pre._layers, states, strict=True))
     assert_same_tensors(state_snapshot(pre), snapshot)
 
     # the next step with finite gradients updates and preconditions as usual
@@ -406,7 +173,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pre.step()
-    assert all(layer.state is not old for layer, old in zip(pre.layers, states, strict=True))
+    assert all(layer.state is not old for layer, old in zip(pre._layers, states, strict=True))
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert not torch.allclose(model.fc1.weight.grad, raw[0])
 
@@ -435,7 +202,7 @@ def test_unsupported_modules_warn_and_are_left_alone(solver: str) -> None:
     message = " ".join(str(w.message) for w in record)
     for name in ("emb", "dw", "bn"):
         assert name in message
-    assert [layer.name for layer in pre.layers] == ["conv", "fc"]
+    assert [layer.name for layer in pre._layers] == ["conv", "fc"]
     summary = pre.summary()
     for name in ("emb", "dw", "bn", "conv", "fc"):
         assert name in summary
@@ -480,7 +247,7 @@ def test_skip_layers_by_name_regex_and_class(skip: tuple[str, ...], kept: list[s
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # skipping is not a warning
         pre = HyLoPreconditioner(model, solver="sngd", skip_layers=skip)
-    assert [layer.name for layer in pre.layers] == kept
+    assert [layer.name for layer in pre._layers] == kept
     summary = pre.summary()
     for name in {"conv1", "conv10", "fc", "fc_out"} - set(kept):
         assert re.search(rf"\b{name}\b", summary), name
@@ -490,7 +257,7 @@ def test_frozen_layer_is_skipped_and_model_without_supported_layers_raises() -> 
     model = mlp()
     model.fc1.weight.requires_grad_(False)
     pre = HyLoPreconditioner(model, solver="sngd")
-    assert [layer.name for layer in pre.layers] == ["fc2"]
+    assert [layer.name for layer in pre._layers] == ["fc2"]
     assert "fc1" in pre.summary()
     with pytest.raises(ValueError, match="layer"):
         HyLoPreconditioner(mlp(), skip_layers=("Linear",))
@@ -543,7 +310,7 @@ def test_memory_usage_sngd_exact(dtype: torch.dtype) -> None:
     F.cross_entropy(model(x), torch.randint(0, 3, (m,))).backward()
     pre.step()
     usage = pre.memory_usage()
-    for layer in pre.layers:
+    for layer in pre._layers:
         assert usage[layer.name] == _nbytes(layer.state.tensors().values())
     size = torch.finfo(dtype).bits // 8
     # O(m (d_a + d_g) + m²) numbers: rows a (m×d_a), g (m×d_g) and the m×m SMW matrix
@@ -565,37 +332,8 @@ def test_memory_usage_kfac_exact() -> None:
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=1)
     run(model, pre, [0])
     usage = pre.memory_usage()
-    for layer in pre.layers:
+    for layer in pre._layers:
         assert usage[layer.name] == _nbytes(layer.state.tensors().values())
     # factors, eigenvectors (d×d each) and eigenvalues (d each), float64
     for name, d_a, d_g in [("fc1", 5, 6), ("fc2", 7, 3)]:
         assert usage[name] == 8 * (2 * d_a * d_a + d_a + 2 * d_g * d_g + d_g), name
-
-
-# --------------------------------------------------------------------------- calling conventions
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
-def test_keyword_call_matches_positional_call(solver: str) -> None:
-    positional = nn.Linear(4, 3, dtype=DT)
-    keyword = copy.deepcopy(positional)
-    x, y = batch(0)
-    results = []
-    for layer, call in [(positional, lambda m: m(x)), (keyword, lambda m: m(input=x))]:
-        pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=0.1)
-        F.cross_entropy(call(layer), y).backward()
-        pre.step()
-        results.append(grad_matrix(layer))
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
-
-
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
-def test_unbatched_conv_input_matches_batch_of_one(solver: str) -> None:
-    batched = nn.Conv2d(2, 3, 3, dtype=DT)
-    unbatched = copy.deepcopy(batched)
-    x = torch.randn(2, 5, 5, dtype=DT)
-    results = []
-    for layer, inp in [(batched, x[None]), (unbatched, x)]:
-        pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=0.1)
-        layer(inp).square().mean().backward()
-        pre.step()
-        results.append(grad_matrix(layer))
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
