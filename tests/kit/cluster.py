@@ -16,8 +16,8 @@ shared slots and a :class:`threading.Barrier`:
 Failures never hang: when a rank's body raises, :meth:`ThreadCluster.run` aborts the barrier,
 so every collective pending or started later on the other ranks raises ``RuntimeError``
 (which :class:`hylo.distributed.BucketedCommunicator` turns into
-:class:`hylo.CommunicationError`); a rank that never arrives at a collective breaks the
-barrier after ``timeout`` seconds. :meth:`ThreadCluster.fail` injects a backend failure on
+:class:`hylo.CommunicationError`) — a meeting every rank had already reached still completes;
+a rank that never arrives at a collective breaks the barrier after ``timeout`` seconds. :meth:`ThreadCluster.fail` injects a backend failure on
 one rank's k-th collective.
 
 The collectives complete before they return (the returned :class:`DoneWork` is already
@@ -215,6 +215,7 @@ class ThreadCluster:
         self._failures: dict[int, _Failure] = {}
         self._lock = threading.Lock()
         self._origin: int | None = None
+        self._arrivals = [0] * world_size
         #: Errors of the last :meth:`run`, by rank.
         self.errors: dict[int, BaseException] = {}
         #: The rank whose error the last :meth:`run` re-raised (None if it raised none).
@@ -261,14 +262,26 @@ class ThreadCluster:
         self._barrier = threading.Barrier(self.world_size, timeout=self.timeout)
         self._slots = [None] * self.world_size
         self._origin = None
+        self._arrivals = [0] * self.world_size
         self.calls = [Counter() for _ in range(self.world_size)]
         self.log = [[] for _ in range(self.world_size)]
 
     # ------------------------------------------------------------------ collectives
     def _wait(self, rank: int, op: Collective, phase: str) -> None:
+        """Meet the other ranks; ``RuntimeError`` if the barrier breaks before all of them arrived.
+
+        A meeting every rank arrived at has taken place even if the barrier is aborted before
+        this thread wakes up (a rank failing right after it): such a rank carries on.
+        """
+        with self._lock:
+            self._arrivals[rank] += 1
+            meeting = self._arrivals[rank]
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
+            with self._lock:
+                if min(self._arrivals) >= meeting:
+                    return
             origin = self._origin
             why = (
                 f"rank {origin} failed"
@@ -292,8 +305,7 @@ class ThreadCluster:
         self._wait(rank, op, "waiting for the other ranks")
         deposits = [slot for slot in self._slots if slot is not None]  # all filled after the barrier
         mine = (op, detail, tensor.dtype, tensor.shape)
-        if any((d.op, d.detail, d.dtype, d.shape) != mine for d in deposits):
-            self.abort(rank)
+        if any((d.op, d.detail, d.dtype, d.shape) != mine for d in deposits):  # every rank sees it: no abort
             calls = ", ".join(f"rank {p}: {d.op}({_describe(d)}, {d.detail!r})" for p, d in enumerate(deposits))
             raise RuntimeError(
                 f"ThreadCluster: {op} on rank {rank}: ranks disagree on the collective, shape or dtype ({calls})"
