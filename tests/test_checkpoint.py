@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, assert_same_tensors, state_snapshot
-from tests.kit.models import classifier_inputs, classifier_mlp, mlp, run
+from tests.kit.models import classifier_inputs, classifier_mlp, mlp, regression_data, run, wide_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -167,3 +167,58 @@ def test_load_state_dict_with_corrupt_tensor_shape_raises() -> None:
     with pytest.raises(ValueError, match="fc1"):
         pre.load_state_dict(saved)
     assert all(layer.state is None for layer in pre._layers)
+
+
+# --------------------------------------------------------------------------- hybrid policy with its trend
+def _checkpoint_run(model: nn.Module, opt: torch.optim.Optimizer, pre: HyLoPreconditioner, steps: range) -> None:
+    for step in steps:
+        x, direction = regression_data(0, 32, 2, 64, seed=3)
+        scale = 10.0 if step >= 6 else 1.0
+        opt.zero_grad()
+        (scale * (model(x) * direction).sum() + (model(x) ** 2).sum() * 0.01).backward()
+        pre.step()
+        opt.step()
+
+
+def _checkpoint_parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, HyLoPreconditioner]:
+    model = wide_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, trend_window=2, trend_decay=0.5, rank_ratio=0.5)
+    return model, opt, pre
+
+
+@pytest.mark.parametrize("drop_trend", [False, True], ids=["full", "negative-control-without-trend"])
+def test_state_dict_round_trip_with_hybrid(drop_trend: bool) -> None:
+    """8 steps, update_freq=2; save after 4 steps, resume in fresh objects: identical continuation."""
+    model_ref, opt_ref, pre_ref = _checkpoint_parts(0)
+    _checkpoint_run(model_ref, opt_ref, pre_ref, range(8))
+    reference = [(d.step, d.layer, d.solver) for d in pre_ref.decision_log]
+    wide_solvers = {s: solver for s, layer, solver in reference if layer == "wide2"}
+    assert wide_solvers == {0: "kid", 2: "kis", 4: "kis", 6: "kid"}  # the trend matters here
+
+    model, opt, pre = _checkpoint_parts(0)
+    _checkpoint_run(model, opt, pre, range(4))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "pre": pre.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    if drop_trend:
+        del saved["pre"]["trend"]
+
+    model2, opt2, pre2 = _checkpoint_parts(1)  # different initial parameters, all overwritten
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    pre2.load_state_dict(saved["pre"])
+    assert pre2.steps == 4
+    _checkpoint_run(model2, opt2, pre2, range(4, 8))
+    resumed = [(d.step, d.layer, d.solver) for d in pre2.decision_log]
+    if drop_trend:
+        # not vacuous: without the trend state the layer looks like early training again (KID at step 4)
+        assert (4, "wide2", "kid") in resumed and (4, "wide2", "kis") in reference
+        return
+    assert resumed == [r for r in reference if r[0] >= 4]
+    for (key, p), p_ref in zip(model2.named_parameters(), model_ref.parameters(), strict=True):
+        assert torch.equal(p, p_ref), key
+    trend, trend_ref = pre2._policy.trend, pre_ref._policy.trend
+    assert torch.equal(trend.ema, trend_ref.ema)
+    assert trend.critical == trend_ref.critical and list(trend.history) == list(trend_ref.history)

@@ -1,15 +1,18 @@
 """Option validation of HyLoConfig (hylo/config.py), directly and through HyLoPreconditioner.
 
 Invalid options raise a ValueError naming the option (kl_clip needs lr, skip_layers must be
-valid regular expressions); rank/rank_ratio and ``rows_kept``.
+valid regular expressions); rank/rank_ratio and ``rows_kept``; the hybrid policy's options
+(adaptive windows, trend, ``layer_solvers``, ``solver_fn``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from tests.kit.models import classifier_mlp, mlp
+from tests.kit.models import classifier_mlp, mlp, override_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -84,3 +87,43 @@ def test_rows_kept() -> None:
     assert HyLoConfig(rank_ratio=1.0).rows_kept(64) == 64
     assert HyLoConfig(rank_ratio=0.1, rank=9).rows_kept(64) == 9  # rank overrides rank_ratio
     assert HyLoConfig(rank=100).rows_kept(64) == 64
+
+
+# --------------------------------------------------------------------------- policy options
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"adaptive": (1, 2, 3)},  # no iters_per_epoch
+        {"adaptive": (1, 3, 2), "iters_per_epoch": 5},  # a1 > a2
+        {"adaptive": (1, 2), "iters_per_epoch": 5},
+        {"adaptive": (1, 2, 3), "iters_per_epoch": 0},
+        {"trend_decay": 1.0},
+        {"trend_window": 0},
+        {"critical_enter": 0.1, "critical_exit": 0.2},
+        {"critical_exit": 0.0},
+    ],
+)
+def test_policy_options_are_validated(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        HyLoConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "layer_solvers",
+    [{"fc1": "hybrid"}, {"fc1": "adam"}, {"fc1": "KFAC"}, {"fc[": "kfac"}, {"(": "kid"}, {"fc1": None}],
+)
+def test_invalid_layer_solvers_raise_at_construction(layer_solvers: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="layer_solvers"):
+        HyLoPreconditioner(override_model(), solver="kfac", layer_solvers=layer_solvers)
+    with pytest.raises(ValueError, match="layer_solvers"):
+        HyLoConfig(layer_solvers=layer_solvers)
+
+
+def test_non_string_layer_solvers_key_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="layer_solvers"):
+        HyLoConfig(layer_solvers={1: "kfac"})
+
+
+def test_non_callable_solver_fn_raises() -> None:
+    with pytest.raises(ValueError, match="solver_fn"):
+        HyLoConfig(solver_fn="kfac")  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, assert_same_tensors, grads, state_snapshot
-from tests.kit.models import backward, batch, mlp, run
+from tests.kit.models import backward, batch, mlp, override_model, run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -337,3 +337,11 @@ def test_memory_usage_kfac_exact() -> None:
     # factors, eigenvectors (d×d each) and eigenvalues (d each), float64
     for name, d_a, d_g in [("fc1", 5, 6), ("fc2", 7, 3)]:
         assert usage[name] == 8 * (2 * d_a * d_a + d_a + 2 * d_g * d_g + d_g), name
+
+
+# --------------------------------------------------------------------------- solver_of
+def test_solver_of_unknown_name_raises_key_error() -> None:
+    pre = HyLoPreconditioner(override_model(), solver="hybrid")
+    for name in ("nope", "act1", "", "fc"):
+        with pytest.raises(KeyError, match="no registered layer"):
+            pre.solver_of(name)
