@@ -1,18 +1,16 @@
-"""Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks) and of the test harness.
+"""Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks of tests/kit/harness.py).
 
 - DDP smoke test: every rank ends with the same preconditioned gradients and parameters.
 - DESIGN.md §5 invariant: P ranks with DDP on the global batch split across them give the
   preconditioned gradients of one process on the whole batch (float64, exact solvers).
 - Unequal local batches: the result matches the definition (DESIGN.md §2-3) computed by a dense
   oracle written here, independently of hylo.
-- The harness itself: errors and hangs in a rank fail the test promptly and clearly.
+
+The harness's own tests are in test_harness.py.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import time
 from typing import Any
 
 import pytest
@@ -22,11 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-
-try:
-    from distributed import DistributedTimeoutError, WorkerError, run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests.distributed import DistributedTimeoutError, WorkerError, run_distributed
+from tests.kit.checks import rel_err
+from tests.kit.harness import run_distributed
 
 DAMPING = 1e-2
 LAYERS = ("conv", "fc1", "fc2")
@@ -99,7 +94,7 @@ def train(
         preconditioned.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
         opt.step()
     state_rows = {
-        layer.name: int(layer.state.a.shape[0]) for layer in pre.layers if getattr(layer.state, "a", None) is not None
+        layer.name: int(layer.state.a.shape[0]) for layer in pre._layers if getattr(layer.state, "a", None) is not None
     }
     return {
         "raw": raw,
@@ -110,14 +105,15 @@ def train(
     }
 
 
-def rel_err(actual: Tensor, expected: Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+#: Floor of the reference norm in the relative errors below (an all-zero reference does not divide by 0).
+NORM_FLOOR = 1e-300
 
 
 def assert_rel_close(actual: dict[str, Tensor], expected: dict[str, Tensor], tol: float, what: str) -> None:
+    """Same keys, and every tensor within relative error ``tol`` of its reference (compared in float64)."""
     assert actual.keys() == expected.keys()
     for key, want in expected.items():
-        err = rel_err(actual[key].to(torch.float64), want.to(torch.float64))
+        err = rel_err(actual[key].to(torch.float64), want.to(torch.float64), NORM_FLOOR)
         assert err <= tol, f"{what}, {key}: relative error {err:.3e} > {tol:g}"
 
 
@@ -172,7 +168,7 @@ def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str)
         # not vacuous: the preconditioner is far from a multiple of the identity
         pre = torch.cat([g.flatten() for g in reference["pre"][step].values()])
         raw = torch.cat([g.flatten() for g in reference["raw"][step].values()])
-        assert rel_err(pre * DAMPING, raw) > 0.1, f"step {step}: preconditioning is ~ identity/λ"
+        assert rel_err(pre * DAMPING, raw, NORM_FLOOR) > 0.1, f"step {step}: preconditioning is ~ identity/λ"
         for rank, result in enumerate(out):
             assert_rel_close(result["raw"][step], reference["raw"][step], 1e-10, f"rank {rank} step {step} DDP grad")
             assert_rel_close(
@@ -296,85 +292,3 @@ def test_single_process_matches_dense_oracle() -> None:
         result = train(0, 1, solver, xs, ys, [8], 1)
         assert_rel_close(as_matrices(result["raw"][0], model), oracle["grad"], 1e-12, "grad")
         assert_rel_close(as_matrices(result["pre"][0], model), oracle[solver], 1e-8, solver)
-
-
-# ============================================================================ 3. the harness itself
-def _report(rank: int, world_size: int, payload: str) -> dict[str, Any]:
-    total = torch.tensor([float(rank)])
-    dist.all_reduce(total)
-    return {
-        "rank": rank,
-        "world_size": world_size,
-        "dist_rank": dist.get_rank(),
-        "sum": total,
-        "threads": torch.get_num_threads(),
-        "payload": payload,
-        "pid": os.getpid(),
-    }
-
-
-def test_harness_returns_results_by_rank() -> None:
-    out = run_distributed(_report, 3, "hello", timeout=30)
-    assert [r["rank"] for r in out] == [r["dist_rank"] for r in out] == [0, 1, 2]
-    assert all(r["world_size"] == 3 and r["threads"] == 1 and r["payload"] == "hello" for r in out)
-    assert all(float(r["sum"]) == 3.0 for r in out)
-    assert len({r["pid"] for r in out} | {os.getpid()}) == 4
-    assert not multiprocessing.active_children()
-
-
-def _raise_on_rank_1(rank: int, world_size: int) -> None:
-    if rank == 1:
-        raise ValueError("boom from rank 1")
-    dist.barrier()  # rank 0 would wait here for rank 1 forever without the harness
-
-
-def test_harness_reports_worker_error_promptly() -> None:
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="boom from rank 1") as info:
-        run_distributed(_raise_on_rank_1, 2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 15, f"took {elapsed:.1f} s to report a worker error"
-    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
-    assert "_raise_on_rank_1" in str(info.value)  # the remote traceback is in the message
-    assert "Traceback" in str(info.value)
-    assert not multiprocessing.active_children()
-
-
-def _hang_on_rank_1(rank: int, world_size: int) -> None:
-    if rank == 1:
-        time.sleep(3600)  # never enters the collective
-    dist.all_reduce(torch.ones(1))
-
-
-def test_harness_kills_hung_workers_at_timeout() -> None:
-    start = time.monotonic()
-    with pytest.raises(DistributedTimeoutError, match="timed out after 10 s") as info:
-        run_distributed(_hang_on_rank_1, 2, timeout=10, pg_timeout=120)
-    elapsed = time.monotonic() - start
-    assert 10 <= elapsed < 25, elapsed
-    assert 1 in info.value.unfinished
-    if os.environ.get("HYLO_TEST_START_METHOD", "fork") == "fork":  # spawned ranks may still be importing
-        assert "_hang_on_rank_1" in info.value.stacks.get(1, "")  # where the hung rank was stuck
-    assert not multiprocessing.active_children()
-
-
-def test_harness_collective_timeout_is_a_worker_error() -> None:
-    """With a gloo timeout shorter than the harness timeout, the waiting rank raises inside all_reduce."""
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="(?i)timed out") as info:
-        run_distributed(_hang_on_rank_1, 2, timeout=60, pg_timeout=2)
-    assert time.monotonic() - start < 20
-    assert info.value.rank == 0
-    assert not multiprocessing.active_children()
-
-
-def _exit_on_rank_0(rank: int, world_size: int) -> None:
-    if rank == 0:
-        os._exit(3)
-    dist.barrier()
-
-
-def test_harness_reports_dead_worker() -> None:
-    with pytest.raises(WorkerError, match="rank 0 .*exit code 3"):
-        run_distributed(_exit_on_rank_0, 2, timeout=30)
-    assert not multiprocessing.active_children()
