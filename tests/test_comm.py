@@ -21,7 +21,7 @@ from torch import Tensor
 import hylo
 from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator
 from hylo.payload import CONTROL, Payload, PayloadKey
-from tests.kit.cluster import Collective, InjectedFailure, ThreadCluster
+from tests.kit.cluster import Collective, InjectedFailure, ReduceOp, ThreadCluster
 
 WORLD_SIZES = (2, 3, 4)
 #: Collective timeout of the clusters here: failures must surface well before it.
@@ -123,12 +123,13 @@ def run(cluster: ThreadCluster, fn: Callable[..., Any], *args: Any, **kwargs: An
 def test_cluster_reduces_in_rank_order_and_returns_results_by_rank() -> None:
     """Sum/min/max over 4 threads: the result is ((x0 + x1) + x2) + x3 bitwise, identical on every rank."""
     values = [torch.tensor([1.0, 1e8, -3.0]), torch.tensor([1e-8, -1e8, 2.0]), torch.tensor([3.0, 1.0, 5.0])]
-    values.append(torch.tensor([-1e-8, 0.5, -7.0]))
+    values.append(torch.tensor([-1e-8, 0.5, -7.0]))  # column 1 sums to 1.5 in this order, to 0 in reverse
 
     def body(rank: int, comm: BucketedCommunicator) -> tuple[int, Tensor, Tensor, Tensor]:
         backend = comm.backend
         out = [values[rank].clone() for _ in range(3)]
-        for t, op in zip(out, ("sum", "min", "max"), strict=True):
+        ops: tuple[ReduceOp, ...] = ("sum", "min", "max")
+        for t, op in zip(out, ops, strict=True):
             backend.all_reduce(t, op).wait()
         return rank, out[0], out[1], out[2]
 

@@ -55,6 +55,7 @@ __all__ = [
     "ClusterTimeoutError",
     "DoneWork",
     "InjectedFailure",
+    "ReduceOp",
     "ThreadBackend",
     "ThreadCluster",
     "average_gradients",
