@@ -43,6 +43,8 @@ class LayerInfo:
     d_g: int
     bias: bool
     solver: SolverName
+    #: The rank that solved the layer's current state (0 before the first update).
+    owner: int
 
 
 class HyLoPreconditioner:
@@ -158,7 +160,7 @@ class HyLoPreconditioner:
         finite = torch.isfinite(norms).all()
         if is_update and self.comm.world_size > 1:
             finite = self.comm.all_true(finite.reshape(1))[0]
-        return bool(finite)
+        return bool(finite.item())
 
     def _batches(self, step: int) -> list[LayerBatch]:
         """Every layer's captured calls at this update step, counted once."""
@@ -229,7 +231,7 @@ class HyLoPreconditioner:
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
-        """One record per registered layer: name, module type, d_a, d_g, bias and current solver."""
+        """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
         return [
             LayerInfo(
                 layer.name,
@@ -238,6 +240,7 @@ class HyLoPreconditioner:
                 layer.math.d_g,
                 layer.math.bias is not None,
                 layer.solver,
+                layer.owner,
             )
             for layer in self._layers
         ]

@@ -463,7 +463,7 @@ def _flags(rank: int, comm: BucketedCommunicator) -> None:
 FAILURES: dict[str, tuple[Callable[[int, BucketedCommunicator], None], Collective, int, str]] = {
     # name: (body, collective that fails, its 0-based index, what the message names)
     "gather-counts": (_gather, "all_gather", 0, "all-gather of row counts"),
-    "gather-rows": (_gather, "all_gather", 1, "all-gather of low-rank rows"),
+    "gather-rows": (_gather, "all_gather", 1, "all-gather of rows"),
     "mean": (_mean, "all_reduce", 0, "all-reduce"),
     "broadcast": (_broadcast, "broadcast", 0, "broadcast from rank 2"),
     "flags": (_flags, "all_reduce", 0, "agreement of all ranks"),

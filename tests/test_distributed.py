@@ -1,9 +1,9 @@
 """Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks of tests/kit/harness.py).
 
 - DDP smoke test: every rank ends with the same preconditioned gradients and parameters.
-- DESIGN.md §5 invariant: P ranks with DDP on the global batch split across them give the
+- docs/design.md ("Distribution") invariant: P ranks with DDP on the global batch split across them give the
   preconditioned gradients of one process on the whole batch (float64, exact solvers).
-- Unequal local batches: the result matches the definition (DESIGN.md §2-3) computed by a dense
+- Unequal local batches: the result matches the definition (docs/design.md, "Notation", "SNGD") computed by a dense
   oracle written here, independently of hylo.
 
 The harness's own tests are in test_harness.py.
@@ -153,7 +153,7 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
 )
 @pytest.mark.parametrize("solver", ["kfac", "sngd"])
 def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
-    """DESIGN.md §5: DDP on the split global batch == one process on the whole batch (float64).
+    """docs/design.md, "Distribution": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
     broadcast preconditioned gradients instead of solved states.
@@ -188,7 +188,7 @@ def _recorder(name: str, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) 
 
 
 def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -> dict[str, Any]:
-    """The definitions of DESIGN.md §2-3, computed densely and independently of hylo.
+    """The definitions of docs/design.md ("Notation", "SNGD"), computed densely and independently of hylo.
 
     Rank p computes L_p = mean over its n_p rows; DDP averages the rank gradients, so
     ∇W = (1/P) Σ_p ∇L_p. Rows: g_i = n_p ∂L_p/∂s_i (per position for Conv2d, then HyLo's surrogate

@@ -206,7 +206,7 @@ def train(
         run.preconditioned.append(
             {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
         )
-        run.owners.append({layer.name: layer.owner for layer in pre._layers})
+        run.owners.append({info.name: info.owner for info in pre.layer_info()})
         run.solvers.append({info.name: info.solver for info in pre.layer_info()})
         if step == 0:
             run.first_step_bytes = dict(pre.comm.bytes_by_tag)

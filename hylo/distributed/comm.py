@@ -270,7 +270,7 @@ class BucketedCommunicator(Communicator):
         for bucket in self.buckets(padded):
             flat = _flatten([padded[i] for i in bucket]).contiguous()
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
-            with self._guard("all-gather of low-rank rows"):
+            with self._guard("all-gather of rows"):
                 works.append(self.backend.all_gather(gathered, flat))
             received.append((bucket, gathered))
 
@@ -282,7 +282,7 @@ class BucketedCommunicator(Communicator):
                     out[keys[i]] = torch.cat([pieces[p][j][: int(per_rank[p, i])] for p in range(self.world_size)])
             return out
 
-        return Pending(works, finish, "all-gather of low-rank rows", self.rank, self.world_size)
+        return Pending(works, finish, "all-gather of rows", self.rank, self.world_size)
 
     def all_reduce_mean(self, payload: Payload, weights: Mapping[PayloadKey, float]) -> Pending:
         """Async all-reduces of every w·X, each bucket followed by its weights."""
