@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -41,13 +41,8 @@ SPECS: tuple[tuple[str, str, torch.dtype, tuple[int, ...]], ...] = (
 KEYS: list[PayloadKey] = [(layer, name) for layer, name, _, _ in SPECS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread (the ranks are threads already), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: One intra-op thread (the ranks are threads already), restored afterwards.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --------------------------------------------------------------------------- inputs and oracles

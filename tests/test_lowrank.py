@@ -113,7 +113,6 @@ def test_callable_damping_is_evaluated_per_update(solver: str) -> None:
         return 0.2 / (step + 1)
 
     layer = nn.Linear(4, 3, dtype=DT)
-    # factor_decay=0 makes every K-FAC update use the batch factors alone
     pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=schedule, factor_decay=0.0)
     for step in range(3):
         layer.zero_grad()

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +47,8 @@ TIMEOUT = 10.0
 LAYERS = ("conv", "fc1", "fc2", "fc3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread (the ranks are threads already), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: One intra-op thread (the ranks are threads already), restored afterwards.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # =========================================================================== assign_owners
