@@ -37,7 +37,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_value(name: str, value: Any, step: int | None = None) -> None:
+def _check_value(name: str, value: Any, step: int | None = None) -> None:
     """Raise ``ValueError`` naming ``name`` if ``value`` is not allowed for it."""
     ok, expected = _CHECKS[name]
     valid = False
@@ -54,7 +54,7 @@ def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
     """Evaluate a constant-or-callable hyperparameter at ``step`` and validate the result."""
     if callable(value):
         result = value(step)
-        check_value(name, result, step)
+        _check_value(name, result, step)
         return result
     return value
 
@@ -118,10 +118,10 @@ class HyLoConfig:
         for name in ("update_freq", "damping", "factor_decay", "lr"):
             value = getattr(self, name)
             if value is not None and not callable(value):
-                check_value(name, value)
+                _check_value(name, value)
         if self.kl_clip is not None:
             if not callable(self.kl_clip):
-                check_value("kl_clip", self.kl_clip)
+                _check_value("kl_clip", self.kl_clip)
             if self.lr is None:
                 raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
         if isinstance(self.skip_layers, str):

@@ -53,7 +53,7 @@ def _matcher(patterns: tuple[str, ...]) -> Callable[[str, nn.Module], bool]:
     return matches
 
 
-def unwrap(model: nn.Module) -> nn.Module:
+def _unwrap(model: nn.Module) -> nn.Module:
     """The module inside DistributedDataParallel/DataParallel, or ``model`` itself."""
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module) and isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -71,7 +71,7 @@ def register_layers(
     skip = _matcher(skip_layers)
     result = Registration()
     functional_prefixes: list[str] = []
-    for name, module in unwrap(model).named_modules():
+    for name, module in _unwrap(model).named_modules():
         if any(name.startswith(prefix) for prefix in functional_prefixes):
             continue
         if isinstance(module, nn.MultiheadAttention):
