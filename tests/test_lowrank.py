@@ -21,9 +21,10 @@ from torch import Tensor, nn
 
 from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.solvers.reduce import kid_skeleton
-from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
-from tests.kit.models import classifier_convnet, classifier_inputs, classifier_mlp, fixed_target, one_step
-from tests.kit.reference import CONV_CASES, conv_reference, dense_sngd, linear_rows, u_rows
+from tests.kit.cases import LINEAR_SHAPES, conv_case, linear_case, scheduled_damping_steps
+from tests.kit.checks import DT, assert_rel_close, rel_err
+from tests.kit.models import classifier_convnet, classifier_inputs, classifier_mlp
+from tests.kit.reference import CONV_CASES, dense_sngd, u_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,31 +59,16 @@ def _flat_rel_err(got: list[Tensor], ref: list[Tensor]) -> float:
 # --------------------------------------------------------------------------- SNGD vs dense: Linear
 @pytest.mark.parametrize("solver", ["sngd"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 5)], ids=["2d", "leading-dims"])
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
 @pytest.mark.parametrize("loss", ["ce", "mse"])
-def test_linear_matches_dense(solver: str, bias: bool, shape: tuple[int, ...], loss: str) -> None:
+def test_linear_matches_dense(solver: str, bias: bool, shape: str, loss: str) -> None:
     damping = 0.05
-    layer = nn.Linear(5, 3, bias=bias, dtype=DT)
-    x = torch.randn(shape, dtype=DT)
-    labels = torch.randint(0, 3, shape[:-1])
-    if loss == "ce":
-
-        def loss_fn(out: Tensor) -> Tensor:
-            return F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))
-
-    else:
-
-        def loss_fn(out: Tensor) -> Tensor:
-            return F.mse_loss(out, fixed_target(out.shape))
-
-    _, dout, grad, got = one_step(layer, x, loss_fn, solver=solver, damping=damping)
-    a, g = linear_rows(layer, x, dout)
-    rows = a.shape[0]
-    assert rows == x[..., 0].numel()
-    assert_rel_close(g.mT @ a / rows, grad, REPLAY_RTOL)  # the reference rows reproduce ∇W
-    expected = dense_sngd(a, g, grad, damping)
-    assert rel_err(expected, grad / damping) > 1e-2  # the curvature matters at this damping
-    assert_rel_close(got, expected)
+    case = linear_case(solver, bias, LINEAR_SHAPES[shape], loss, damping)
+    a, g = case.a, case.g
+    assert a is not None and g is not None
+    expected = dense_sngd(a, g, case.grad, damping)
+    assert rel_err(expected, case.grad / damping) > 1e-2  # the curvature matters at this damping
+    assert_rel_close(case.got, expected)
 
 
 # --------------------------------------------------------------------------- SNGD vs dense: Conv2d
@@ -92,41 +78,22 @@ def test_linear_matches_dense(solver: str, bias: bool, shape: tuple[int, ...], l
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 def test_conv2d_matches_dense(solver: str, bias: bool, case: str) -> None:
     damping = 1e-5
-    conv = nn.Conv2d(2, 3, bias=bias, dtype=DT, **CONV_CASES[case])
-    x = torch.randn(3, 2, 6, 7, dtype=DT)
-
-    def loss_fn(out: Tensor) -> Tensor:
-        return F.mse_loss(out, fixed_target(out.shape))
-
-    out, dout, grad, got = one_step(conv, x, loss_fn, solver=solver, damping=damping)
-    ref = conv_reference(conv, x, out, dout)
-    assert_rel_close(ref["grad"], grad, REPLAY_RTOL)  # unfold + padding reproduce autograd's ∇W
-    expected = dense_sngd(ref["a"], ref["g"], grad, damping)
-    assert rel_err(expected, grad / damping) > 1e-2
-    assert_rel_close(got, expected)
+    result = conv_case(solver, bias, case, damping)
+    ref = result.conv
+    assert ref is not None
+    expected = dense_sngd(ref["a"], ref["g"], result.grad, damping)
+    assert rel_err(expected, result.grad / damping) > 1e-2
+    assert_rel_close(result.got, expected)
 
 
 # --------------------------------------------------------------------------- SNGD: callable damping
 @pytest.mark.parametrize("solver", ["sngd"])
 def test_callable_damping_is_evaluated_per_update(solver: str) -> None:
-    def schedule(step: int) -> float:
-        return 0.2 / (step + 1)
-
-    layer = nn.Linear(4, 3, dtype=DT)
-    pre = HyLoPreconditioner(layer, solver=solver, update_freq=1, damping=schedule, factor_decay=0.0)
-    for step in range(3):
-        layer.zero_grad()
-        x = torch.randn(6, 4, dtype=DT)
-        labels = torch.randint(0, 3, (6,))
-        out = layer(x)
-        out.retain_grad()
-        F.cross_entropy(out, labels).backward()
-        grad = grad_matrix(layer)
-        pre.step()
-        a, g = linear_rows(layer, x, out.grad)
-        lam = schedule(step)
-        expected = dense_sngd(a, g, grad, lam)
-        assert_rel_close(grad_matrix(layer), expected)
+    for case, lam in scheduled_damping_steps(solver):
+        a, g = case.a, case.g
+        assert a is not None and g is not None
+        expected = dense_sngd(a, g, case.grad, lam)
+        assert_rel_close(case.got, expected)
 
 
 # ------------------------------------------------------------------- 1. ρ = 1 / rank ≥ n ⇒ SNGD
