@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
+from hylo.layers import CONV_ROWS, ConvRows
 from hylo.records import LayerStats
 from hylo.solvers import LAYER_SOLVERS, LayerSolver
 
@@ -17,6 +18,9 @@ SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
 #: How owners share solved layers between ranks (see :class:`HyLoConfig`).
 Strategy = Literal["inverse", "gradient"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+#: KIS's estimator (see :class:`HyLoConfig`).
+KISEstimator = Literal["unbiased", "hylo"]
+KIS_ESTIMATORS: tuple[KISEstimator, ...] = get_args(KISEstimator)
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
@@ -31,6 +35,7 @@ def _positive(x: float) -> bool:
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "damping": (_positive, "a finite number > 0"),
     "update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
+    "factor_update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
     "factor_decay": (lambda x: 0.0 <= x < 1.0, "in [0, 1)"),
     "kl_clip": (_positive, "a finite number > 0 (or None to disable)"),
     "lr": (_positive, "a finite number > 0"),
@@ -75,6 +80,20 @@ class HyLoConfig:
         rank_ratio: KID/KIS rows kept per rank, r = max(1, floor(ρ·n)); ρ in (0, 1].
         rank: absolute rows kept per rank (overrides ``rank_ratio`` when set).
         seed: seed of the generator that draws the KIS rows.
+        conv_rows: a convolution's low-rank rows: ``"sum"`` (rank-one surrogate of each
+            per-sample gradient with the right scale), ``"exact"`` (the true per-sample
+            gradients, m·d_a·d_g numbers per layer) or ``"mean"`` (HyLo's surrogate, L times
+            too small for L output positions); see docs/design.md, "Convolutions".
+        kis_estimator: ``"unbiased"`` (priority sampling with Horvitz–Thompson weights,
+            divisor B) or ``"hylo"`` (HyLo's unweighted draw, divisor m).
+        factor_update_freq: steps between refreshes of K-FAC's running factors (KAISA's
+            ``factor_update_freq``); the factors are also refreshed at every update step.
+            None: only at update steps.
+        fidelity_budget: the hybrid policy gives a layer exact ``sngd`` (else ``kfac``) when that
+            costs at most this share of an average layer's forward+backward work over the
+            period; 0 turns the rule off.
+        comm_flops_per_byte: multiply-adds one byte of traffic is worth in the hybrid cost model
+            (the machine's compute rate over its network bandwidth); used when P > 1.
         layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
         solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
             :class:`hylo.LayerStats`); overrides the built-in hybrid rule.
@@ -101,6 +120,11 @@ class HyLoConfig:
     rank_ratio: float = 0.1
     rank: int | None = None
     seed: int = 0
+    conv_rows: ConvRows = "sum"
+    kis_estimator: KISEstimator = "unbiased"
+    factor_update_freq: IntHyper | None = None
+    fidelity_budget: float = 0.05
+    comm_flops_per_byte: float = 100.0
     layer_solvers: Mapping[str, LayerSolver] = field(default_factory=dict)
     solver_fn: Callable[[str, int, LayerStats], LayerSolver] | None = None
     adaptive: tuple[int, int, int] | None = None
@@ -115,7 +139,7 @@ class HyLoConfig:
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_NAMES:
             raise ValueError(f"solver must be one of {SOLVER_NAMES}, got {self.solver!r}")
-        for name in ("update_freq", "damping", "factor_decay", "lr"):
+        for name in ("update_freq", "factor_update_freq", "damping", "factor_decay", "lr"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 _check_value(name, value)
@@ -139,6 +163,14 @@ class HyLoConfig:
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
 
+        if self.conv_rows not in CONV_ROWS:
+            raise ValueError(f"conv_rows must be one of {CONV_ROWS}, got {self.conv_rows!r}")
+        if self.kis_estimator not in KIS_ESTIMATORS:
+            raise ValueError(f"kis_estimator must be one of {KIS_ESTIMATORS}, got {self.kis_estimator!r}")
+        for name in ("fidelity_budget", "comm_flops_per_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):

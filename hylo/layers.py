@@ -12,12 +12,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo.numerics import working_dtype
+from hylo.rows import DenseRows, FactoredRows, SampleRows, concat_rows
+
+#: How a convolution's per-sample gradients become low-rank rows (docs/design.md, "Convolutions").
+ConvRows = Literal["sum", "exact", "mean"]
+CONV_ROWS: tuple[ConvRows, ...] = get_args(ConvRows)
 
 
 def _with_ones(a: Tensor) -> Tensor:
@@ -45,9 +51,16 @@ class LayerMath(ABC):
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
         """Rows of the low-rank path (samples) and of the K-FAC factors (incl. positions)."""
 
+    #: Whether the low-rank rows are whole per-sample gradient matrices (:class:`DenseRows`).
+    dense_rows: bool = False
+
     @abstractmethod
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Per-sample rows (a: n×d_a, g: n×d_g, g scaled by ``scale``) used by the SMW solvers."""
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
+        """Per-sample gradients of one call (output gradients scaled by ``scale``) for the SMW solvers."""
+
+    @abstractmethod
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """Multiply-adds to build the low-rank rows of ``rows`` samples (``kfac_rows`` positions)."""
 
     @abstractmethod
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -95,9 +108,13 @@ class LinearMath(LayerMath):
         rows = x.numel() // x.shape[-1]
         return rows, rows
 
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> FactoredRows:
         """Rows a_i (bias 1 appended) and g_i = scale·∂L/∂s_i, one per leading position."""
-        return self._rows(x, grad_out, scale)
+        return FactoredRows(*self._rows(x, grad_out, scale))
+
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """Nothing beyond a copy: the rows are the layer's inputs and output gradients."""
+        return 0.0
 
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Σ a aᵀ and Σ g gᵀ over rows (A, G are their means)."""
@@ -111,14 +128,25 @@ class Conv2dMath(LayerMath):
     K-FAC uses the KFC factors: A = mean over samples and output positions of the
     unfolded patches' outer product; G = (1/n) Σ over samples and positions of g gᵀ
     (g = n·∂L/∂s per position), i.e. the per-position second moment times the number of
-    positions, so the Fisher block is approximated by A ⊗ G. The low-rank solvers use
-    HyLo's per-sample surrogate: a_i = mean over positions of the patches and
-    g_i = n · mean over positions of ∂L/∂s. A 1×1 kernel on a 1×1 image reduces to Linear.
+    positions, so the Fisher block is approximated by A ⊗ G.
+
+    The low-rank rows approximate the true per-sample gradient U_i = Σ_p g_ip a_ipᵀ over the
+    L output positions p (docs/design.md, "Convolutions"), by ``rows``:
+
+    - ``"sum"``: U_i ≈ (Σ_p g_ip)(mean_p a_ip)ᵀ — rank one, the right scale (the default);
+    - ``"exact"``: U_i itself (:class:`DenseRows`; n·d_a·d_g numbers, one batched matmul);
+    - ``"mean"``: HyLo's surrogate (mean_p g_ip)(mean_p a_ip)ᵀ, L times too small.
+
+    A 1×1 kernel on a 1×1 image reduces to Linear in every mode.
     """
 
-    def __init__(self, module: nn.Conv2d) -> None:
+    def __init__(self, module: nn.Conv2d, rows: ConvRows = "sum") -> None:
         super().__init__(module)
+        if rows not in CONV_ROWS:
+            raise ValueError(f"conv_rows must be one of {CONV_ROWS}, got {rows!r}")
         self.conv = module
+        self.rows = rows
+        self.dense_rows = rows == "exact"
 
     def _padded(self, x: Tensor) -> Tensor:
         conv = self.conv
@@ -164,40 +192,52 @@ class Conv2dMath(LayerMath):
         x, grad_out = self._batched(x, grad_out)
         return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
 
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Per-sample surrogate rows (mean over output positions), g scaled by ``scale``."""
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
+        """Per-sample rows in the configured mode (see the class docstring), g scaled by ``scale``."""
         x, grad_out = self._batched(x, grad_out)
         dtype = self.dtype
+        if self.rows == "exact":
+            patches = self._patches(x)  # (n, L, d_a)
+            g = grad_out.to(dtype).flatten(2) * scale  # (n, d_g, L)
+            return DenseRows(torch.bmm(g, patches))
         xp = self._padded(x.to(dtype))
         a = self._patch_mean(xp, (grad_out.shape[2], grad_out.shape[3]))
         if self.bias is not None:
             a = _with_ones(a)
-        g = grad_out.to(dtype).mean(dim=(2, 3)) * scale
-        return a, g
+        reduce_positions = torch.sum if self.rows == "sum" else torch.mean
+        g = reduce_positions(grad_out.to(dtype), dim=(2, 3)) * scale
+        return FactoredRows(a, g)
+
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """Exact: the per-sample products n·L·d_a·d_g; surrogates: one pass over the patches."""
+        if self.rows == "exact":
+            return float(kfac_rows) * self.d_a * self.d_g
+        return float(kfac_rows) * (self.d_a + self.d_g)
+
+    def _patches(self, x: Tensor) -> Tensor:
+        """Unfolded patches (n, L, d_a) in the working dtype, bias 1 appended."""
+        conv = self.conv
+        patches = F.unfold(
+            self._padded(x.to(self.dtype)), conv.kernel_size, dilation=conv.dilation, stride=conv.stride
+        ).transpose(1, 2)  # (n, L, C·kh·kw)
+        if self.bias is not None:
+            patches = torch.cat([patches, patches.new_ones(*patches.shape[:2], 1)], dim=2)
+        return patches
 
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Σ over samples and positions of patch outer products and of g gᵀ (g = scale·∂L/∂s)."""
         x, grad_out = self._batched(x, grad_out)
-        dtype = self.dtype
-        n = x.shape[0]
-        conv = self.conv
-        patches = F.unfold(
-            self._padded(x.to(dtype)), conv.kernel_size, dilation=conv.dilation, stride=conv.stride
-        )  # (n, C·kh·kw, L)
-        positions = patches.shape[-1]
-        a = patches.transpose(1, 2).reshape(n * positions, -1)
-        if self.bias is not None:
-            a = _with_ones(a)
-        g = grad_out.to(dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * scale
+        a = self._patches(x).reshape(-1, self.d_a)
+        g = grad_out.to(self.dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * scale
         return a.mT @ a, g.mT @ g
 
 
-def supported_math(module: nn.Module) -> LayerMath | None:
-    """The math helper for ``module``, or None if hylo cannot precondition it."""
+def supported_math(module: nn.Module, conv_rows: ConvRows = "sum") -> LayerMath | None:
+    """The math helper for ``module`` (convolutions with ``conv_rows``), or None if hylo cannot precondition it."""
     if isinstance(module, nn.Linear):
         return LinearMath(module)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
-        return Conv2dMath(module)
+        return Conv2dMath(module, conv_rows)
     return None
 
 
@@ -210,18 +250,38 @@ def unsupported_reason(module: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What the cost model needs of a layer: its dimensions and row counts.
+    """What the cost model needs of a layer at an update: its dimensions, rows and world size.
 
     ``rows`` are the local samples n, ``kfac_rows`` the K-FAC rows n_k (samples × output
-    positions for a convolution) and ``kept`` the rows m the low-rank solve sees after the
-    gather (P·r).
+    positions for a convolution), ``kept_local`` the rows r a rank keeps on the KID/KIS path,
+    ``dense_rows`` whether the low-rank rows are whole per-sample gradients, ``row_work`` the
+    multiply-adds of building them and ``itemsize`` the bytes per number sent.
     """
 
     d_a: int
     d_g: int
     rows: int = 0
     kfac_rows: int = 0
-    kept: int = 0
+    kept_local: int = 0
+    world_size: int = 1
+    dense_rows: bool = False
+    row_work: float = 0.0
+    itemsize: int = 4
+
+    @property
+    def kept(self) -> int:
+        """Rows m = P·r of the gathered KID/KIS solve."""
+        return self.world_size * self.kept_local
+
+    @property
+    def row_width(self) -> int:
+        """Numbers per low-rank row: d_a + d_g factored, d_a·d_g dense."""
+        return self.d_a * self.d_g if self.dense_rows else self.d_a + self.d_g
+
+    @property
+    def step_work(self) -> float:
+        """Multiply-adds of the layer's own forward and backward in one step, 3·n_k·d_a·d_g."""
+        return 3.0 * self.kfac_rows * self.d_a * self.d_g
 
 
 @dataclass(frozen=True)
@@ -250,8 +310,19 @@ class LayerBatch:
         return cls(math, tuple(calls), rows, sum(c[1] for c in counts), rows_kept(rows))
 
     def shape(self, world_size: int) -> LayerShape:
-        """The layer's shape for the cost model, with the P·r rows gathered from ``world_size`` ranks."""
-        return LayerShape(self.math.d_a, self.math.d_g, self.rows, self.kfac_rows, world_size * self.kept)
+        """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks."""
+        math = self.math
+        return LayerShape(
+            math.d_a,
+            math.d_g,
+            self.rows,
+            self.kfac_rows,
+            self.kept,
+            world_size,
+            math.dense_rows,
+            math.row_work(self.rows, self.kfac_rows),
+            math.dtype.itemsize,
+        )
 
     def kfac_factors(self) -> tuple[Tensor, Tensor]:
         """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls."""
@@ -260,7 +331,6 @@ class LayerBatch:
         g = torch.stack([s[1] for s in sums]).sum(0) / self.rows
         return a, g
 
-    def lowrank_rows(self) -> tuple[Tensor, Tensor]:
-        """Per-sample rows of all calls, g scaled by the step's sample count."""
-        pairs = [self.math.lowrank_rows(x, gy, float(self.rows)) for x, gy in self.calls]
-        return torch.cat([a for a, _ in pairs]), torch.cat([g for _, g in pairs])
+    def lowrank_rows(self) -> SampleRows:
+        """Per-sample gradients of all calls, output gradients scaled by the step's sample count."""
+        return concat_rows([self.math.lowrank_rows(x, gy, float(self.rows)) for x, gy in self.calls])

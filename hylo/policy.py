@@ -4,15 +4,23 @@ The hybrid policy (docs/design.md, "Hybrid policy"), at every update step and pe
 
 1. **Cost model.** Each family's :meth:`~hylo.solvers.base.SolverFamily.cost` per period of
    ``update_freq`` = f steps, from the layer's shape (d_a, d_g), its local rows n (K-FAC: n_k
-   rows incl. conv positions) and the kept rows m = P·r of the low-rank path:
+   rows incl. conv positions), the rows m of the gathered solve (P·n for ``sngd``, P·r for
+   ``kid``/``kis``) and the numbers per row w (d_a + d_g; d_a·d_g for exact conv rows):
 
-   - K-FAC:    n_k (d_a² + d_g²)  +  4 (d_a³ + d_g³)  +  f · 2 d_a d_g (d_a + d_g)
-   - low-rank: n² (d_a + d_g)  +  m² (d_a + d_g)  +  m³  +  f · 2 m d_a d_g
+   - ``kfac``: n_k (d_a² + d_g²)  +  4 (d_a³ + d_g³)  +  f · 2 d_a d_g (d_a + d_g)
+   - ``sngd``: rows  +  m² w  +  m³  +  f · 2 m d_a d_g
+   - ``kid``:  rows  +  n² w + n r²  +  m² w  +  m³  +  f · 2 m d_a d_g  (local kernel, skeleton)
+   - ``kis``:  rows  +  n w  +  m² w  +  m³  +  f · 2 m d_a d_g  (row norms only)
 
-   (factor build, eigendecompositions, per-step rotations; local kernel, gathered kernel,
-   SMW solve, per-step application). ``kfac`` is taken where its cost is lower. The same
-   estimates' solve parts balance the owners of the distributed stage.
-2. **Critical regime.** Otherwise ``kid`` while the layer is critical and ``kis`` elsewhere.
+   plus, when P > 1, the bytes a rank exchanges per update times ``comm_flops_per_byte``.
+   The same estimates' solve parts balance the owners of the distributed stage.
+2. **Fidelity where it is free.** A layer takes exact ``sngd`` (else ``kfac``) when that costs
+   at most ``fidelity_budget`` × the forward+backward work of an average registered layer
+   over the period (3·n_k·d_a·d_g a step): a small classifier never gets a ρ = 0.1
+   approximation, and all such upgrades together cost at most that share of the model's work.
+3. **Cheapest adequate.** Otherwise ``kfac`` where it costs less than the low-rank variant the
+   regime calls for, else that variant:
+4. **Critical regime.** ``kid`` while the layer is critical and ``kis`` elsewhere.
    A layer is critical while the relative change of an EMA of ‖∇W‖ over ``trend_window``
    steps exceeds ``critical_enter``; it stays critical until the change falls below
    ``critical_exit`` (hysteresis). Until a full window of history exists a layer is critical
@@ -38,7 +46,7 @@ from hylo.solvers import LAYER_SOLVERS, LayerSolver, family_of
 
 
 def encode_decisions(decisions: Sequence[Decision], device: torch.device) -> Tensor:
-    """Decisions as a (layers, 6) float64 tensor, to broadcast from rank 0."""
+    """Decisions as a (layers, 7) float64 tensor, to broadcast from rank 0."""
     return torch.tensor(
         [
             [
@@ -48,6 +56,7 @@ def encode_decisions(decisions: Sequence[Decision], device: torch.device) -> Ten
                 float("nan") if d.trend is None else d.trend,
                 d.cost_kfac,
                 d.cost_lowrank,
+                d.cost_sngd,
             ]
             for d in decisions
         ],
@@ -59,7 +68,7 @@ def encode_decisions(decisions: Sequence[Decision], device: torch.device) -> Ten
 def decode_decisions(encoded: Tensor, step: int, names: list[str]) -> list[Decision]:
     """Inverse of :func:`encode_decisions` (one host transfer)."""
     decisions = []
-    for name, (solver, reason, critical, trend, c_kfac, c_low) in zip(names, encoded.tolist(), strict=True):
+    for name, (solver, reason, critical, trend, c_kfac, c_low, c_sngd) in zip(names, encoded.tolist(), strict=True):
         decisions.append(
             Decision(
                 step,
@@ -70,6 +79,7 @@ def decode_decisions(encoded: Tensor, step: int, names: list[str]) -> list[Decis
                 None if trend != trend else trend,
                 c_kfac,
                 c_low,
+                c_sngd,
             )
         )
     return decisions
@@ -157,36 +167,60 @@ class SolverPolicy:
         return epoch < a0 or a1 < epoch <= a2
 
     def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
-        """Decisions for all layers; ``shapes[i].kept`` is the P·r rows of layer i's low-rank path."""
+        """Decisions for all layers, from their shapes at this update (see the module docstring)."""
         if self.dynamic and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
         else:
             ema, trends, critical = [0.0] * len(self.names), [None] * len(self.names), [True] * len(self.names)
+        flops_per_byte = self.config.comm_flops_per_byte if world_size > 1 else 0.0
+        average_work = update_freq * sum(shape.step_work for shape in shapes) / max(len(shapes), 1)
+        budget = self.config.fidelity_budget * average_work
         decisions = []
         for i, name in enumerate(self.names):
             shape = shapes[i]
-            c_kfac = family_of("kfac").cost(shape).per_period(update_freq)
-            c_low = family_of("kis").cost(shape).per_period(update_freq)
-            solver, reason = self._choose(
-                LayerStats(
-                    name,
+            costs = {
+                solver: family_of(solver).cost(shape, solver).per_period(update_freq, flops_per_byte)
+                for solver in LAYER_SOLVERS
+            }
+            stats = LayerStats(
+                name,
+                step,
+                shape.d_a,
+                shape.d_g,
+                shape.rows,
+                shape.kfac_rows,
+                shape.kept,
+                update_freq,
+                world_size,
+                ema[i],
+                trends[i],
+                critical[i],
+                costs["kfac"],
+                costs[self._lowrank_variant(step, critical[i])[0]],
+                costs["sngd"],
+                budget,
+            )
+            solver, reason = self._choose(stats)
+            decisions.append(
+                Decision(
                     step,
-                    shape.d_a,
-                    shape.d_g,
-                    shape.rows,
-                    shape.kfac_rows,
-                    shape.kept,
-                    update_freq,
-                    world_size,
-                    ema[i],
-                    trends[i],
+                    name,
+                    solver,
+                    reason,
                     critical[i],
-                    c_kfac,
-                    c_low,
+                    trends[i],
+                    stats.cost_kfac,
+                    stats.cost_lowrank,
+                    stats.cost_sngd,
                 )
             )
-            decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], c_kfac, c_low))
         return decisions
+
+    def _lowrank_variant(self, step: int, critical: bool) -> tuple[LayerSolver, Reason]:
+        """KID or KIS: by the epoch windows when ``adaptive`` is set, else by the critical regime."""
+        if self.config.adaptive is not None:
+            return ("kid", "epoch window") if self.epoch_window_kid(step) else ("kis", "epoch window")
+        return ("kid", "critical") if critical else ("kis", "stable")
 
     def _choose(self, stats: LayerStats) -> tuple[LayerSolver, Reason]:
         cfg = self.config
@@ -202,8 +236,10 @@ class SolverPolicy:
             return chosen, "solver_fn"
         if cfg.solver != "hybrid":
             return cfg.solver, "fixed"
+        if stats.cost_sngd <= stats.budget:
+            return "sngd", "fidelity"
+        if stats.cost_kfac <= stats.budget:
+            return "kfac", "fidelity"
         if stats.cost_kfac <= stats.cost_lowrank:
             return "kfac", "cost"
-        if cfg.adaptive is not None:
-            return ("kid", "epoch window") if self.epoch_window_kid(stats.step) else ("kis", "epoch window")
-        return ("kid", "critical") if stats.critical else ("kis", "stable")
+        return self._lowrank_variant(stats.step, stats.critical)

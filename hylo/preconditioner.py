@@ -79,9 +79,11 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.config.strategy, self.comm)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._needs_update = False
-        self._capture_cache: tuple[int, bool] = (-1, False)
+        self._capture_cache: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
         self._removed = False
-        found = register_layers(model, self.config.skip_layers, self._capturing, self.config.initial_solver)
+        found = register_layers(
+            model, self.config.skip_layers, self._capturing, self.config.initial_solver, self.config.conv_rows
+        )
         self._layers: list[RegisteredLayer] = found.layers
         self._skipped = found.skipped
         self._unsupported = found.unsupported
@@ -102,14 +104,32 @@ class HyLoPreconditioner:
             raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
 
     # ------------------------------------------------------------------ cadence
-    def _capturing(self) -> bool:
-        """Whether the current step captures inputs and output gradients (cached per step)."""
-        step, flag = self._capture_cache
+    def _cadence(self) -> tuple[bool, frozenset[str]]:
+        """This step's (update?, layers refreshing their running statistics), computed once per step.
+
+        An update step captures every layer. Otherwise, at a ``factor_update_freq`` step, the
+        layers whose family keeps running statistics (K-FAC) capture and refresh them.
+        """
+        step, update, refreshing = self._capture_cache
         if step != self.steps:
             freq = resolve("update_freq", self.config.update_freq, self.steps)
-            flag = self._needs_update or self.steps % freq == 0
-            self._capture_cache = (self.steps, flag)
-        return flag
+            update = self._needs_update or self.steps % freq == 0
+            refreshing = frozenset()
+            if not update and self.config.factor_update_freq is not None:
+                factor_freq = resolve("factor_update_freq", self.config.factor_update_freq, self.steps)
+                if self.steps % factor_freq == 0:
+                    refreshing = frozenset(
+                        layer.name
+                        for layer in self._layers
+                        if layer.state is not None and family_of(layer.solver).refreshes
+                    )
+            self._capture_cache = (self.steps, update, refreshing)
+        return update, refreshing
+
+    def _capturing(self, name: str | None = None) -> bool:
+        """Whether the current step captures (layer ``name``'s, or any layer's) inputs and output gradients."""
+        update, refreshing = self._cadence()
+        return update or (bool(refreshing) if name is None else name in refreshing)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -119,12 +139,12 @@ class HyLoPreconditioner:
             raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
         step = self.steps
         grads = self._gradients()
-        is_update = self._capturing()
+        is_update, refreshing = self._cadence()
         norms = torch.stack(
             [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self._layers, grads, strict=True)]
         ).to(torch.float64)
         try:
-            if not self._all_finite(norms, is_update):
+            if not self._all_finite(norms, is_update or bool(refreshing)):
                 bad = [layer.name for layer, g in zip(self._layers, grads, strict=True) if not torch.isfinite(g).all()]
                 warnings.warn(
                     f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
@@ -135,8 +155,10 @@ class HyLoPreconditioner:
                 return
             self._policy.trend.observe(norms)
             if is_update:
-                batches = self._batches(step)
+                batches = self._batches(step, self._layers)
                 self._update(step, batches, self._decide(step, batches))
+            elif refreshing:
+                self._refresh(step, [layer for layer in self._layers if layer.name in refreshing])
             self._precondition(grads, step)
         finally:
             for layer in self._layers:
@@ -162,19 +184,41 @@ class HyLoPreconditioner:
             finite = self.comm.all_true(finite.reshape(1))[0]
         return bool(finite.item())
 
-    def _batches(self, step: int) -> list[LayerBatch]:
-        """Every layer's captured calls at this update step, counted once."""
-        calls = [layer.capture.calls() for layer in self._layers]
-        missing = [layer.name for layer, c in zip(self._layers, calls, strict=True) if not c]
+    def _batches(self, step: int, layers: list[RegisteredLayer]) -> list[LayerBatch]:
+        """The captured calls of ``layers`` at this step, counted once."""
+        calls = [layer.capture.calls() for layer in layers]
+        missing = [layer.name for layer, c in zip(layers, calls, strict=True) if not c]
         if missing:
             raise RuntimeError(
-                f"step {step} is an update step but the hooks of {missing} never fired: run the "
+                f"step {step} captures curvature but the hooks of {missing} never fired: run the "
                 "forward in train mode with autograd enabled, through the module itself, before step()"
             )
         return [
-            LayerBatch.collect(layer.math, c, self.config.rows_kept)
-            for layer, c in zip(self._layers, calls, strict=True)
+            LayerBatch.collect(layer.math, c, self.config.rows_kept) for layer, c in zip(layers, calls, strict=True)
         ]
+
+    def _refresh(self, step: int, layers: list[RegisteredLayer]) -> None:
+        """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
+        context = UpdateContext(
+            rank=self.comm.rank,
+            damping=resolve("damping", self.config.damping, step),
+            factor_decay=resolve("factor_decay", self.config.factor_decay, step),
+            seed=0,
+            kis_estimator=self.config.kis_estimator,
+        )
+        batches = self._batches(step, layers)
+        jobs = [
+            UpdateJob(layer.name, layer.solver, batch, layer.state)
+            for layer, batch in zip(layers, batches, strict=True)
+        ]
+        result = self._stage.refresh(jobs, context)
+        if result.rejected:
+            warnings.warn(
+                f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=3
+            )
+        for layer in layers:
+            if layer.name not in result.rejected:
+                layer.state = result.states[layer.name]
 
     def _decide(self, step: int, batches: list[LayerBatch]) -> list[LayerSolver]:
         """Choose every layer's solver for this update; identical on all ranks."""
@@ -198,6 +242,7 @@ class HyLoPreconditioner:
             damping=resolve("damping", self.config.damping, step),
             factor_decay=resolve("factor_decay", self.config.factor_decay, step),
             seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)),
+            kis_estimator=self.config.kis_estimator,
         )
         jobs = [
             UpdateJob(layer.name, solver, batch, layer.state)
@@ -337,7 +382,7 @@ class HyLoPreconditioner:
         self.steps = int(state_dict["steps"])
         remote = any(saved[name].get("remote") for name in names)
         self._needs_update = bool(state_dict["needs_update"]) or remote
-        self._capture_cache = (-1, False)
+        self._capture_cache = (-1, False, frozenset())
         self._generator = generator
         if "trend" in state_dict:
             self._policy.trend.load_state_dict(state_dict["trend"], self._layers[0].math.weight.device)

@@ -8,13 +8,18 @@ from typing import Literal, get_args
 from hylo.solvers import LayerSolver
 
 #: Why a solver was chosen (see :class:`Decision`).
-Reason = Literal["override", "solver_fn", "fixed", "cost", "epoch window", "critical", "stable"]
+Reason = Literal["override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable"]
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
 @dataclass(frozen=True)
 class LayerStats:
-    """What a policy knows of one layer at an update step (the argument of ``solver_fn``)."""
+    """What a policy knows of one layer at an update step (the argument of ``solver_fn``).
+
+    Costs are the hybrid cost model's multiply-adds per update period (traffic included when
+    P > 1): ``cost_lowrank`` is that of the low-rank variant the regime calls for (``kid``
+    when critical, else ``kis``), and ``budget`` what a solver may cost to be taken for fidelity.
+    """
 
     name: str
     step: int
@@ -30,6 +35,8 @@ class LayerStats:
     critical: bool
     cost_kfac: float
     cost_lowrank: float
+    cost_sngd: float
+    budget: float
 
 
 @dataclass(frozen=True)
@@ -44,3 +51,4 @@ class Decision:
     trend: float | None
     cost_kfac: float
     cost_lowrank: float
+    cost_sngd: float

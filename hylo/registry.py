@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from torch import nn
 
 from hylo.capture import LayerCapture
 from hylo.config import SolverName
-from hylo.layers import LayerMath, supported_math, unsupported_reason
+from hylo.layers import ConvRows, LayerMath, supported_math, unsupported_reason
 from hylo.solvers import HeldState
 
 
@@ -64,10 +65,14 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def register_layers(
     model: nn.Module,
     skip_layers: tuple[str, ...],
-    should_capture: Callable[[], bool],
+    should_capture: Callable[[str], bool],
     initial_solver: Callable[[str], SolverName],
+    conv_rows: ConvRows = "sum",
 ) -> Registration:
-    """Hook every supported, trainable, non-skipped layer of ``model``; list the rest."""
+    """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
+
+    ``should_capture(name)`` says whether layer ``name`` captures at the current step.
+    """
     skip = _matcher(skip_layers)
     result = Registration()
     functional_prefixes: list[str] = []
@@ -84,12 +89,13 @@ def register_layers(
         if skip(name, module):
             result.skipped.append((name, "skip_layers"))
             continue
-        math = supported_math(module)
+        math = supported_math(module, conv_rows)
         if math is None:
             result.unsupported.append((name, unsupported_reason(module)))
             continue
         if not math.weight.requires_grad:
             result.skipped.append((name, "weight does not require grad"))
             continue
-        result.layers.append(RegisteredLayer(name, math, LayerCapture(module, should_capture), initial_solver(name)))
+        capture = LayerCapture(module, functools.partial(should_capture, name))
+        result.layers.append(RegisteredLayer(name, math, capture, initial_solver(name)))
     return result

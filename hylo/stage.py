@@ -80,6 +80,18 @@ class UpdateStage:
                     states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
         return UpdateResult(states, owners, self._rejected(jobs, states))
 
+    def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
+        """Between updates: fold this step's batches into the running statistics of ``jobs`` (families
+        that :attr:`~hylo.solvers.base.SolverFamily.refreshes`), one collective per family, no solve."""
+        groups = [(family, [job for job in jobs if family_of(job.solver) is family]) for family in FAMILIES]
+        groups = [(family, members) for family, members in groups if members]
+        launched = [self._launch(family.contribute(members, context)) for family, members in groups]
+        states: dict[str, HeldState] = {}
+        for (family, members), pending in zip(groups, launched, strict=True):
+            refreshed = family.refresh(members, pending.wait(), context)
+            states.update(zip([job.name for job in members], refreshed, strict=True))
+        return UpdateResult(states, {}, self._rejected(jobs, states))
+
     def _launch(self, share: Contribution) -> Pending:
         if share.exchange is Exchange.MEAN:
             return self.comm.all_reduce_mean(share.payload, share.weights)

@@ -18,7 +18,15 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, assert_same_tensors, state_snapshot
-from tests.kit.models import classifier_inputs, classifier_mlp, mlp, regression_data, run, wide_model
+from tests.kit.models import (
+    classifier_convnet,
+    classifier_inputs,
+    classifier_mlp,
+    mlp,
+    regression_data,
+    run,
+    wide_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -97,6 +105,40 @@ def test_state_dict_round_trip_continues_bit_for_bit(solver: str, save_at: int) 
     assert all(torch.equal(s, r) for s, r in zip(straight, resumed, strict=True))
     again, _ = _training_run(solver, 6, None)  # the uninterrupted run itself is deterministic
     assert all(torch.equal(s, r) for s, r in zip(straight, again, strict=True))
+
+
+@pytest.mark.parametrize("solver", ["sngd", "kid"])
+def test_state_dict_round_trip_with_exact_conv_rows(solver: str) -> None:
+    """Dense per-sample rows (``conv_rows="exact"``) are saved whole and resume bit for bit."""
+    data = [classifier_inputs("conv", 12, seed=70 + i) for i in range(5)]
+
+    def train(model: nn.Module, pre: HyLoPreconditioner, steps: range) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in steps:
+            x, y = data[step]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            optimizer.step()
+
+    options = {"solver": solver, "update_freq": 2, "rank_ratio": 0.5, "damping": 0.1, "conv_rows": "exact"}
+    model = classifier_convnet(seed=0)
+    pre = HyLoPreconditioner(model, **options)
+    train(model, pre, range(3))
+    saved = pre.state_dict()
+    assert any("u" in entry.get("tensors", {}) for entry in saved["layers"].values())
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "pre": saved}, buffer)
+    train(model, pre, range(3, 5))
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model2 = classifier_convnet(seed=1)
+    model2.load_state_dict(checkpoint["model"])
+    pre2 = HyLoPreconditioner(model2, **options)
+    pre2.load_state_dict(checkpoint["pre"])
+    train(model2, pre2, range(3, 5))
+    for (name, p), q in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 # --------------------------------------------------------------------------- load_state_dict mismatches

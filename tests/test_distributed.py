@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
+from hylo.solvers.smw import LowRankState
 from tests.kit.checks import rel_err
 from tests.kit.harness import run_distributed
 
@@ -93,9 +94,7 @@ def train(
         pre.step()
         preconditioned.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
         opt.step()
-    state_rows = {
-        layer.name: int(layer.state.a.shape[0]) for layer in pre._layers if getattr(layer.state, "a", None) is not None
-    }
+    state_rows = {layer.name: layer.state.rows.count for layer in pre._layers if isinstance(layer.state, LowRankState)}
     return {
         "raw": raw,
         "pre": preconditioned,

@@ -106,6 +106,58 @@ def test_kfac_running_average(kind: str) -> None:
         assert_rel_close(grad_matrix(layer), dense_kfac(running[0], running[1], grad, damping))
 
 
+# --------------------------------------------------------------------------- 7. factor_update_freq
+@pytest.mark.parametrize("factor_update_freq", [None, 1, 2])
+def test_factor_update_freq_refreshes_running_factors_between_updates(factor_update_freq: int | None) -> None:
+    """KAISA's cadences: factors blended at every ``factor_update_freq`` step, decompositions at updates.
+
+    update_freq = 3 (updates at steps 0 and 3). Between updates the preconditioner keeps the
+    step-0 decomposition; at step 3 it decomposes the running factors that every refresh step
+    (and step 3's batch) was blended into. Rows are rebuilt independently for every step.
+    """
+    decay, damping = 0.6, 0.05
+    layer = nn.Linear(4, 3, dtype=DT)
+    pre = HyLoPreconditioner(
+        layer,
+        solver="kfac",
+        update_freq=3,
+        factor_update_freq=factor_update_freq,
+        factor_decay=decay,
+        damping=damping,
+    )
+    running: tuple[Tensor, Tensor] | None = None
+    solved: tuple[Tensor, Tensor] | None = None
+    for step in range(4):
+        layer.zero_grad()
+        x = torch.randn(6, 4, dtype=DT)
+        out = layer(x)
+        out.retain_grad()
+        F.mse_loss(out, fixed_target(out.shape, seed=step)).backward()
+        grad = grad_matrix(layer)
+        pre.step()
+        a, g = linear_rows(layer, x, out.grad)
+        batch = (a.mT @ a / 6, g.mT @ g / 6)
+        is_update = step % 3 == 0
+        refreshed = factor_update_freq is not None and step % factor_update_freq == 0
+        if is_update or refreshed:
+            running = (
+                batch
+                if running is None
+                else (
+                    decay * running[0] + (1 - decay) * batch[0],
+                    decay * running[1] + (1 - decay) * batch[1],
+                )
+            )
+        if is_update:
+            assert running is not None
+            solved = running
+        assert running is not None and solved is not None
+        state = pre._layers[0].state
+        assert_rel_close(state.factor_a, running[0], REPLAY_RTOL)
+        assert_rel_close(state.factor_g, running[1], REPLAY_RTOL)
+        assert_rel_close(grad_matrix(layer), dense_kfac(solved[0], solved[1], grad, damping))
+
+
 # --------------------------------------------------------------------------- eigh failures
 def _failing_eigh(*args: object, **kwargs: object) -> None:
     raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge (simulated)")

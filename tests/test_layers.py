@@ -91,7 +91,7 @@ def test_conv_followed_by_inplace_relu(solver: str) -> None:
     conv_ref = conv_reference(ref[0], x, s, s.grad)
     a, g = linear_rows(ref[3], flat, logits.grad)
     if solver == "sngd":
-        expected_conv = dense_sngd(conv_ref["a"], conv_ref["g"], grads[0], damping)
+        expected_conv = dense_sngd(conv_ref["a"], conv_ref["g_sum"], grads[0], damping)
         expected_lin = dense_sngd(a, g, grads[1], damping)
     else:
         expected_conv = dense_kfac(conv_ref["A"], conv_ref["G"], grads[0], damping)

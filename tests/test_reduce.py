@@ -14,10 +14,16 @@ import torch
 from scipy import stats
 from torch import Tensor
 
+from hylo.rows import sample_kernel
 from hylo.solvers.reduce import kid_skeleton, kis_select, pivoted_cholesky
-from hylo.solvers.smw import sample_kernel
 from tests.kit.checks import DT
 from tests.kit.reference import u_rows
+
+
+def row_weights(a: Tensor, g: Tensor) -> Tensor:
+    """‖u_i‖² = ‖a_i‖²‖g_i‖², the KIS sampling weights."""
+    return a.square().sum(dim=1) * g.square().sum(dim=1)
+
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -47,7 +53,7 @@ def test_kid_skeleton_matches_scipy_interpolative(seed: int, structure: str) -> 
     u = u_rows(a, g).numpy()  # 60 × 80
     singular = np.linalg.svd(u, compute_uv=False)
     for k in (5, 10, 20, 30):
-        skeleton, _ = kid_skeleton(a, g, k)
+        skeleton, _ = kid_skeleton(sample_kernel(a, g), k)
         j = skeleton.numpy()
         assert len(set(j.tolist())) == k
         u_j = u[j]
@@ -69,7 +75,7 @@ def _design_interp(a: Tensor, g: Tensor, skeleton: Tensor) -> Tensor:
 def test_kid_weights_are_design_interpolation(seed: int) -> None:
     """W_p = Π Πᵀ with Π = K_JJ⁻¹ K_J,:, Π[:, J] = I, and W_p ⪰ I (symmetric)."""
     a, g = _random_rows(40, 6, 5, seed, "scaled")
-    skeleton, weights = kid_skeleton(a, g, 12)
+    skeleton, weights = kid_skeleton(sample_kernel(a, g), 12)
     interp = _design_interp(a, g, skeleton)
     torch.testing.assert_close(interp[:, skeleton], torch.eye(12, dtype=DT), atol=1e-8, rtol=0)
     torch.testing.assert_close(weights, interp @ interp.mT, rtol=1e-8, atol=1e-8 * float(weights.abs().max()))
@@ -87,7 +93,7 @@ def test_kid_interpolation_exact_when_rank_le_k(k: int) -> None:
     a[3] = 0.0  # a zero row as well
     u = u_rows(a, g)
     assert int(torch.linalg.matrix_rank(u)) == 4
-    skeleton, weights = kid_skeleton(a, g, k)
+    skeleton, weights = kid_skeleton(sample_kernel(a, g), k)
     u_j = u[skeleton]
     scale = float(u.norm())
     if k == 4:  # K_JJ invertible: check the design's Π itself
@@ -114,7 +120,7 @@ def test_kis_select_draws_r_distinct_indices(n: int, r: int) -> None:
     gen = torch.Generator().manual_seed(0)
     a, g = _random_rows(n, 3, 2, seed=n, structure="scaled")
     for _ in range(20):
-        idx = kis_select(a, g, r, gen)
+        idx = kis_select(row_weights(a, g), r, gen)
         assert idx.shape == (r,) and idx.dtype == torch.long
         assert len(set(idx.tolist())) == r and 0 <= int(idx.min()) and int(idx.max()) < n
 
@@ -127,8 +133,8 @@ def test_kis_select_never_takes_zero_rows_while_enough_nonzero() -> None:
     gen = torch.Generator().manual_seed(0)
     for r in (1, 3, 5):
         for _ in range(100):
-            assert set(kis_select(a, g, r, gen).tolist()) <= nonzero
-    seen = [kis_select(a, g, 5, gen) for _ in range(5)]
+            assert set(kis_select(row_weights(a, g), r, gen).tolist()) <= nonzero
+    seen = [kis_select(row_weights(a, g), 5, gen) for _ in range(5)]
     assert all(set(s.tolist()) == nonzero for s in seen)
 
 
@@ -139,7 +145,7 @@ def test_kis_select_fills_uniformly_from_zero_rows() -> None:
     draws = 2000
     counts = np.zeros(6)
     for _ in range(draws):
-        idx = set(kis_select(a, g, 3, gen).tolist())
+        idx = set(kis_select(row_weights(a, g), 3, gen).tolist())
         assert {0, 3} <= idx and len(idx) == 3
         counts[list(idx - {0, 3})] += 1
     observed = counts[[1, 2, 4, 5]]
@@ -152,7 +158,7 @@ def test_kis_select_all_zero_rows() -> None:
     gen = torch.Generator().manual_seed(0)
     firsts = np.zeros(8)
     for _ in range(800):
-        idx = kis_select(a, g, 3, gen)
+        idx = kis_select(row_weights(a, g), 3, gen)
         assert len(set(idx.tolist())) == 3
         firsts[idx.tolist()] += 1
     assert stats.chisquare(firsts).statistic < stats.chi2.ppf(1 - 1e-4, df=7), firsts
@@ -166,7 +172,7 @@ def test_kis_first_draw_frequencies_follow_weights() -> None:
     torch.testing.assert_close(sample_kernel_diag, torch.tensor(p, dtype=DT))
     gen = torch.Generator().manual_seed(0)
     draws = 6000
-    counts = np.bincount([int(kis_select(a, g, 1, gen)) for _ in range(draws)], minlength=len(p))
+    counts = np.bincount([int(kis_select(row_weights(a, g), 1, gen)) for _ in range(draws)], minlength=len(p))
     expected = draws * np.array(p) / sum(p)
     chi2 = stats.chisquare(counts, expected).statistic
     assert chi2 < stats.chi2.ppf(1 - 1e-4, df=len(p) - 1), (counts, expected)
@@ -181,7 +187,7 @@ def test_kis_inclusion_probabilities_without_replacement() -> None:
     draws = 3000
     counts = np.zeros(len(p))
     for _ in range(draws):
-        counts[kis_select(a, g, 2, gen).tolist()] += 1
+        counts[kis_select(row_weights(a, g), 2, gen).tolist()] += 1
     incl = np.array([p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(len(p)) if j != i) for i in range(len(p))])
     z = (counts / draws - incl) / np.sqrt(incl * (1 - incl) / draws)
     assert np.all(np.abs(z) < 4), (counts / draws, incl)

@@ -212,8 +212,16 @@ def train(
 
 
 def options_of(solver: str, rank_ratio: float, strategy: str) -> dict[str, Any]:
-    """Preconditioner options; hybrid forces fc3 to K-FAC so that both families take part."""
+    """Preconditioner options; hybrid forces fc3 to K-FAC so that both families take part.
+
+    ``"kfac+factors"`` is K-FAC refreshing its running factors every step between updates;
+    ``"<solver>+exact"`` uses the convolution's exact per-sample gradients as its rows.
+    """
     options: dict[str, Any] = {"solver": solver, "rank_ratio": rank_ratio, "strategy": strategy}
+    if solver == "kfac+factors":
+        options.update(solver="kfac", factor_update_freq=1)
+    if solver.endswith("+exact"):
+        options.update(solver=solver.removesuffix("+exact"), conv_rows="exact")
     if solver == "hybrid":
         options["layer_solvers"] = {"fc3": "kfac"}
     return options
@@ -321,7 +329,7 @@ def test_inverse_strategy_every_rank_holds_every_state(world_size: int, solver: 
 
 
 # --------------------------------------------------------------------------- preconditioned gradients
-EXACT = [("kfac", 1.0), ("sngd", 1.0), ("kid", 1.0), ("kis", 1.0)]
+EXACT = [("kfac", 1.0), ("kfac+factors", 1.0), ("sngd", 1.0), ("sngd+exact", 1.0), ("kid", 1.0), ("kis", 1.0)]
 
 
 @pytest.mark.parametrize(("solver", "rank_ratio"), EXACT, ids=[s for s, _ in EXACT])
@@ -345,7 +353,9 @@ def test_exact_solvers_match_one_process_on_the_whole_batch(
                 assert err < 1e-10, f"rank {rank} step {step} {key}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize(("solver", "rank_ratio"), [("kid", 0.5), ("kis", 0.5), ("hybrid", 0.5)], ids=str)
+@pytest.mark.parametrize(
+    ("solver", "rank_ratio"), [("kid", 0.5), ("kis", 0.5), ("kis+exact", 0.5), ("hybrid", 0.5)], ids=str
+)
 @pytest.mark.parametrize("strategy", ["inverse", "gradient"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_approximate_solvers_agree_across_ranks(world_size: int, strategy: str, solver: str, rank_ratio: float) -> None:

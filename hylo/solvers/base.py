@@ -111,15 +111,17 @@ def check_shapes(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple[int
 
 @dataclass(frozen=True)
 class CostEstimate:
-    """Estimated multiply-adds of one layer: per update (build, solve) and per step (apply)."""
+    """Estimated work of one layer: multiply-adds per update (build, solve) and per step (apply),
+    and the bytes a rank sends and receives per update (0 with one rank)."""
 
     build: float
     solve: float
     apply: float
+    bytes: float = 0.0
 
-    def per_period(self, update_freq: int) -> float:
-        """Cost of one update period: the update plus ``update_freq`` applications."""
-        return self.build + self.solve + update_freq * self.apply
+    def per_period(self, update_freq: int, flops_per_byte: float = 0.0) -> float:
+        """One update period: the update, ``update_freq`` applications and the traffic as multiply-adds."""
+        return self.build + self.solve + update_freq * self.apply + flops_per_byte * self.bytes
 
 
 class Exchange(enum.Enum):
@@ -158,6 +160,8 @@ class UpdateContext:
     factor_decay: float
     #: Seed of this update's random draws (KIS); each layer and rank derives its own from it.
     seed: int
+    #: KIS's estimator: ``"unbiased"`` (Horvitz–Thompson weights) or ``"hylo"`` (unweighted).
+    kis_estimator: str = "unbiased"
 
 
 PreparedT = TypeVar("PreparedT")
@@ -182,7 +186,7 @@ class SolverFamily(ABC, Generic[PreparedT]):
         """Each job's solve inputs from the collective's result; identical on every rank."""
 
     @abstractmethod
-    def cost(self, shape: LayerShape) -> CostEstimate:
+    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """Estimated multiply-adds of a layer of ``shape`` on this family's path."""
 
     @abstractmethod
@@ -208,3 +212,11 @@ class SolverFamily(ABC, Generic[PreparedT]):
     def state_from_dict(self, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
         """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
         return self.state_type.from_dict(entry, d_a, d_g, device)
+
+    #: Whether the family keeps running statistics that steps between updates refresh
+    #: (``factor_update_freq``): such steps run :meth:`contribute`, the collective and :meth:`refresh`.
+    refreshes: ClassVar[bool] = False
+
+    def refresh(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[HeldState]:
+        """Each job's held state with this step's contribution folded in and its solve kept as it was."""
+        raise NotImplementedError(f"the {self.name} family keeps no running statistics")

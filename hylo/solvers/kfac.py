@@ -8,6 +8,7 @@ eigendecomposes A and G and the state applies V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,7 +23,9 @@ from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     Exchange,
+    HeldState,
     LayerState,
+    RemoteState,
     SolverFamily,
     UpdateContext,
     UpdateJob,
@@ -32,6 +35,10 @@ from hylo.solvers.base import (
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
 EIGH_COST = 4.0
+
+
+def _eigh_work(d_a: int, d_g: int) -> float:
+    return EIGH_COST * (float(d_a) ** 3 + float(d_g) ** 3)
 
 
 @dataclass
@@ -146,18 +153,24 @@ class KFACFamily(SolverFamily[KFACFactors]):
             prepared.append(KFACFactors(*blend_factors(previous, batch, context.factor_decay)))
         return prepared
 
-    def cost(self, shape: LayerShape) -> CostEstimate:
-        """Factors n_k(d_a² + d_g²), eigendecompositions 4(d_a³ + d_g³), rotations 2 d_a d_g (d_a + d_g) a step."""
+    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
+        """Factors n_k(d_a² + d_g²), eigendecompositions 4(d_a³ + d_g³), rotations 2 d_a d_g (d_a + d_g) a step.
+
+        With P > 1 a rank sends and receives about 3(d_a² + d_g²) numbers per update: the
+        all-reduce of A and G (twice their size) and the broadcast of the eigenvectors.
+        """
         d_a, d_g = shape.d_a, shape.d_g
+        exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
         return CostEstimate(
             build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=EIGH_COST * (d_a**3 + d_g**3),
+            solve=_eigh_work(d_a, d_g),
             apply=2.0 * d_a * d_g * (d_a + d_g),
+            bytes=exchanged * shape.itemsize,
         )
 
     def solve_cost(self, prepared: KFACFactors) -> float:
         """The eigendecompositions' cost."""
-        return self.cost(LayerShape(prepared.factor_a.shape[0], prepared.factor_g.shape[0])).solve
+        return _eigh_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0])
 
     def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G, batched by shape."""
@@ -193,3 +206,18 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def carried(self, prepared: KFACFactors) -> dict[str, Tensor]:
         """Every rank keeps the running factors (the next update blends with them)."""
         return {"factor_a": prepared.factor_a, "factor_g": prepared.factor_g}
+
+    refreshes = True
+
+    def refresh(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[HeldState]:
+        """The running factors blended with this step's batch factors; the eigendecompositions kept (KAISA's
+        ``factor_update_freq``): they are redone from the running factors at the next update."""
+        refreshed: list[HeldState] = []
+        for job, factors in zip(jobs, self.prepare(jobs, received, context), strict=True):
+            if isinstance(job.previous, KFACState):
+                refreshed.append(
+                    dataclasses.replace(job.previous, factor_a=factors.factor_a, factor_g=factors.factor_g)
+                )
+            else:
+                refreshed.append(RemoteState(self.name, self.carried(factors)))
+        return refreshed

@@ -1,15 +1,16 @@
 """The low-rank family: SNGD, KID and KIS, one SMW solve on rows gathered from every rank.
 
 docs/design.md, "SNGD", "KID", "KIS". The variants differ only in how a rank reduces its n
-rows before the gather and how the gathered rows are weighted:
+per-sample gradients before the gather and how the gathered rows are weighted:
 
-===========  =========================================  ================  =====================
-variant      local reduction (r rows of n)              divisor D         interpolation weights
-===========  =========================================  ================  =====================
-``sngd``     identity (r = n)                           B = Σ n_p         none
-``kid``      skeleton: greedy pivoted Cholesky on K     B = Σ n_p         W = blockdiag(W_p)
-``kis``      sample ∝ ‖a_i‖²‖g_i‖², without replacement m = Σ r_p         none
-===========  =========================================  ================  =====================
+===========  ============================================  =================  =====================
+variant      local reduction (r rows of n)                 divisor D          interpolation weights
+===========  ============================================  =================  =====================
+``sngd``     identity (r = n)                              B = Σ n_p          none
+``kid``      skeleton: greedy pivoted Cholesky on K        B = Σ n_p          W = blockdiag(W_p)
+``kis``      priority sample ∝ ‖U_i‖², rows × √(HT factor)  B = Σ n_p          none
+``kis``      (``kis_estimator="hylo"``) sample ∝ ‖U_i‖²     m = Σ r_p          none
+===========  ============================================  =================  =====================
 
 A new variant is a :class:`RowReduction` here and an entry in :data:`VARIANTS`.
 """
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from hylo.layers import LayerShape
 from hylo.payload import Payload
+from hylo.rows import SampleRows, rows_from_fields
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -33,7 +35,7 @@ from hylo.solvers.base import (
     UpdateContext,
     UpdateJob,
 )
-from hylo.solvers.reduce import kid_skeleton, kis_select
+from hylo.solvers.reduce import kid_skeleton, kis_select, priority_sample
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
 
 #: Spacing of the per-layer seeds derived from an update's seed (a prime, so layers never collide).
@@ -47,12 +49,22 @@ class RowReduction(ABC):
     keeps_all: ClassVar[bool] = False
 
     @abstractmethod
-    def reduce(self, a: Tensor, g: Tensor, r: int, seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The r kept rows of (a, g) and the local interpolation weights W_p (or None)."""
+    def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
+        """The r kept rows and the local interpolation weights W_p (or None)."""
 
     @abstractmethod
-    def update(self, a: Tensor, g: Tensor, counts: list[list[float]], weights: Tensor | None) -> LowRankUpdate:
+    def update(
+        self, rows: SampleRows, counts: list[list[float]], weights: Tensor | None, context: UpdateContext
+    ) -> LowRankUpdate:
         """The solve input from the gathered rows; ``counts`` holds each rank's [n_p, r_p]."""
+
+    def local_work(self, shape: LayerShape) -> float:
+        """Multiply-adds of the local reduction of ``shape.rows`` rows (for the cost model)."""
+        return 0.0
+
+
+def _total_rows(counts: list[list[float]]) -> int:
+    return sum(int(n) for n, _ in counts)
 
 
 class ExactRows(RowReduction):
@@ -60,48 +72,77 @@ class ExactRows(RowReduction):
 
     keeps_all = True
 
-    def reduce(self, a: Tensor, g: Tensor, r: int, seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
         """Identity."""
-        return a, g, None
+        return rows, None
 
-    def update(self, a: Tensor, g: Tensor, counts: list[list[float]], weights: Tensor | None) -> LowRankUpdate:
+    def update(
+        self, rows: SampleRows, counts: list[list[float]], weights: Tensor | None, context: UpdateContext
+    ) -> LowRankUpdate:
         """All rows with divisor B."""
-        return LowRankUpdate(a, g, sum(int(n) for n, _ in counts))
+        return LowRankUpdate(rows, _total_rows(counts))
 
 
 class SampledRows(RowReduction):
-    """KIS: r rows drawn without replacement with probability ∝ ‖a_i‖²‖g_i‖², divisor m."""
+    """KIS: r rows per rank by importance ∝ ‖U_i‖², without replacement.
 
-    def reduce(self, a: Tensor, g: Tensor, r: int, seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The sampled rows (all rows when r = n)."""
-        if r < a.shape[0]:
-            keep = kis_select(a, g, r, torch.Generator().manual_seed(seed))
-            a, g = a.index_select(0, keep), g.index_select(0, keep)
-        return a, g, None
+    ``kis_estimator="unbiased"`` (default): priority sampling, each kept row scaled by the
+    square root of its Horvitz–Thompson factor and divisor B, so E[F̂] = F on every rank's
+    stratum and hence overall. ``"hylo"``: HyLo's form, sequential sampling ∝ ‖U_i‖² and
+    divisor m with no weights (biased towards the heavy rows by up to B/m).
+    """
 
-    def update(self, a: Tensor, g: Tensor, counts: list[list[float]], weights: Tensor | None) -> LowRankUpdate:
-        """The gathered samples with divisor m."""
-        return LowRankUpdate(a, g, a.shape[0])
+    def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
+        """The sampled rows (all rows when r = n), rescaled in the unbiased form."""
+        if r >= rows.count:
+            return rows, None
+        generator = torch.Generator().manual_seed(seed)
+        if context.kis_estimator == "hylo":
+            return rows.select(kis_select(rows.sq_norms(), r, generator)), None
+        keep, factors = priority_sample(rows.sq_norms(), r, generator)
+        return rows.select(keep).scaled(factors.sqrt()), None
+
+    def update(
+        self, rows: SampleRows, counts: list[list[float]], weights: Tensor | None, context: UpdateContext
+    ) -> LowRankUpdate:
+        """The gathered samples with divisor B (``"hylo"``: m)."""
+        divisor = rows.count if context.kis_estimator == "hylo" else _total_rows(counts)
+        return LowRankUpdate(rows, divisor)
+
+    def local_work(self, shape: LayerShape) -> float:
+        """The n row norms."""
+        return float(shape.rows) * shape.row_width
 
 
 class SkeletonRows(RowReduction):
     """KID: a skeleton of r rows with interpolation weights W_p = Π Πᵀ, divisor B."""
 
-    def reduce(self, a: Tensor, g: Tensor, r: int, seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Skeleton rows and W_p (W_p = I when r = n)."""
-        n = a.shape[0]
+    def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
+        """Skeleton rows and W_p (W_p = I when r = n); the local kernel in float64."""
+        n = rows.count
         if r < n:
-            keep, w_local = kid_skeleton(a, g, r)
-            return a.index_select(0, keep), g.index_select(0, keep), w_local
-        return a, g, torch.eye(n, dtype=a.dtype, device=a.device)
+            keep, w_local = kid_skeleton(rows.to(torch.float64).kernel(), r)
+            return rows.select(keep), w_local.to(rows.dtype)
+        return rows, torch.eye(n, dtype=rows.dtype, device=rows.device)
 
-    def update(self, a: Tensor, g: Tensor, counts: list[list[float]], weights: Tensor | None) -> LowRankUpdate:
+    def update(
+        self, rows: SampleRows, counts: list[list[float]], weights: Tensor | None, context: UpdateContext
+    ) -> LowRankUpdate:
         """The gathered skeletons with divisor B and W = blockdiag(W_p)."""
         assert weights is not None, "KID rows travel with their interpolation weights"
         sizes = [int(r) for _, r in counts]
         flat_blocks = torch.split(weights.flatten(), [s * s for s in sizes])
         blocks = [block.reshape(s, s) for block, s in zip(flat_blocks, sizes, strict=True)]
-        return LowRankUpdate(a, g, sum(int(n) for n, _ in counts), torch.block_diag(*blocks))
+        return LowRankUpdate(rows, _total_rows(counts), torch.block_diag(*blocks))
+
+    def local_work(self, shape: LayerShape) -> float:
+        """The local n×n kernel and the pivoted Cholesky."""
+        return float(shape.rows) ** 2 * shape.row_width + float(shape.rows) * shape.kept_local**2
+
+
+def _solve_work(m: int, row_width: int) -> float:
+    """The gathered kernel m²·w and the m×m SMW inverse m³."""
+    return float(m) ** 2 * row_width + float(m) ** 3
 
 
 #: The low-rank variants by solver name.
@@ -116,19 +157,19 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
     state_type = LowRankState
 
     def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
-        """Per layer: kept rows a, g, KID's flattened W_p and this rank's [n, r]."""
+        """Per layer: the kept rows' fields, KID's flattened W_p and this rank's [n, r]."""
         payload = Payload()
         for index, job in enumerate(jobs):
             variant = VARIANTS[job.solver]
-            a, g = job.batch.lowrank_rows()
-            n = a.shape[0]
+            rows = job.batch.lowrank_rows()
+            n = rows.count
             r = n if variant.keeps_all else job.batch.kept
             seed = (context.seed + _SEED_STRIDE * index + context.rank) % 2**63
-            kept_a, kept_g, weights = variant.reduce(a, g, r, seed)
-            fields = {"a": kept_a, "g": kept_g}
+            kept, weights = variant.reduce(rows, r, seed, context)
+            fields = kept.fields()
             if weights is not None:
                 fields["weights"] = weights.reshape(-1, 1)
-            fields["counts"] = a.new_tensor([[float(n), float(r)]])
+            fields["counts"] = torch.tensor([[float(n), float(r)]], dtype=kept.dtype, device=kept.device)
             payload.add(job.name, fields)
         return Contribution(Exchange.ROWS, payload)
 
@@ -137,26 +178,33 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         if not jobs:
             return []
         counts = torch.stack([received[(job.name, "counts")] for job in jobs]).tolist()
-        return [
-            VARIANTS[job.solver].update(
-                received[(job.name, "a")], received[(job.name, "g")], layer_counts, received.get((job.name, "weights"))
-            )
-            for job, layer_counts in zip(jobs, counts, strict=True)
-        ]
+        prepared = []
+        for job, layer_counts in zip(jobs, counts, strict=True):
+            fields = received.fields(job.name)
+            rows = rows_from_fields(fields, job.batch.math.d_g, job.batch.math.d_a)
+            prepared.append(VARIANTS[job.solver].update(rows, layer_counts, fields.get("weights"), context))
+        return prepared
 
-    def cost(self, shape: LayerShape) -> CostEstimate:
-        """Local kernel n²(d_a + d_g), gathered kernel and SMW m²(d_a + d_g) + m³, apply 2 m d_a d_g a step."""
-        d_a, d_g, m = shape.d_a, shape.d_g, shape.kept
+    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
+        """Rows and local reduction; gathered kernel m²·w and SMW m³; apply 2 m d_a d_g a step.
+
+        m = P·n for ``sngd`` and P·r for ``kid``/``kis``; w = d_a + d_g for factored rows and
+        d_a·d_g for dense ones. With P > 1 every rank receives the m gathered rows and M.
+        """
+        variant = VARIANTS[solver]
+        m = shape.world_size * (shape.rows if variant.keeps_all else shape.kept_local)
+        exchanged = float(m) * shape.row_width + float(m) ** 2 if shape.world_size > 1 else 0.0
         return CostEstimate(
-            build=shape.rows**2 * (d_a + d_g),
-            solve=m**2 * (d_a + d_g) + m**3,
-            apply=2.0 * m * d_a * d_g,
+            build=shape.row_work + variant.local_work(shape),
+            solve=_solve_work(m, shape.row_width),
+            apply=2.0 * m * shape.d_a * shape.d_g,
+            bytes=exchanged * shape.itemsize,
         )
 
     def solve_cost(self, prepared: LowRankUpdate) -> float:
         """The gathered kernel and the SMW solve."""
-        a, g = prepared.a, prepared.g
-        return self.cost(LayerShape(a.shape[1], g.shape[1], kept=a.shape[0])).solve
+        rows = prepared.rows
+        return _solve_work(rows.count, rows.fields_width)
 
     def solve(self, prepared: Sequence[LowRankUpdate], context: UpdateContext) -> list[dict[str, Tensor]]:
         """M of every layer, equal sizes batched."""
@@ -164,12 +212,12 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
 
     def solution_template(self, prepared: LowRankUpdate) -> dict[str, Tensor]:
         """A buffer for another rank's M."""
-        m = prepared.a.shape[0]
-        return {"inner": prepared.a.new_empty(m, m)}
+        m = prepared.rows.count
+        return {"inner": torch.empty(m, m, dtype=prepared.rows.dtype, device=prepared.rows.device)}
 
     def assemble(self, prepared: LowRankUpdate, solution: Mapping[str, Tensor], context: UpdateContext) -> LowRankState:
         """Rows, M, divisor and damping."""
-        return LowRankState(prepared.a, prepared.g, solution["inner"], float(prepared.divisor), context.damping)
+        return LowRankState(prepared.rows, solution["inner"], float(prepared.divisor), context.damping)
 
     def carried(self, prepared: LowRankUpdate) -> dict[str, Tensor]:
         """Nothing: every update starts from its own batch."""

@@ -1,7 +1,7 @@
 """Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md, "KID", "KIS").
 
-Both run on every rank before the all-gather, touch only n×n kernels (never d×d), and
-need no host synchronisation.
+They run on every rank before the all-gather, see only the n row norms or the n×n kernel
+(never a d×d matrix), and need no host synchronisation.
 """
 
 from __future__ import annotations
@@ -9,22 +9,40 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hylo.solvers.smw import sample_kernel
+
+def priority_sample(weights: Tensor, r: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """KIS: r of n rows by priority sampling, and the Horvitz–Thompson factor of each kept row.
+
+    Row i gets priority w_i / u_i (u_i uniform on (0, 1]); the r highest are kept and τ is
+    the (r+1)-th priority. A kept row's factor is max(1, τ / w_i), so Σ_kept factor_i X_i is an
+    unbiased estimate of Σ_i X_i for any per-row quantities X_i that vanish where w_i = 0
+    (Duffield, Lund & Thorup's priority sampling). With w_i = ‖U_i‖² every row heavier than τ
+    is kept with factor 1, and with r = n every factor is 1 (the estimate is exact).
+    """
+    n = weights.shape[0]
+    w = weights.to(torch.float64)
+    if r >= n:
+        return torch.arange(n, device=w.device), torch.ones_like(w)
+    u = 1.0 - torch.rand(n, generator=generator, dtype=torch.float64).to(w.device)
+    top = torch.topk(w / u, r + 1)
+    keep, threshold = top.indices[:r], top.values[r]
+    kept_w = w.index_select(0, keep)
+    factors = torch.where(kept_w > 0, (threshold / kept_w.clamp_min(torch.finfo(w.dtype).tiny)).clamp_min(1.0), 1.0)
+    return keep, factors
 
 
-def kis_select(a: Tensor, g: Tensor, r: int, generator: torch.Generator) -> Tensor:
-    """Indices of r rows drawn without replacement with probability ∝ ‖a_i‖²‖g_i‖².
+def kis_select(weights: Tensor, r: int, generator: torch.Generator) -> Tensor:
+    """HyLo's KIS: indices of r rows drawn without replacement with probability ∝ ``weights``.
 
     Uses the exponential-race form of sequential weighted sampling (Efraimidis–Spirakis:
     keep the r largest log(u_i)/p_i), which has the same distribution as drawing one row
     at a time ∝ p among those left. Rows with p_i = 0 are taken last, uniformly among
     themselves (the rows are visited in a random order, so ties break at random).
     """
-    n = a.shape[0]
-    weights = (a.square().sum(dim=1) * g.square().sum(dim=1)).to(torch.float64)
-    order = torch.randperm(n, generator=generator).to(a.device)
-    u = torch.rand(n, generator=generator, dtype=torch.float64).to(a.device)
-    w = weights[order]
+    n = weights.shape[0]
+    order = torch.randperm(n, generator=generator).to(weights.device)
+    u = torch.rand(n, generator=generator, dtype=torch.float64).to(weights.device)
+    w = weights.to(torch.float64)[order]
     keys = torch.where(w > 0, torch.log(u) / w, torch.full_like(u, -torch.inf))
     return order[torch.topk(keys, r).indices]
 
@@ -62,8 +80,12 @@ def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float | None = None) -> tu
     return pivots, factor, alive
 
 
-def kid_skeleton(a: Tensor, g: Tensor, r: int) -> tuple[Tensor, Tensor]:
+def kid_skeleton(kernel: Tensor, r: int) -> tuple[Tensor, Tensor]:
     """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r).
+
+    ``kernel`` is the rank's sample kernel K_ij = ⟨U_i, U_j⟩; computing it in float64 keeps
+    the dead-pivot tolerance of :func:`pivoted_cholesky` at float64 round-off. W_p is
+    returned in the kernel's dtype.
 
     Π = K_JJ⁻¹ K_J,: is obtained from the pivoted Cholesky factor as L_Jᵀ⁻¹ Lᵀ (the same matrix
     in exact arithmetic, better conditioned); Π[:, J] = I by construction. Skeleton rows that
@@ -71,11 +93,10 @@ def kid_skeleton(a: Tensor, g: Tensor, r: int) -> tuple[Tensor, Tensor]:
     reconstruction U ≈ U_J Π is exact whenever the per-sample gradients span ≤ r dimensions,
     and W_p stays symmetric positive definite (W_p ⪰ I).
     """
-    kernel = sample_kernel(a, g)
     pivots, factor, alive = pivoted_cholesky(kernel, r)
     lower = factor.index_select(0, pivots)  # L_J, lower triangular in pivot order
     lower = lower + torch.diag((~alive).to(lower.dtype))
     interp = torch.linalg.solve_triangular(lower.mT, factor.mT, upper=True)  # (r, n)
     interp = interp.index_copy(1, pivots, torch.eye(r, dtype=interp.dtype, device=interp.device))
     weights = interp @ interp.mT
-    return pivots, weights.to(a.dtype)
+    return pivots, weights.to(kernel.dtype)

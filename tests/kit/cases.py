@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix
 from tests.kit.models import fixed_target, one_step
-from tests.kit.reference import CONV_CASES, conv_reference, linear_rows
+from tests.kit.reference import CONV_CASES, conv_reference, linear_rows, per_sample_matrices
 
 #: Leading shapes of the Linear cases: plain rows, and rows with an extra leading dimension.
 LINEAR_SHAPES = {"2d": (6, 5), "leading-dims": (4, 3, 5)}
@@ -35,6 +35,8 @@ class DenseCase:
     g: Tensor | None = None
     #: Conv2d: :func:`tests.kit.reference.conv_reference` of the step.
     conv: dict[str, Tensor] | None = None
+    #: Conv2d: the true per-sample gradients U_i (B, d_g, d_a) by per-sample autograd.
+    per_sample: Tensor | None = None
 
 
 def linear_case(solver: str, bias: bool, shape: tuple[int, ...], loss: str, damping: float) -> DenseCase:
@@ -60,7 +62,7 @@ def linear_case(solver: str, bias: bool, shape: tuple[int, ...], loss: str, damp
     return DenseCase(got, grad, a=a, g=g)
 
 
-def conv_case(solver: str, bias: bool, case: str, damping: float) -> DenseCase:
+def conv_case(solver: str, bias: bool, case: str, damping: float, **options: object) -> DenseCase:
     """One step of ``nn.Conv2d(2, 3, **CONV_CASES[case])`` on a (3, 2, 6, 7) input under MSE."""
     conv = nn.Conv2d(2, 3, bias=bias, dtype=DT, **CONV_CASES[case])
     x = torch.randn(3, 2, 6, 7, dtype=DT)
@@ -68,10 +70,12 @@ def conv_case(solver: str, bias: bool, case: str, damping: float) -> DenseCase:
     def loss_fn(out: Tensor) -> Tensor:
         return F.mse_loss(out, fixed_target(out.shape))
 
-    out, dout, grad, got = one_step(conv, x, loss_fn, solver=solver, damping=damping)
+    per_sample = per_sample_matrices(conv, {"conv": conv}, x, loss_fn)["conv"]
+    out, dout, grad, got = one_step(conv, x, loss_fn, solver=solver, damping=damping, **options)
     ref = conv_reference(conv, x, out, dout)
     assert_rel_close(ref["grad"], grad, REPLAY_RTOL)  # unfold + padding reproduce autograd's ∇W
-    return DenseCase(got, grad, conv=ref)
+    assert_rel_close(per_sample.mean(0), grad, REPLAY_RTOL)  # so do the per-sample gradients
+    return DenseCase(got, grad, conv=ref, per_sample=per_sample)
 
 
 def scheduled_damping_steps(solver: str) -> Iterator[tuple[DenseCase, float]]:

@@ -1,14 +1,20 @@
 """Dense references, built independently of hylo from a layer's input and autograd's output gradient.
 
 - K-FAC: (A ⊗ G + λI) vec(V) = vec(∇W) with column-major vec, W of shape (d_g, d_a);
-- SNGD:  (F + λI) vec(V) = vec(∇W), F = (1/B) Σ u_i u_iᵀ, u_i = vec(g_i a_iᵀ).
+- SNGD:  (F + λI) vec(V) = vec(∇W), F = (1/B) Σ u_i u_iᵀ, u_i = vec(g_i a_iᵀ);
+- the true empirical-Fisher natural gradient, F built from the model's per-sample gradients
+  (autograd, one sample at a time; :func:`per_sample_matrices`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tests.kit.checks import grad_matrix
 
 #: Conv2d configurations the dense comparisons cover (padding modes, strides, dilations, "same").
 CONV_CASES: dict[str, dict[str, object]] = {
@@ -39,11 +45,37 @@ def dense_kfac(factor_a: Tensor, factor_g: Tensor, grad: Tensor, damping: float)
 
 def dense_sngd(a: Tensor, g: Tensor, grad: Tensor, damping: float) -> Tensor:
     """V with (F + λI) vec(V) = vec(∇W), F = (1/B) Σ u_i u_iᵀ, u_i = vec(g_i a_iᵀ) (row-major vec)."""
-    rows = a.shape[0]
-    u = torch.einsum("bi,bj->bij", g, a).reshape(rows, -1)
+    return dense_natural_gradient(torch.einsum("bi,bj->bij", g, a), grad, damping)
+
+
+def dense_natural_gradient(per_sample: Tensor, grad: Tensor, damping: float) -> Tensor:
+    """V with (F + λI) vec(V) = vec(∇W), F = (1/B) Σ vec(U_i) vec(U_i)ᵀ for per-sample matrices U (B, d_g, d_a)."""
+    rows = per_sample.shape[0]
+    u = per_sample.reshape(rows, -1)
     fisher = u.mT @ u / rows
     sol = torch.linalg.solve(fisher + damping * torch.eye(fisher.shape[0], dtype=grad.dtype), grad.reshape(-1))
     return sol.reshape(grad.shape)
+
+
+def per_sample_matrices(
+    model: nn.Module, layers: dict[str, nn.Module], x: Tensor, loss_fn: Callable[[Tensor], Tensor]
+) -> dict[str, Tensor]:
+    """True per-sample gradients U_i (B, d_g, d_a; bias as the last column) of each of ``layers``.
+
+    Sample i's forward runs alone and the others' outputs are detached, so the backward of the
+    batch loss gives sample i's share; U_i is B times it, so ∇W = (1/B) Σ U_i for a loss that
+    is a mean over samples. Plain autograd, one sample at a time: nothing of hylo is used.
+    """
+    n = x.shape[0]
+    mats: dict[str, list[Tensor]] = {name: [] for name in layers}
+    for i in range(n):
+        model.zero_grad()
+        outs = [model(x[j : j + 1]) if j == i else model(x[j : j + 1]).detach() for j in range(n)]
+        loss_fn(torch.cat(outs)).backward()
+        for name, layer in layers.items():
+            mats[name].append(n * grad_matrix(layer))
+    model.zero_grad()
+    return {name: torch.stack(m) for name, m in mats.items()}
 
 
 def u_rows(a: Tensor, g: Tensor) -> Tensor:
@@ -76,7 +108,11 @@ def explicit_padding(conv: nn.Conv2d, x: Tensor) -> Tensor:
 
 
 def conv_reference(conv: nn.Conv2d, x: Tensor, out: Tensor, grad_out: Tensor) -> dict[str, Tensor]:
-    """Gradient, per-sample surrogate rows and KFC factors of a Conv2d, from unfold."""
+    """Gradient, per-sample surrogate rows and KFC factors of a Conv2d, from unfold.
+
+    ``a`` holds the mean patches, ``g`` HyLo's mean output gradients and ``g_sum`` their sums
+    over positions (B·∂L/∂s throughout).
+    """
     x = x.detach()
     xp = explicit_padding(conv, x)
     # the reference padding must reproduce the layer's own output
@@ -92,6 +128,7 @@ def conv_reference(conv: nn.Conv2d, x: Tensor, out: Tensor, grad_out: Tensor) ->
         "grad": torch.einsum("ngl,nal->ga", ds, patches),
         "a": patches.mean(dim=2),
         "g": gs.mean(dim=2),
+        "g_sum": gs.sum(dim=2),
         "A": torch.einsum("nal,nbl->ab", patches, patches) / (n * positions),
         "G": torch.einsum("ngl,nhl->gh", gs, gs) / n,
     }

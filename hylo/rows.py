@@ -1,0 +1,229 @@
+"""Per-sample gradients of one layer, the rows every low-rank solver works on (docs/design.md, "SNGD").
+
+A layer's per-sample gradient U_i (d_g × d_a) is held either
+
+- **factored**, U_i = g_i a_iᵀ (:class:`FactoredRows`): a Linear layer's rows, and the
+  per-sample surrogates of a convolution. Sample kernel K = (A Aᵀ) ∘ (G Gᵀ) in
+  O(m²(d_a + d_g)); or
+- **dense**, U_i as a full matrix (:class:`DenseRows`): a convolution's exact per-sample
+  gradients Σ_p g_ip a_ipᵀ. Kernel K = U Uᵀ in O(m² d_a d_g), m·d_a·d_g numbers held.
+
+Both give the solvers the same operations: the kernel K_ij = ⟨U_i, U_j⟩, its diagonal,
+selecting and rescaling rows, projecting a gradient onto the rows (z_i = ⟨U_i, ∇W⟩) and
+adding Σ_i c_i U_i back. No d × d matrix (d = d_a·d_g) is ever formed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def sample_kernel(a: Tensor, g: Tensor) -> Tensor:
+    """K = (A Aᵀ) ∘ (G Gᵀ): K_ij = u_iᵀ u_j with u_i = vec(g_i a_iᵀ)."""
+    return (a @ a.mT) * (g @ g.mT)
+
+
+class SampleRows(ABC):
+    """m per-sample gradients of a (d_g, d_a) layer, in one of two storage forms."""
+
+    @property
+    @abstractmethod
+    def count(self) -> int:
+        """Number of rows m."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """Dtype of the stored rows."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device of the stored rows."""
+
+    @property
+    @abstractmethod
+    def fields_width(self) -> int:
+        """Numbers per row: d_a + d_g factored, d_a·d_g dense (the kernel costs m² times this)."""
+
+    @abstractmethod
+    def kernel(self) -> Tensor:
+        """K_ij = ⟨U_i, U_j⟩ (m × m)."""
+
+    @abstractmethod
+    def sq_norms(self) -> Tensor:
+        """‖U_i‖²_F, the kernel's diagonal, without forming the kernel."""
+
+    @abstractmethod
+    def select(self, index: Tensor) -> SampleRows:
+        """The rows at ``index``."""
+
+    @abstractmethod
+    def scaled(self, factors: Tensor) -> SampleRows:
+        """Rows U_i · factors_i."""
+
+    @abstractmethod
+    def project(self, grad: Tensor) -> Tensor:
+        """z_i = ⟨U_i, grad⟩ for a (d_g, d_a) matrix, in O(m·d_a·d_g)."""
+
+    @abstractmethod
+    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·grad + alpha·Σ_i coefficients_i U_i as a new (d_g, d_a) matrix, in one pass."""
+
+    @abstractmethod
+    def to(self, dtype: torch.dtype) -> SampleRows:
+        """The rows in ``dtype``."""
+
+    @abstractmethod
+    def fields(self) -> dict[str, Tensor]:
+        """The rows as 2-D tensors with one row per sample (what the all-gather concatenates)."""
+
+
+@dataclass(frozen=True)
+class FactoredRows(SampleRows):
+    """U_i = g_i a_iᵀ: a (m × d_a), g (m × d_g)."""
+
+    a: Tensor
+    g: Tensor
+
+    @property
+    def count(self) -> int:
+        """Number of rows m."""
+        return int(self.a.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the stored rows."""
+        return self.a.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored rows."""
+        return self.a.device
+
+    @property
+    def fields_width(self) -> int:
+        """d_a + d_g."""
+        return int(self.a.shape[1] + self.g.shape[1])
+
+    def kernel(self) -> Tensor:
+        """(A Aᵀ) ∘ (G Gᵀ)."""
+        return sample_kernel(self.a, self.g)
+
+    def sq_norms(self) -> Tensor:
+        """‖a_i‖² ‖g_i‖²."""
+        return self.a.square().sum(dim=1) * self.g.square().sum(dim=1)
+
+    def select(self, index: Tensor) -> FactoredRows:
+        """The rows at ``index``."""
+        return FactoredRows(self.a.index_select(0, index), self.g.index_select(0, index))
+
+    def scaled(self, factors: Tensor) -> FactoredRows:
+        """g_i scaled (a_i kept), so U_i scales by ``factors_i``."""
+        return FactoredRows(self.a, self.g * factors.to(self.g.dtype).unsqueeze(1))
+
+    def project(self, grad: Tensor) -> Tensor:
+        """g_iᵀ ∇W a_i."""
+        return ((self.g @ grad) * self.a).sum(dim=1)
+
+    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·∇W + alpha·Gᵀ diag(c) A in one fused pass."""
+        return torch.addmm(grad, self.g.mT * coefficients, self.a, beta=beta, alpha=alpha)
+
+    def to(self, dtype: torch.dtype) -> FactoredRows:
+        """The rows in ``dtype``."""
+        return FactoredRows(self.a.to(dtype), self.g.to(dtype))
+
+    def fields(self) -> dict[str, Tensor]:
+        """``a`` and ``g``."""
+        return {"a": self.a, "g": self.g}
+
+
+@dataclass(frozen=True)
+class DenseRows(SampleRows):
+    """U_i held whole: u (m × d_g × d_a)."""
+
+    u: Tensor
+
+    @property
+    def count(self) -> int:
+        """Number of rows m."""
+        return int(self.u.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the stored rows."""
+        return self.u.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored rows."""
+        return self.u.device
+
+    @property
+    def fields_width(self) -> int:
+        """d_a·d_g."""
+        return int(self.u.shape[1] * self.u.shape[2])
+
+    def _flat(self) -> Tensor:
+        return self.u.reshape(self.u.shape[0], -1)
+
+    def kernel(self) -> Tensor:
+        """U Uᵀ over the flattened gradients."""
+        flat = self._flat()
+        return flat @ flat.mT
+
+    def sq_norms(self) -> Tensor:
+        """‖U_i‖²_F."""
+        return self._flat().square().sum(dim=1)
+
+    def select(self, index: Tensor) -> DenseRows:
+        """The rows at ``index``."""
+        return DenseRows(self.u.index_select(0, index))
+
+    def scaled(self, factors: Tensor) -> DenseRows:
+        """U_i · factors_i."""
+        return DenseRows(self.u * factors.to(self.u.dtype).reshape(-1, 1, 1))
+
+    def project(self, grad: Tensor) -> Tensor:
+        """⟨U_i, ∇W⟩."""
+        return self._flat() @ grad.reshape(-1)
+
+    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·∇W + alpha·Σ c_i U_i."""
+        summed = (coefficients @ self._flat()).reshape(grad.shape)
+        return torch.add(grad * beta, summed, alpha=alpha)
+
+    def to(self, dtype: torch.dtype) -> DenseRows:
+        """The rows in ``dtype``."""
+        return DenseRows(self.u.to(dtype))
+
+    def fields(self) -> dict[str, Tensor]:
+        """``u`` flattened to one row per sample."""
+        return {"u": self._flat()}
+
+
+def rows_from_fields(fields: Mapping[str, Tensor], d_g: int, d_a: int) -> SampleRows:
+    """Rows from :meth:`SampleRows.fields` (possibly gathered from several ranks) of a (d_g, d_a) layer."""
+    if "u" in fields:
+        flat = fields["u"]
+        return DenseRows(flat.reshape(flat.shape[0], d_g, d_a))
+    return FactoredRows(fields["a"], fields["g"])
+
+
+def concat_rows(parts: Sequence[SampleRows]) -> SampleRows:
+    """The rows of several calls of one layer, in order (all parts of one form)."""
+    if len(parts) == 1:
+        return parts[0]
+    factored = [part for part in parts if isinstance(part, FactoredRows)]
+    if len(factored) == len(parts):
+        return FactoredRows(torch.cat([part.a for part in factored]), torch.cat([part.g for part in factored]))
+    dense = [part for part in parts if isinstance(part, DenseRows)]
+    if len(dense) == len(parts):
+        return DenseRows(torch.cat([part.u for part in dense]))
+    raise TypeError("the calls of one layer produced rows of different forms")
