@@ -42,7 +42,7 @@ class RunConfig:
     """One training run; ``solver=None`` (or ``"none"``) trains with the plain optimizer.
 
     ``kl_clip=0`` is stored as ``None`` (disabled). ``max_steps`` stops a run early without
-    changing its schedule (smoke runs). ``damping`` … ``adaptive`` are hylo's options.
+    changing its schedule (smoke runs). ``damping`` … ``factor_update_freq`` are hylo's options.
     """
 
     model: str = "cnn"
@@ -62,6 +62,9 @@ class RunConfig:
     rank_ratio: float = 0.1
     strategy: str = "inverse"
     adaptive: tuple[int, int, int] | None = None
+    conv_rows: str = "sum"
+    kis_estimator: str = "unbiased"
+    factor_update_freq: int | None = None
     seed: int = 0
     data_seed: int = 0
 
@@ -147,6 +150,16 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int) -> None:
     parser.add_argument(
         "--kl-clip", type=float, default=1e-3, help="hylo kl_clip (0 disables it); uses the scheduled lr"
     )
+    parser.add_argument(
+        "--conv-rows",
+        default="sum",
+        choices=["sum", "exact", "mean"],
+        help="hylo conv_rows (low-rank rows of a Conv2d)",
+    )
+    parser.add_argument("--kis-estimator", default="unbiased", choices=["unbiased", "hylo"], help="hylo kis_estimator")
+    parser.add_argument(
+        "--factor-update-freq", type=int, default=None, help="hylo factor_update_freq (K-FAC factors between updates)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split")
 
@@ -162,6 +175,9 @@ def config_from_args(args: argparse.Namespace, **fields: Any) -> RunConfig:
         weight_decay=args.weight_decay,
         damping=args.damping,
         kl_clip=args.kl_clip,
+        conv_rows=args.conv_rows,
+        kis_estimator=args.kis_estimator,
+        factor_update_freq=args.factor_update_freq,
         seed=args.seed,
         data_seed=args.data_seed,
         **fields,
@@ -260,6 +276,9 @@ def make_preconditioner(
         strategy=cfg.strategy,
         adaptive=cfg.adaptive,
         iters_per_epoch=steps_per_epoch if cfg.adaptive is not None else None,
+        conv_rows=cfg.conv_rows,
+        kis_estimator=cfg.kis_estimator,
+        factor_update_freq=cfg.factor_update_freq,
         seed=cfg.seed,
     )
 
