@@ -78,8 +78,9 @@ class HyLoConfig:
         layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
         solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
             :class:`hylo.LayerStats`); overrides the built-in hybrid rule.
-        adaptive: HyLo's fixed windows ``(a0, a1, a2)``: KID while epoch < a0 or a1 < epoch ≤ a2,
-            KIS otherwise (needs ``iters_per_epoch``); replaces the gradient-norm trend.
+        adaptive: HyLo's fixed windows ``(a0, a1, a2)`` in epochs of I = ``iters_per_epoch`` steps:
+            KID iff step < I·a0 or I·a1 < step ≤ I·a2 (the 0-based step, as HyLo's code counts),
+            KIS otherwise; replaces the gradient-norm trend.
         iters_per_epoch: steps per epoch, for ``adaptive``.
         trend_decay: EMA decay of the per-layer gradient norm.
         trend_window: steps over which the EMA's relative change is measured.

@@ -16,8 +16,9 @@ The hybrid policy (docs/design.md, "Hybrid policy"), at every update step and pe
    A layer is critical while the relative change of an EMA of ‖∇W‖ over ``trend_window``
    steps exceeds ``critical_enter``; it stays critical until the change falls below
    ``critical_exit`` (hysteresis). Until a full window of history exists a layer is critical
-   (early training). Alternatively HyLo's fixed epoch windows ``adaptive=(a0, a1, a2)``: KID
-   while epoch < a0 or a1 < epoch ≤ a2, KIS otherwise.
+   (early training). Alternatively HyLo's fixed windows ``adaptive=(a0, a1, a2)`` with
+   I = ``iters_per_epoch``: KID iff step < I·a0 or I·a1 < step ≤ I·a2 (0-based step), KIS
+   otherwise.
 
 Per-layer overrides (``layer_solvers``) beat a user ``solver_fn``, which beats the built-in rule.
 """
@@ -150,11 +151,14 @@ class SolverPolicy:
         return self.config.solver == "hybrid" or self.config.solver_fn is not None
 
     def epoch_window_kid(self, step: int) -> bool:
-        """HyLo's ``--adaptive a0 a1 a2``: KID while epoch < a0 or a1 < epoch ≤ a2."""
+        """HyLo's ``--adaptive a0 a1 a2`` with I steps per epoch: KID iff step < I·a0 or I·a1 < step ≤ I·a2.
+
+        ``step`` is the 0-based count of ``step()`` calls, as in HyLo's reference optimizer, whose
+        update after s steps uses the flag it computed at s (docs/design.md, "Hybrid policy").
+        """
         assert self.config.adaptive is not None and self.config.iters_per_epoch is not None
-        a0, a1, a2 = self.config.adaptive
-        epoch = step // self.config.iters_per_epoch
-        return epoch < a0 or a1 < epoch <= a2
+        a0, a1, a2 = (self.config.iters_per_epoch * a for a in self.config.adaptive)
+        return step < a0 or a1 < step <= a2
 
     def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
         """Decisions for all layers; ``shapes[i].kept`` is the P·r rows of layer i's low-rank path."""

@@ -2,7 +2,7 @@
 
 1. Gradient-norm trend: stable → jump → stable drives KIS → KID → KIS with hysteresis; early
    training (before a full window) is critical; no host sync per layer.
-2. HyLo's fixed epoch windows ``adaptive=(a0, a1, a2)``.
+2. ``adaptive=(a0, a1, a2)``: KID iff step < I·a0 or I·a1 < step ≤ I·a2, as HyLo's code counts.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from hylo import HyLoPreconditioner
-from hylo.policy import GradNormTrend
+from hylo import HyLoConfig, HyLoPreconditioner
+from hylo.policy import GradNormTrend, SolverPolicy
+from hylo.solvers import LayerShape
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.models import regression_data, sequential, wide_model
 
@@ -225,34 +226,62 @@ def test_trend_observe_and_sample_do_not_sync_per_layer(monkeypatch: pytest.Monk
 
 
 # ============================================================================ 2. adaptive windows
-def test_adaptive_epoch_windows_reproduce_hylo_schedule() -> None:
-    """adaptive=(2, 4, 6), 3 steps/epoch, update every 2 steps: KID iff epoch < 2 or 4 < epoch ≤ 6."""
-    a0, a1, a2, ipe, freq, steps = 2, 4, 6, 3, 2, 30
+def hylo_reference_flags(a0: int, a1: int, a2: int, iters_per_epoch: int, steps: int) -> list[str]:
+    """HyLo's ngd.py loop: after each optimizer step ``steps += 1; randk = not (steps < I·a0 or
+    (steps > I·a1 and steps <= I·a2))``; the update after s steps uses the flag computed at s."""
+    i = iters_per_epoch
+    count = 0
+    randk = not (count < i * a0 or (count > i * a1 and count <= i * a2))
+    flags = []
+    for _ in range(steps):
+        flags.append("kis" if randk else "kid")
+        count += 1
+        randk = not (count < i * a0 or (count > i * a1 and count <= i * a2))
+    return flags
+
+
+BOUNDARIES = {0: "kid", 19: "kid", 20: "kis", 50: "kis", 51: "kid", 70: "kid", 71: "kis", 90: "kis"}
+
+
+def test_adaptive_windows_count_steps_as_hylo_does() -> None:
+    """I = 10, (a0, a1, a2) = (2, 5, 7): KID iff step < 20 or 50 < step ≤ 70, through SolverPolicy."""
+    config = HyLoConfig(adaptive=(2, 5, 7), iters_per_epoch=10)
+    policy = SolverPolicy(config, ["wide"])
+    expected = hylo_reference_flags(2, 5, 7, 10, 100)
+    assert {s: expected[s] for s in BOUNDARIES} == BOUNDARIES
+    wide = LayerShape(512, 512, rows=32, kfac_rows=32, kept=3)
+    for step in range(100):
+        assert ("kid" if policy.epoch_window_kid(step) else "kis") == expected[step], step
+        (decision,) = policy.decide(step, [wide], 1, 1)
+        assert decision.cost_lowrank < decision.cost_kfac
+        assert (decision.solver, decision.reason) == (expected[step], "epoch window"), step
+    # not the epoch (step // I) compared with a1, a2: those differ at the window edges
+    by_epoch = ["kid" if s // 10 < 2 or 5 < s // 10 <= 7 else "kis" for s in range(100)]
+    assert [s for s in range(100) if by_epoch[s] != expected[s]] == [*range(51, 60), *range(71, 80)]
+
+
+def test_adaptive_windows_end_to_end() -> None:
+    """HyLoPreconditioner(adaptive=(2, 5, 7), iters_per_epoch=10, update_freq=1) on a wide model."""
+    a0, a1, a2, ipe, steps = 2, 5, 7, 10, 80
     model = wide_model()
     # trend_window=2 with a constant gradient would say "stable" from step 2 on: adaptive replaces it
     pre = HyLoPreconditioner(
-        model, solver="hybrid", update_freq=freq, adaptive=(a0, a1, a2), iters_per_epoch=ipe, trend_window=2
+        model, solver="hybrid", update_freq=1, adaptive=(a0, a1, a2), iters_per_epoch=ipe, trend_window=2
     )
     x, direction = regression_data(0, 32, 2, 64)
     for _ in range(steps):
         regression_step(model, x, direction)
         pre.step()
+    expected = hylo_reference_flags(a0, a1, a2, ipe, steps)
     log = list(pre.decision_log)
-    assert sorted({d.step for d in log}) == list(range(0, steps, freq))
-    assert len(log) == 3 * len(range(0, steps, freq))
-    seen = set()
+    assert sorted({d.step for d in log}) == list(range(steps)) and len(log) == 3 * steps
     for d in log:
-        epoch = d.step // ipe
         if d.layer == "tiny":
             assert d.cost_kfac <= d.cost_lowrank
             assert (d.solver, d.reason) == ("kfac", "cost")
             continue
         assert d.cost_lowrank < d.cost_kfac, d
-        kid = epoch < a0 or a1 < epoch <= a2
-        assert d.solver == ("kid" if kid else "kis"), (d.step, epoch, d.solver)
-        assert d.reason == "epoch window"
-        seen.add((epoch, d.solver))
-    # every epoch 0..9 was seen and both solvers occurred, including at the window edges
-    assert {e for e, _ in seen} == set(range(10))
-    assert {(1, "kid"), (2, "kis"), (4, "kis"), (5, "kid"), (6, "kid"), (7, "kis")} <= seen
+        assert (d.solver, d.reason) == (expected[d.step], "epoch window"), d
+    wide2 = {d.step: d.solver for d in log if d.layer == "wide2"}
+    assert {s: wide2[s] for s in BOUNDARIES if s < steps} == {s: v for s, v in BOUNDARIES.items() if s < steps}
     assert pre.solver_of("wide1") == "kis" and pre.solver_of("tiny") == "kfac"
