@@ -451,6 +451,7 @@ def _hybrid_ddp(rank: int, world_size: int, steps: int, strategy: str) -> dict[s
         update_freq=2,
         trend_window=2,
         trend_decay=0.5,
+        critical_noise=0.0,  # a 2-step window: the noise floor would absorb the ×10 jump
         rank_ratio=0.25,
         damping=0.1,
         strategy=strategy,
