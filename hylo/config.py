@@ -32,6 +32,10 @@ def _positive(x: float) -> bool:
     return x > 0 and math.isfinite(x)
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "damping": (_positive, "a finite number > 0"),
     "update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
@@ -97,13 +101,19 @@ class HyLoConfig:
         layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
         solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
             :class:`hylo.LayerStats`); overrides the built-in hybrid rule.
-        adaptive: HyLo's fixed windows ``(a0, a1, a2)``: KID while epoch < a0 or a1 < epoch ≤ a2,
-            KIS otherwise (needs ``iters_per_epoch``); replaces the gradient-norm trend.
+        adaptive: HyLo's fixed windows ``(a0, a1, a2)`` in epochs of I = ``iters_per_epoch`` steps:
+            KID iff step < I·a0 or I·a1 < step ≤ I·a2 (the 0-based step, as HyLo's code counts),
+            KIS otherwise; replaces the gradient-norm trend.
         iters_per_epoch: steps per epoch, for ``adaptive``.
-        trend_decay: EMA decay of the per-layer gradient norm.
+        trend_decay: EMA decay of the per-layer gradient norm (and of its square); None: the
+            decay whose memory is the window, 1 − 2/(trend_window + 1).
         trend_window: steps over which the EMA's relative change is measured.
-        critical_enter: a layer becomes critical (KID) when that change exceeds this.
-        critical_exit: a critical layer returns to KIS when the change falls below this.
+        critical_enter: a layer becomes critical (KID) when that change exceeds this (or
+            ``critical_noise`` times the change's measured noise, if larger).
+        critical_exit: a critical layer returns to KIS when the change falls below this (or
+            half the noise threshold, if larger).
+        critical_noise: z, the multiple of the change's noise (std) a change must exceed to
+            count; 0 disables the noise floor.
         strategy: ``"inverse"`` (owners broadcast solved states; no traffic between updates) or
             ``"gradient"`` (owners keep their states and broadcast preconditioned gradients
             every step; less memory per rank).
@@ -129,10 +139,11 @@ class HyLoConfig:
     solver_fn: Callable[[str, int, LayerStats], LayerSolver] | None = None
     adaptive: tuple[int, int, int] | None = None
     iters_per_epoch: int | None = None
-    trend_decay: float = 0.9
+    trend_decay: float | None = None
     trend_window: int = 100
     critical_enter: float = 0.2
     critical_exit: float = 0.1
+    critical_noise: float = 3.0
     strategy: Strategy = "inverse"
     bucket_cap_mb: float = 25.0
 
@@ -198,8 +209,10 @@ class HyLoConfig:
             object.__setattr__(self, "adaptive", window)
             if not (isinstance(self.iters_per_epoch, int) and self.iters_per_epoch >= 1):
                 raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
-        if not 0.0 <= self.trend_decay < 1.0:
-            raise ValueError(f"trend_decay must be in [0, 1), got {self.trend_decay!r}")
+        if self.trend_decay is not None and not (_is_number(self.trend_decay) and 0.0 <= self.trend_decay < 1.0):
+            raise ValueError(
+                f"trend_decay must be in [0, 1) (or None: matched to trend_window), got {self.trend_decay!r}"
+            )
         if not (isinstance(self.trend_window, int) and self.trend_window >= 1):
             raise ValueError(f"trend_window must be an int >= 1, got {self.trend_window!r}")
         if not (0.0 < self.critical_exit <= self.critical_enter):
@@ -207,6 +220,8 @@ class HyLoConfig:
                 f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
                 f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
             )
+        if not (_is_number(self.critical_noise) and 0.0 <= self.critical_noise < math.inf):
+            raise ValueError(f"critical_noise must be a finite number >= 0, got {self.critical_noise!r}")
 
     def override_for(self, layer: str) -> LayerSolver | None:
         """The ``layer_solvers`` entry whose pattern fully matches ``layer`` first, if any."""

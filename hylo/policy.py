@@ -21,17 +21,22 @@ The hybrid policy (docs/design.md, "Hybrid policy"), at every update step and pe
 3. **Cheapest adequate.** Otherwise ``kfac`` where it costs less than the low-rank variant the
    regime calls for, else that variant:
 4. **Critical regime.** ``kid`` while the layer is critical and ``kis`` elsewhere.
-   A layer is critical while the relative change of an EMA of ‖∇W‖ over ``trend_window``
-   steps exceeds ``critical_enter``; it stays critical until the change falls below
-   ``critical_exit`` (hysteresis). Until a full window of history exists a layer is critical
-   (early training). Alternatively HyLo's fixed epoch windows ``adaptive=(a0, a1, a2)``: KID
-   while epoch < a0 or a1 < epoch ≤ a2, KIS otherwise.
+   Per layer, EMAs of ‖∇W‖ and ‖∇W‖² with decay β = ``trend_decay`` (default 1 − 2/(W + 1),
+   a memory of W = ``trend_window`` steps); the trend t = |EMA − EMA_ref| / |EMA_ref| against
+   the newest sample at least W steps old, its noise s = sqrt(2 max(v, v_ref) (1 − β)/(1 + β))
+   / |EMA_ref| with v = EMA(‖∇W‖²) − EMA(‖∇W‖)² now and v_ref at the reference. A layer turns
+   critical when t > max(``critical_enter``, z·s) and stable when t < max(``critical_exit``,
+   z·s/2) (hysteresis; z = ``critical_noise``).
+   Until a full window of history exists a layer is critical (early training). Alternatively
+   HyLo's fixed windows ``adaptive=(a0, a1, a2)`` with I = ``iters_per_epoch``: KID iff
+   step < I·a0 or I·a1 < step ≤ I·a2 (0-based step), KIS otherwise.
 
 Per-layer overrides (``layer_solvers``) beat a user ``solver_fn``, which beats the built-in rule.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -85,63 +90,103 @@ def decode_decisions(encoded: Tensor, step: int, names: list[str]) -> list[Decis
     return decisions
 
 
-class GradNormTrend:
-    """EMA of each layer's gradient norm, kept on device; sampled on the host at update steps.
+def window_decay(window: int) -> float:
+    """EMA decay whose effective memory is ``window`` steps: 1 − 2/(window + 1)."""
+    return 1.0 - 2.0 / (window + 1)
 
-    ``observe`` costs one fused update of a vector per step and never syncs; ``sample`` does
-    one host transfer for all layers and updates the critical flags with hysteresis.
+
+class GradNormTrend:
+    """EMAs of each layer's gradient norm and squared norm, kept on device; sampled at update steps.
+
+    ``observe`` costs one fused update of a (2, layers) tensor per step and never syncs;
+    ``sample`` does one host transfer for all layers and updates the critical flags with
+    hysteresis, against thresholds raised to ``z`` times the measured noise of the trend
+    (docs/design.md, "Hybrid policy").
     """
 
-    def __init__(self, n_layers: int, decay: float, window: int, enter: float, exit_: float) -> None:
-        self.decay, self.window, self.enter, self.exit = decay, window, enter, exit_
-        self.ema: Tensor | None = None
-        self.history: deque[tuple[int, list[float]]] = deque()
+    def __init__(self, n_layers: int, decay: float | None, window: int, enter: float, exit_: float, z: float) -> None:
+        self.decay = window_decay(window) if decay is None else decay
+        self.window, self.enter, self.exit, self.z = window, enter, exit_, z
+        self.moments: Tensor | None = None  # rows: EMA of ‖∇W‖, EMA of ‖∇W‖²
+        self.history: deque[tuple[int, list[float], list[float]]] = deque()  # (step, EMA, variance)
         self.critical = [True] * n_layers
         self.last_trend: list[float | None] = [None] * n_layers
+        self.last_noise: list[float | None] = [None] * n_layers
+
+    @property
+    def ema(self) -> Tensor | None:
+        """EMA of each layer's gradient norm (on device); None before the first ``observe``."""
+        return None if self.moments is None else self.moments[0]
+
+    @property
+    def ema_sq(self) -> Tensor | None:
+        """EMA of each layer's squared gradient norm (on device); None before the first ``observe``."""
+        return None if self.moments is None else self.moments[1]
 
     def observe(self, norms: Tensor) -> None:
-        """Fold this step's per-layer gradient norms into the EMA (on device)."""
+        """Fold this step's per-layer gradient norms into the EMAs (on device)."""
         norms = norms.detach().to(torch.float64)
-        self.ema = norms.clone() if self.ema is None else self.decay * self.ema + (1.0 - self.decay) * norms
+        moments = torch.stack((norms, norms * norms))
+        self.moments = moments if self.moments is None else torch.lerp(self.moments, moments, 1.0 - self.decay)
 
     def sample(self, step: int) -> tuple[list[float], list[float | None], list[bool]]:
         """EMA values, relative change over the window, and critical flags at ``step``."""
-        assert self.ema is not None, "observe() must run before sample()"
-        ema = self.ema.tolist()
+        assert self.moments is not None, "observe() must run before sample()"
+        ema, ema_sq = self.moments.tolist()
+        variance = [max(sq - m * m, 0.0) for m, sq in zip(ema, ema_sq, strict=True)]
         past = None
         while self.history and self.history[0][0] <= step - self.window:
             past = self.history.popleft()
         if past is not None:
             self.history.appendleft(past)  # keep the newest value at least a window old
-        self.history.append((step, ema))
-        reference = past[1] if past is not None else None
+        self.history.append((step, ema, variance))
+        # std of the difference of two EMAs of i.i.d. values a window apart, per unit of the values' std
+        spread = math.sqrt(2.0 * (1.0 - self.decay) / (1.0 + self.decay))
         for i, value in enumerate(ema):
-            if reference is None:
-                self.last_trend[i] = None
+            if past is None:
+                self.last_trend[i] = self.last_noise[i] = None
                 continue
-            trend = abs(value - reference[i]) / max(abs(reference[i]), 1e-30)
-            self.last_trend[i] = trend
-            if self.critical[i] and trend < self.exit:
+            reference, scale = past[1][i], max(abs(past[1][i]), 1e-30)
+            trend = abs(value - reference) / scale
+            # the larger variance of the window's two ends: a dip of the EMA (and with it of the
+            # variance, for noise that scales with the norm) cannot lower the bar by itself
+            noise = spread * math.sqrt(max(variance[i], past[2][i])) / scale
+            self.last_trend[i], self.last_noise[i] = trend, noise
+            if self.critical[i] and trend < max(self.exit, 0.5 * self.z * noise):
                 self.critical[i] = False
-            elif not self.critical[i] and trend > self.enter:
+            elif not self.critical[i] and trend > max(self.enter, self.z * noise):
                 self.critical[i] = True
         return ema, list(self.last_trend), list(self.critical)
 
     def state_dict(self) -> dict[str, Any]:
         """Serializable state."""
         return {
-            "ema": None if self.ema is None else self.ema.cpu(),
+            "ema": None if self.ema is None else self.ema.cpu().clone(),
+            "ema_sq": None if self.ema_sq is None else self.ema_sq.cpu().clone(),
             "history": list(self.history),
             "critical": list(self.critical),
             "last_trend": list(self.last_trend),
+            "last_noise": list(self.last_noise),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
-        """Restore ``state_dict``."""
-        self.ema = None if state["ema"] is None else state["ema"].to(device)
-        self.history = deque((int(s), list(v)) for s, v in state["history"])
+        """Restore ``state_dict``; a state without ``ema_sq`` (older format) starts it at ema² (noise unknown)."""
+        ema = state["ema"]
+        if ema is None:
+            self.moments = None
+        else:
+            ema = ema.to(device=device, dtype=torch.float64)
+            ema_sq = state.get("ema_sq")
+            ema_sq = ema * ema if ema_sq is None else ema_sq.to(device=device, dtype=torch.float64)
+            self.moments = torch.stack((ema, ema_sq))
+        # older states keep no variance per sample: 0 (unknown) leaves the current one to judge
+        self.history = deque(
+            (int(entry[0]), list(entry[1]), list(entry[2]) if len(entry) > 2 else [0.0] * len(entry[1]))
+            for entry in state["history"]
+        )
         self.critical = list(state["critical"])
         self.last_trend = list(state["last_trend"])
+        self.last_noise = list(state.get("last_noise", [None] * len(self.critical)))
 
 
 class SolverPolicy:
@@ -151,7 +196,12 @@ class SolverPolicy:
         self.config = config
         self.names = names
         self.trend = GradNormTrend(
-            len(names), config.trend_decay, config.trend_window, config.critical_enter, config.critical_exit
+            len(names),
+            config.trend_decay,
+            config.trend_window,
+            config.critical_enter,
+            config.critical_exit,
+            config.critical_noise,
         )
 
     @property
@@ -160,11 +210,14 @@ class SolverPolicy:
         return self.config.solver == "hybrid" or self.config.solver_fn is not None
 
     def epoch_window_kid(self, step: int) -> bool:
-        """HyLo's ``--adaptive a0 a1 a2``: KID while epoch < a0 or a1 < epoch ≤ a2."""
+        """HyLo's ``--adaptive a0 a1 a2`` with I steps per epoch: KID iff step < I·a0 or I·a1 < step ≤ I·a2.
+
+        ``step`` is the 0-based count of ``step()`` calls, as in HyLo's reference optimizer, whose
+        update after s steps uses the flag it computed at s (docs/design.md, "Hybrid policy").
+        """
         assert self.config.adaptive is not None and self.config.iters_per_epoch is not None
-        a0, a1, a2 = self.config.adaptive
-        epoch = step // self.config.iters_per_epoch
-        return epoch < a0 or a1 < epoch <= a2
+        a0, a1, a2 = (self.config.iters_per_epoch * a for a in self.config.adaptive)
+        return step < a0 or a1 < step <= a2
 
     def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
         """Decisions for all layers, from their shapes at this update (see the module docstring)."""

@@ -39,6 +39,15 @@ pytestmark = pytest.mark.usefixtures("single_thread")
         ({"solver": "adam"}, "solver"),
         ({"solver": "KFAC"}, "solver"),
         ({"skip_layers": "fc1"}, "skip_layers"),
+        ({"trend_decay": 1.0}, "trend_decay"),
+        ({"trend_decay": -0.1}, "trend_decay"),
+        ({"trend_decay": float("nan")}, "trend_decay"),
+        ({"trend_decay": "0.9"}, "trend_decay"),
+        ({"critical_noise": -1.0}, "critical_noise"),
+        ({"critical_noise": float("nan")}, "critical_noise"),
+        ({"critical_noise": float("inf")}, "critical_noise"),
+        ({"critical_noise": None}, "critical_noise"),
+        ({"critical_noise": True}, "critical_noise"),
     ],
 )
 def test_invalid_option_raises_value_error_naming_it(options: dict[str, object], name: str) -> None:
@@ -98,6 +107,8 @@ def test_rows_kept() -> None:
         {"adaptive": (1, 2), "iters_per_epoch": 5},
         {"adaptive": (1, 2, 3), "iters_per_epoch": 0},
         {"trend_decay": 1.0},
+        {"trend_decay": -0.5},
+        {"critical_noise": -0.1},
         {"trend_window": 0},
         {"critical_enter": 0.1, "critical_exit": 0.2},
         {"critical_exit": 0.0},
@@ -106,6 +117,25 @@ def test_rows_kept() -> None:
 def test_policy_options_are_validated(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         HyLoConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"trend_decay": None},
+        {"trend_decay": 0.0},
+        {"trend_decay": 0.99},
+        {"critical_noise": 0.0},
+        {"critical_noise": 0},
+        {"critical_noise": 10.0},
+    ],
+)
+def test_trend_options_accept_valid_values(options: dict[str, Any]) -> None:
+    config = HyLoConfig(**options)
+    assert config.trend_decay == options.get("trend_decay")  # None by default: matched to the window
+    assert config.critical_noise == options.get("critical_noise", 3.0)
+    HyLoPreconditioner(mlp(), **options)
 
 
 @pytest.mark.parametrize(
