@@ -190,8 +190,9 @@ def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -
     """The definitions of docs/design.md ("Notation", "SNGD"), computed densely and independently of hylo.
 
     Rank p computes L_p = mean over its n_p rows; DDP averages the rank gradients, so
-    ∇W = (1/P) Σ_p ∇L_p. Rows: g_i = n_p ∂L_p/∂s_i (per position for Conv2d, then HyLo's surrogate
-    for SNGD: a_i = mean of the unfolded patches over positions, g_i = mean over positions).
+    ∇W = (1/P) Σ_p ∇L_p. Rows: g_i = n_p ∂L_p/∂s_i (per position for Conv2d, then the default
+    ``conv_rows="sum"`` surrogate for SNGD: a_i = mean of the unfolded patches over positions,
+    g_i = sum over positions).
     SNGD: F = (1/B) Σ u_i u_iᵀ, u_i = vec(g_i a_iᵀ); K-FAC (first update, no running average):
     A = E[a aᵀ] over all samples (and positions), G = (1/B) Σ_i Σ_pos g gᵀ.
     """
@@ -225,7 +226,7 @@ def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -
             if isinstance(m, nn.Conv2d):
                 patches = F.unfold(inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
                 patch_rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (n·L, C·kh·kw)
-                a_sample, g_sample = patches.mean(-1), gout.mean((2, 3))
+                a_sample, g_sample = patches.mean(-1), gout.sum((2, 3))
                 g_pos = gout.permute(0, 2, 3, 1).reshape(-1, gout.shape[1])
             else:
                 patch_rows, a_sample, g_sample, g_pos = inp, inp, gout, gout

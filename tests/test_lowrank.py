@@ -180,17 +180,23 @@ def test_callable_damping_is_evaluated_per_update(solver: str) -> None:
 @pytest.mark.parametrize(
     "option", [{"rank_ratio": 1.0}, {"rank": 16}, {"rank": 50}], ids=["rho1", "rank_n", "rank_gt_n"]
 )
-@pytest.mark.parametrize("solver", ["kid", "kis"])
+@pytest.mark.parametrize("solver", ["kid", "kis", "kis-hylo"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv-exact"])
 def test_full_rank_equals_sngd(kind: str, bias: bool, solver: str, option: dict) -> None:
+    """Also with dense rows (``conv_rows="exact"``) and HyLo's KIS estimator."""
+    rows = {"conv_rows": "exact"} if kind == "conv-exact" else {}
+    kind = kind.removesuffix("-exact")
     x, y = classifier_inputs(kind, 16, seed=1)
-    ref = _preconditioned(MODELS[kind](bias), x, y, solver="sngd", damping=0.1)
+    ref = _preconditioned(MODELS[kind](bias), x, y, solver="sngd", damping=0.1, **rows)
     raw_model = MODELS[kind](bias)
     F.cross_entropy(raw_model(x), y).backward()
     raw = [p.grad for p in raw_model.parameters()]
     assert _max_rel_err([r * 0.1 for r in ref], raw) > 1e-2  # the preconditioner does something
-    got = _preconditioned(MODELS[kind](bias), x, y, solver=solver, damping=0.1, **option)
+    estimator = {"kis_estimator": "hylo"} if solver == "kis-hylo" else {}
+    got = _preconditioned(
+        MODELS[kind](bias), x, y, solver=solver.removesuffix("-hylo"), damping=0.1, **option, **rows, **estimator
+    )
     assert _max_rel_err(got, ref) < 1e-6
 
 
@@ -200,15 +206,17 @@ def test_full_rank_equals_sngd(kind: str, bias: bool, solver: str, option: dict)
     [{"rank": 4}, {"rank": 7}, {"rank_ratio": 4 / 32}],
     ids=["rank_r", "rank_gt_r_dead_pivots", "ratio_r"],
 )
-@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv-exact"])
 def test_kid_exact_on_low_rank_batch(kind: str, option: dict) -> None:
     distinct = 4
+    rows = {"conv_rows": "exact"} if kind == "conv-exact" else {}
+    kind = kind.removesuffix("-exact")
     x, y = _repeated(kind, distinct, reps=8, seed=2)  # n = 32 rows, ≤ 4 distinct per-sample gradients
-    ref = _preconditioned(MODELS[kind](), x, y, solver="sngd", damping=0.1)
-    got = _preconditioned(MODELS[kind](), x, y, solver="kid", damping=0.1, **option)
+    ref = _preconditioned(MODELS[kind](), x, y, solver="sngd", damping=0.1, **rows)
+    got = _preconditioned(MODELS[kind](), x, y, solver="kid", damping=0.1, **option, **rows)
     assert _max_rel_err(got, ref) < 1e-6
     # and the test is discriminating: one skeleton row too few is far from exact
-    fewer = _preconditioned(MODELS[kind](), x, y, solver="kid", damping=0.1, rank=distinct - 1)
+    fewer = _preconditioned(MODELS[kind](), x, y, solver="kid", damping=0.1, rank=distinct - 1, **rows)
     assert _max_rel_err(fewer, ref) > 1e-3
 
 

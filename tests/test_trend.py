@@ -499,12 +499,11 @@ def test_adaptive_windows_end_to_end() -> None:
     log = list(pre.decision_log)
     assert sorted({d.step for d in log}) == list(range(steps)) and len(log) == 3 * steps
     for d in log:
-        if d.layer == "tiny":
-            assert d.cost_kfac <= d.cost_lowrank
+        if d.cost_kfac <= d.cost_lowrank:  # "tiny" against KID's kernel; KIS costs it less than K-FAC
+            assert d.layer == "tiny" and expected[d.step] == "kid", d
             assert (d.solver, d.reason) == ("kfac", "cost")
             continue
-        assert d.cost_lowrank < d.cost_kfac, d
         assert (d.solver, d.reason) == (expected[d.step], "epoch window"), d
     wide2 = {d.step: d.solver for d in log if d.layer == "wide2"}
     assert {s: wide2[s] for s in BOUNDARIES if s < steps} == {s: v for s, v in BOUNDARIES.items() if s < steps}
-    assert pre.solver_of("wide1") == "kis" and pre.solver_of("tiny") == "kfac"
+    assert pre.solver_of("wide1") == "kis"
