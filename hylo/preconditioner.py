@@ -197,15 +197,19 @@ class HyLoPreconditioner:
             LayerBatch.collect(layer.math, c, self.config.rows_kept) for layer, c in zip(layers, calls, strict=True)
         ]
 
-    def _refresh(self, step: int, layers: list[RegisteredLayer]) -> None:
-        """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
-        context = UpdateContext(
+    def _context(self, step: int, seed: int) -> UpdateContext:
+        """The per-update values the solver families read, evaluated at ``step``."""
+        return UpdateContext(
             rank=self.comm.rank,
             damping=resolve("damping", self.config.damping, step),
             factor_decay=resolve("factor_decay", self.config.factor_decay, step),
-            seed=0,
+            seed=seed,
             kis_estimator=self.config.kis_estimator,
         )
+
+    def _refresh(self, step: int, layers: list[RegisteredLayer]) -> None:
+        """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
+        context = self._context(step, seed=0)  # no draws: a refresh keeps the KIS generator's sequence
         batches = self._batches(step, layers)
         jobs = [
             UpdateJob(layer.name, layer.solver, batch, layer.state)
@@ -237,13 +241,7 @@ class HyLoPreconditioner:
 
     def _update(self, step: int, batches: list[LayerBatch], solvers: list[LayerSolver]) -> None:
         """Run the update stage and store the new states (non-finite ones rejected)."""
-        context = UpdateContext(
-            rank=self.comm.rank,
-            damping=resolve("damping", self.config.damping, step),
-            factor_decay=resolve("factor_decay", self.config.factor_decay, step),
-            seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)),
-            kis_estimator=self.config.kis_estimator,
-        )
+        context = self._context(step, seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)))
         jobs = [
             UpdateJob(layer.name, solver, batch, layer.state)
             for layer, batch, solver in zip(self._layers, batches, solvers, strict=True)

@@ -48,7 +48,7 @@ class SampleRows(ABC):
 
     @property
     @abstractmethod
-    def fields_width(self) -> int:
+    def row_width(self) -> int:
         """Numbers per row: d_a + d_g factored, d_a·d_g dense (the kernel costs m² times this)."""
 
     @abstractmethod
@@ -107,7 +107,7 @@ class FactoredRows(SampleRows):
         return self.a.device
 
     @property
-    def fields_width(self) -> int:
+    def row_width(self) -> int:
         """d_a + d_g."""
         return int(self.a.shape[1] + self.g.shape[1])
 
@@ -166,7 +166,7 @@ class DenseRows(SampleRows):
         return self.u.device
 
     @property
-    def fields_width(self) -> int:
+    def row_width(self) -> int:
         """d_a·d_g."""
         return int(self.u.shape[1] * self.u.shape[2])
 

@@ -30,7 +30,7 @@ from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.payload import Payload
 from hylo.registry import RegisteredLayer
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
-from hylo.solvers.base import Contribution, Exchange, UpdateContext, UpdateJob
+from hylo.solvers.base import Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
 
 @dataclass
@@ -53,11 +53,10 @@ class UpdateStage:
     # ---------------------------------------------------------------- update
     def update(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
         """Solve every job; see the module docstring for the phases."""
-        groups = [(family, [job for job in jobs if family_of(job.solver) is family]) for family in FAMILIES]
-        groups = [(family, members) for family, members in groups if members]
-        launched = [self._launch(family.contribute(members, context)) for family, members in groups]
+        exchanges = self._exchange(jobs, context)
+        groups = [(family, members) for family, members, _ in exchanges]
         prepared: dict[str, Any] = {}
-        for (family, members), pending in zip(groups, launched, strict=True):
+        for family, members, pending in exchanges:
             received = pending.wait()
             prepared.update(zip([job.name for job in members], family.prepare(members, received, context), strict=True))
 
@@ -83,14 +82,22 @@ class UpdateStage:
     def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families
         that :attr:`~hylo.solvers.base.SolverFamily.refreshes`), one collective per family, no solve."""
-        groups = [(family, [job for job in jobs if family_of(job.solver) is family]) for family in FAMILIES]
-        groups = [(family, members) for family, members in groups if members]
-        launched = [self._launch(family.contribute(members, context)) for family, members in groups]
         states: dict[str, HeldState] = {}
-        for (family, members), pending in zip(groups, launched, strict=True):
+        for family, members, pending in self._exchange(jobs, context):
             refreshed = family.refresh(members, pending.wait(), context)
             states.update(zip([job.name for job in members], refreshed, strict=True))
         return UpdateResult(states, {}, self._rejected(jobs, states))
+
+    def _exchange(
+        self, jobs: Sequence[UpdateJob], context: UpdateContext
+    ) -> list[tuple[SolverFamily[Any], list[UpdateJob], Pending]]:
+        """Jobs grouped by family in registry order, each family's collective launched at once."""
+        groups = [(family, [job for job in jobs if family_of(job.solver) is family]) for family in FAMILIES]
+        return [
+            (family, members, self._launch(family.contribute(members, context)))
+            for family, members in groups
+            if members
+        ]
 
     def _launch(self, share: Contribution) -> Pending:
         if share.exchange is Exchange.MEAN:

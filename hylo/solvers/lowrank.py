@@ -204,7 +204,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
     def solve_cost(self, prepared: LowRankUpdate) -> float:
         """The gathered kernel and the SMW solve."""
         rows = prepared.rows
-        return _solve_work(rows.count, rows.fields_width)
+        return _solve_work(rows.count, rows.row_width)
 
     def solve(self, prepared: Sequence[LowRankUpdate], context: UpdateContext) -> list[dict[str, Tensor]]:
         """M of every layer, equal sizes batched."""
