@@ -48,6 +48,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
         ({"critical_noise": float("inf")}, "critical_noise"),
         ({"critical_noise": None}, "critical_noise"),
         ({"critical_noise": True}, "critical_noise"),
+        ({"conv_rows": "median"}, "conv_rows"),
+        ({"conv_rows": None}, "conv_rows"),
+        ({"kis_estimator": "biased"}, "kis_estimator"),
+        ({"factor_update_freq": 0}, "factor_update_freq"),
+        ({"factor_update_freq": 2.5}, "factor_update_freq"),
+        ({"fidelity_budget": -0.1}, "fidelity_budget"),
+        ({"fidelity_budget": float("inf")}, "fidelity_budget"),
+        ({"fidelity_budget": True}, "fidelity_budget"),
+        ({"comm_flops_per_byte": -1.0}, "comm_flops_per_byte"),
+        ({"comm_flops_per_byte": float("nan")}, "comm_flops_per_byte"),
     ],
 )
 def test_invalid_option_raises_value_error_naming_it(options: dict[str, object], name: str) -> None:
