@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,13 @@ STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 #: KIS's estimator (see :class:`HyLoConfig`).
 KISEstimator = Literal["unbiased", "hylo"]
 KIS_ESTIMATORS: tuple[KISEstimator, ...] = get_args(KISEstimator)
+
+#: The studies ``studies`` accepts (docs/design.md, "Studies").
+Study = Literal["grad_norm", "rank", "grad_error"]
+STUDIES: tuple[Study, ...] = get_args(Study)
+#: The methods ``grad_error_methods`` accepts.
+GradErrorMethod = Literal["kid", "kis", "kfac", "sngd"]
+GRAD_ERROR_METHODS: tuple[GradErrorMethod, ...] = get_args(GradErrorMethod)
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
@@ -118,6 +126,21 @@ class HyLoConfig:
             ``"gradient"`` (owners keep their states and broadcast preconditioned gradients
             every step; less memory per rank).
         bucket_cap_mb: largest flat buffer of one collective (default communicator only).
+        profile_dir: directory of the profiling and study CSVs (docs/design.md, "Profiling"):
+            ``timing-r{rank}.csv`` and ``steps-r{rank}.csv`` on every rank, ``decisions.csv``,
+            ``run.json`` and the studies' files on rank 0. None: nothing is timed or written.
+        studies: any of ``"grad_norm"`` (every step), ``"rank"`` and ``"grad_error"`` (sampled
+            update steps); they need ``profile_dir``.
+        profile_append: continue the files already in ``profile_dir`` (a resumed run) instead
+            of refusing them.
+        rank_every: run the rank study at every ``rank_every``-th update.
+        rank_top_k: eigenvalues of K/B written per layer (``sv_1`` … ``sv_k``).
+        grad_error_every: run the gradient-error study at every ``grad_error_every``-th update.
+        grad_error_methods: the methods compared with exact SNGD: ``"kid"``, ``"kis"``,
+            ``"kfac"`` and ``"sngd"`` (the run's own convolution rows).
+        grad_error_ratios: the ρ at which KID and KIS are measured; None: ``(rank_ratio,)``.
+        study_exact_rows_mb: largest gathered exact per-sample rows (m·d_a·d_g numbers) of a
+            convolution the studies build for their reference; above it they use ``conv_rows``.
     """
 
     solver: SolverName = "hybrid"
@@ -146,6 +169,15 @@ class HyLoConfig:
     critical_noise: float = 3.0
     strategy: Strategy = "inverse"
     bucket_cap_mb: float = 25.0
+    profile_dir: str | os.PathLike[str] | None = None
+    studies: tuple[Study, ...] = ()
+    profile_append: bool = False
+    rank_every: int = 1
+    rank_top_k: int = 10
+    grad_error_every: int = 1
+    grad_error_methods: tuple[GradErrorMethod, ...] = ("kid", "kis")
+    grad_error_ratios: tuple[float, ...] | None = None
+    study_exact_rows_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_NAMES:
@@ -187,6 +219,39 @@ class HyLoConfig:
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         self._check_policy()
+        self._check_studies()
+
+    def _check_studies(self) -> None:
+        for name in ("studies", "grad_error_methods"):
+            if isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a sequence of names, not a single string")
+        object.__setattr__(self, "studies", tuple(self.studies))
+        object.__setattr__(self, "grad_error_methods", tuple(self.grad_error_methods))
+        unknown = [s for s in self.studies if s not in STUDIES]
+        if unknown:
+            raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
+        if self.studies and self.profile_dir is None:
+            raise ValueError(f"studies {self.studies} write CSV files: set profile_dir")
+        unknown = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
+        if unknown or not self.grad_error_methods:
+            raise ValueError(
+                f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {unknown or '()'}"
+            )
+        if self.profile_dir is not None and not isinstance(self.profile_dir, (str, os.PathLike)):
+            raise ValueError(f"profile_dir must be a path or None, got {self.profile_dir!r}")
+        for name in ("rank_every", "rank_top_k", "grad_error_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.grad_error_ratios is not None:
+            if isinstance(self.grad_error_ratios, (str, float, int)):
+                raise ValueError(f"grad_error_ratios must be a sequence of ratios, got {self.grad_error_ratios!r}")
+            ratios = tuple(self.grad_error_ratios)
+            if not ratios or not all(_is_number(r) and 0.0 < r <= 1.0 for r in ratios):
+                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {self.grad_error_ratios!r}")
+            object.__setattr__(self, "grad_error_ratios", ratios)
+        if not (_is_number(self.study_exact_rows_mb) and 0 <= self.study_exact_rows_mb < math.inf):
+            raise ValueError(f"study_exact_rows_mb must be a finite number >= 0, got {self.study_exact_rows_mb!r}")
 
     def _check_policy(self) -> None:
         for pattern, solver in dict(self.layer_solvers).items():
@@ -240,5 +305,8 @@ class HyLoConfig:
         return min(r, local_rows)
 
     def constants(self) -> dict[str, Any]:
-        """The options that are plain values (callables are left out), for ``state_dict``."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
+        """The options that are plain values (callables are left out; paths as strings), for ``state_dict``."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
+        if values["profile_dir"] is not None:
+            values["profile_dir"] = os.fspath(values["profile_dir"])
+        return values

@@ -221,7 +221,7 @@ class SolverPolicy:
 
     def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
         """Decisions for all layers, from their shapes at this update (see the module docstring)."""
-        if self.dynamic and self.trend.ema is not None:
+        if (self.dynamic or "grad_norm" in self.config.studies) and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
         else:
             ema, trends, critical = [0.0] * len(self.names), [None] * len(self.names), [True] * len(self.names)

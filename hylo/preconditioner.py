@@ -21,11 +21,15 @@ from hylo.distributed import Communicator, default_communicator
 from hylo.layers import LayerBatch
 from hylo.payload import CONTROL, Payload
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
+from hylo.profiling import DISABLED, Stopwatch
+from hylo.recorder import LayerTiming, Recorder
+from hylo.recording import run_info
 from hylo.records import Decision
 from hylo.registry import RegisteredLayer, register_layers
 from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
 from hylo.stage import UpdateStage
+from hylo.studies import StudyRunner
 
 STATE_FORMAT = 1
 #: Decisions kept in ``decision_log`` (oldest dropped first).
@@ -102,6 +106,35 @@ class HyLoPreconditioner:
             )
         if not self._layers:
             raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
+        self._updates = 0
+        self._watch = DISABLED
+        self._recorder: Recorder | None = None
+        self._studies: StudyRunner | None = None
+        if self.config.profile_dir is not None:
+            self._open_profile()
+
+    def _open_profile(self) -> None:
+        """Open ``profile_dir`` (refusing hylo's files of another run unless appending) and start timing."""
+        from hylo import __version__
+
+        device = self._layers[0].math.weight.device
+        self._recorder = Recorder(
+            self.config.profile_dir,  # type: ignore[arg-type]
+            rank=self.comm.rank,
+            append=self.config.profile_append,
+            names=[layer.name for layer in self._layers],
+            studies=self.config.studies,
+            top_k=self.config.rank_top_k,
+            run=run_info(
+                {k: v if not callable(v) else repr(v) for k, v in dataclasses.asdict(self.config).items()},
+                self.comm.world_size,
+                device,
+                __version__,
+            ),
+        )
+        self._watch = Stopwatch(device)
+        if "rank" in self.config.studies or "grad_error" in self.config.studies:
+            self._studies = StudyRunner(self.config, self.comm, self._layers)
 
     # ------------------------------------------------------------------ cadence
     def _cadence(self) -> tuple[bool, frozenset[str]]:
@@ -138,13 +171,21 @@ class HyLoPreconditioner:
         if self._removed:
             raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
         step = self.steps
+        watch = self._watch
+        watch.start()
+        traffic = dict(self.comm.bytes_by_tag) if self._recorder is not None else {}
         grads = self._gradients()
         is_update, refreshing = self._cadence()
         norms = torch.stack(
             [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self._layers, grads, strict=True)]
         ).to(torch.float64)
+        kind = "apply"
+        worked: list[RegisteredLayer] = []
+        batches: list[LayerBatch] = []
+        study_traffic: dict[str, int] = {}
         try:
             if not self._all_finite(norms, is_update or bool(refreshing)):
+                kind = "skipped"
                 bad = [layer.name for layer, g in zip(self._layers, grads, strict=True) if not torch.isfinite(g).all()]
                 warnings.warn(
                     f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
@@ -154,16 +195,83 @@ class HyLoPreconditioner:
                 self._needs_update = self._needs_update or is_update
                 return
             self._policy.trend.observe(norms)
+            watch.lap("check")
             if is_update:
-                batches = self._batches(step, self._layers)
+                kind, worked = "update", self._layers
+                batches = self._batches(step, worked)
+                watch.lap("capture", [layer.name for layer in worked])
                 self._update(step, batches, self._decide(step, batches))
+                self._updates += 1
             elif refreshing:
-                self._refresh(step, [layer for layer in self._layers if layer.name in refreshing])
-            self._precondition(grads, step)
+                kind, worked = "refresh", [layer for layer in self._layers if layer.name in refreshing]
+                batches = self._batches(step, worked)
+                watch.lap("capture", [layer.name for layer in worked])
+                self._refresh(step, worked, batches)
+            study_traffic = self._run_studies(step, batches, grads) if kind == "update" else {}
+            after = self._precondition(grads, step)
+            if self._recorder is not None and self._recorder.norms is not None:
+                trend = self._policy.trend
+                assert trend.ema is not None
+                values = torch.stack((norms, trend.ema, norms if after is None else after))
+                self._recorder.norms.add(step, values, trend.last_trend, trend.critical)
         finally:
             for layer in self._layers:
                 layer.capture.clear()
+            if self._recorder is not None:
+                self._record(step, kind, worked, batches, traffic, study_traffic)
             self.steps += 1
+
+    def _record(
+        self,
+        step: int,
+        kind: str,
+        worked: list[RegisteredLayer],
+        batches: list[LayerBatch],
+        before: dict[str, int],
+        study: dict[str, int],
+    ) -> None:
+        """Write this step's timing rows (flushing every file after an update)."""
+        assert self._recorder is not None
+        times = self._watch.finish()
+        sent = {tag: n - before.get(tag, 0) - study.get(tag, 0) for tag, n in self.comm.bytes_by_tag.items()}
+        self._recorder.record_step(step, kind, times, sum(sent.values()))
+        if kind in ("update", "refresh"):
+            self._recorder.record_layers(
+                step,
+                [
+                    LayerTiming(
+                        layer.name,
+                        layer.solver,
+                        batch.rows,
+                        batch.kept if layer.solver in ("kid", "kis") else batch.rows,
+                        layer.math.d_a,
+                        layer.math.d_g,
+                        sent.get(layer.name, 0),
+                        layer.state.nbytes() if layer.state is not None else 0,
+                    )
+                    for layer, batch in zip(worked, batches, strict=True)
+                ],
+                times,
+            )
+            self._recorder.flush()
+
+    def _run_studies(self, step: int, batches: list[LayerBatch], grads: list[Tensor]) -> dict[str, int]:
+        """The rank and gradient-error studies when this update is sampled; returns their traffic by tag."""
+        if self._studies is None or self._recorder is None:
+            return {}
+        index = self._updates - 1
+        rank = "rank" in self.config.studies and index % self.config.rank_every == 0
+        grad_error = "grad_error" in self.config.studies and index % self.config.grad_error_every == 0
+        if not (rank or grad_error):
+            return {}
+        before = dict(self.comm.bytes_by_tag)
+        names = [layer.name for layer in self._layers]
+        context = dataclasses.replace(self._context(step, seed=0), watch=DISABLED)  # timed as one "study" lap
+        rank_records, error_records = self._studies.run(step, names, batches, grads, context, rank, grad_error)
+        self._recorder.record_rank(step, rank_records)
+        self._recorder.record_errors(step, error_records)
+        self._watch.lap("study")
+        return {tag: n - before.get(tag, 0) for tag, n in self.comm.bytes_by_tag.items()}
 
     def _gradients(self) -> list[Tensor]:
         grads = []
@@ -205,12 +313,12 @@ class HyLoPreconditioner:
             factor_decay=resolve("factor_decay", self.config.factor_decay, step),
             seed=seed,
             kis_estimator=self.config.kis_estimator,
+            watch=self._watch,
         )
 
-    def _refresh(self, step: int, layers: list[RegisteredLayer]) -> None:
+    def _refresh(self, step: int, layers: list[RegisteredLayer], batches: list[LayerBatch]) -> None:
         """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
         context = self._context(step, seed=0)  # no draws: a refresh keeps the KIS generator's sequence
-        batches = self._batches(step, layers)
         jobs = [
             UpdateJob(layer.name, layer.solver, batch, layer.state)
             for layer, batch in zip(layers, batches, strict=True)
@@ -237,6 +345,9 @@ class HyLoPreconditioner:
         for layer, decision in zip(self._layers, decisions, strict=True):
             layer.solver = decision.solver
         self.decision_log.extend(decisions)
+        if self._recorder is not None:
+            self._recorder.record_decisions(decisions)
+        self._watch.lap("decide")
         return [decision.solver for decision in decisions]
 
     def _update(self, step: int, batches: list[LayerBatch], solvers: list[LayerSolver]) -> None:
@@ -257,11 +368,16 @@ class HyLoPreconditioner:
                 layer.state = result.states[layer.name]
                 layer.owner = result.owners[layer.name]
 
-    def _precondition(self, grads: list[Tensor], step: int) -> None:
-        """Apply every layer's state (with kl_clip scaling) and write the gradients back."""
-        triples = self._stage.precondition(self._layers, grads)
+    def _precondition(self, grads: list[Tensor], step: int) -> Tensor | None:
+        """Apply every layer's state (with kl_clip scaling) and write the gradients back.
+
+        Returns the norms of the written gradients (unchanged layers keep theirs) when the
+        grad_norm study is recording, else None.
+        """
+        watch = self._watch
+        triples = self._stage.precondition(self._layers, grads, watch)
         if not triples:
-            return
+            return None
         scale: Tensor | None = None
         if self.config.kl_clip is not None:
             kl_clip = resolve("kl_clip", self.config.kl_clip, step)
@@ -269,8 +385,22 @@ class HyLoPreconditioner:
             lr = resolve("lr", self.config.lr, step)
             vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in triples]).sum().abs() * lr**2
             scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+            watch.lap("precondition", [layer.name for layer, _, _ in triples])
+        written: dict[str, Tensor] = {}
         for layer, _, v in triples:
-            layer.math.set_grad_matrix(v if scale is None else v * scale.to(v.dtype))
+            written[layer.name] = v if scale is None else v * scale.to(v.dtype)
+            layer.math.set_grad_matrix(written[layer.name])
+            watch.lap("precondition", layer.name)
+        if self._recorder is None or self._recorder.norms is None:
+            return None
+        return torch.stack(
+            [
+                torch.linalg.vector_norm(written[layer.name].to(layer.math.dtype)).to(torch.float64)
+                if layer.name in written
+                else torch.linalg.vector_norm(g.to(layer.math.dtype)).to(torch.float64)
+                for layer, g in zip(self._layers, grads, strict=True)
+            ]
+        )
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
@@ -319,10 +449,18 @@ class HyLoPreconditioner:
 
     # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:
-        """Detach every hook; the model trains as if hylo had never been attached."""
+        """Detach every hook and close the profile files; the model trains as if hylo had never been attached."""
         for layer in self._layers:
             layer.capture.remove()
         self._removed = True
+        self.close()
+
+    def close(self) -> None:
+        """Flush and close the ``profile_dir`` files and stop recording (idempotent; also run at exit)."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+            self._watch = DISABLED
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue identically: step, constant options, per-layer states."""
@@ -344,6 +482,7 @@ class HyLoPreconditioner:
             "steps": self.steps,
             "needs_update": self._needs_update,
             "generator": self._generator.get_state(),
+            "updates": self._updates,
             "trend": self._policy.trend.state_dict(),
             "config": self.config.constants(),
             "layers": layers,
@@ -378,6 +517,7 @@ class HyLoPreconditioner:
             layer.solver, layer.state = restored[layer.name]
             layer.owner = int(saved[layer.name].get("owner", 0))
         self.steps = int(state_dict["steps"])
+        self._updates = int(state_dict.get("updates", 0))
         remote = any(saved[name].get("remote") for name in names)
         self._needs_update = bool(state_dict["needs_update"]) or remote
         self._capture_cache = (-1, False, frozenset())

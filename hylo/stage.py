@@ -28,9 +28,21 @@ from torch import Tensor
 from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.payload import Payload
+from hylo.profiling import DISABLED, Stopwatch
 from hylo.registry import RegisteredLayer
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
+
+
+@dataclass
+class Launched:
+    """One family's jobs with their collective in flight (and each layer's bytes in it, when timed)."""
+
+    family: SolverFamily[Any]
+    members: list[UpdateJob]
+    names: list[str]
+    sizes: list[int] | None
+    pending: Pending
 
 
 @dataclass
@@ -52,20 +64,24 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- update
     def update(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
-        """Solve every job; see the module docstring for the phases."""
-        exchanges = self._exchange(jobs, context)
-        groups = [(family, members) for family, members, _ in exchanges]
+        """Solve every job; see the module docstring for the phases (timed on ``context.watch``)."""
+        watch = context.watch
         prepared: dict[str, Any] = {}
-        for family, members, pending in exchanges:
-            received = pending.wait()
-            prepared.update(zip([job.name for job in members], family.prepare(members, received, context), strict=True))
+        launched = self._exchange(jobs, context)
+        for exchange in launched:
+            received = exchange.pending.wait()
+            watch.lap("gather", exchange.names, exchange.sizes)
+            members = exchange.members
+            prepared.update(zip(exchange.names, exchange.family.prepare(members, received, context), strict=True))
+            watch.lap("reduce", exchange.names, exchange.sizes)
 
         costs = [family_of(job.solver).solve_cost(prepared[job.name]) for job in jobs]
         owners = dict(zip([job.name for job in jobs], assign_owners(costs, self.comm.world_size), strict=True))
         solutions: dict[str, dict[str, Tensor]] = {}
-        for family, members in groups:
-            mine = [job.name for job in members if owners[job.name] == self.comm.rank]
-            solutions.update(zip(mine, family.solve([prepared[name] for name in mine], context), strict=True))
+        for exchange in launched:
+            mine = [name for name in exchange.names if owners[name] == self.comm.rank]
+            solutions.update(zip(mine, exchange.family.solve([prepared[name] for name in mine], context), strict=True))
+            watch.lap("solve", mine, [exchange.family.solve_cost(prepared[name]) for name in mine])
 
         if self.strategy == "inverse" and self.comm.world_size > 1:
             states = self._share(jobs, owners, prepared, solutions, context)
@@ -77,27 +93,39 @@ class UpdateStage:
                     states[job.name] = family.assemble(prepared[job.name], solutions[job.name], context)
                 else:
                     states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
-        return UpdateResult(states, owners, self._rejected(jobs, states))
+            watch.lap("solve", [job.name for job in jobs])
+        rejected = self._rejected(jobs, states)
+        watch.lap("check")
+        return UpdateResult(states, owners, rejected)
 
     def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families
         that :attr:`~hylo.solvers.base.SolverFamily.refreshes`), one collective per family, no solve."""
+        watch = context.watch
         states: dict[str, HeldState] = {}
-        for family, members, pending in self._exchange(jobs, context):
-            refreshed = family.refresh(members, pending.wait(), context)
-            states.update(zip([job.name for job in members], refreshed, strict=True))
-        return UpdateResult(states, {}, self._rejected(jobs, states))
+        for exchange in self._exchange(jobs, context):
+            received = exchange.pending.wait()
+            watch.lap("gather", exchange.names, exchange.sizes)
+            refreshed = exchange.family.refresh(exchange.members, received, context)
+            states.update(zip(exchange.names, refreshed, strict=True))
+            watch.lap("reduce", exchange.names, exchange.sizes)
+        rejected = self._rejected(jobs, states)
+        watch.lap("check")
+        return UpdateResult(states, {}, rejected)
 
-    def _exchange(
-        self, jobs: Sequence[UpdateJob], context: UpdateContext
-    ) -> list[tuple[SolverFamily[Any], list[UpdateJob], Pending]]:
+    def _exchange(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> list[Launched]:
         """Jobs grouped by family in registry order, each family's collective launched at once."""
-        groups = [(family, [job for job in jobs if family_of(job.solver) is family]) for family in FAMILIES]
-        return [
-            (family, members, self._launch(family.contribute(members, context)))
-            for family, members in groups
-            if members
-        ]
+        launched = []
+        for family in FAMILIES:
+            members = [job for job in jobs if family_of(job.solver) is family]
+            if not members:
+                continue
+            share = family.contribute(members, context)  # times its own capture and reduce
+            names = [job.name for job in members]
+            sizes = [_payload_bytes(share.payload, name) for name in names] if context.watch.enabled else None
+            launched.append(Launched(family, members, names, sizes, self._launch(share)))
+            context.watch.lap("gather", names, sizes)
+        return launched
 
     def _launch(self, share: Contribution) -> Pending:
         if share.exchange is Exchange.MEAN:
@@ -114,6 +142,7 @@ class UpdateStage:
     ) -> dict[str, HeldState]:
         """strategy="inverse": each owner broadcasts its solved tensors; every rank assembles every state."""
         states: dict[str, HeldState] = {}
+        watch = context.watch
         for src in range(self.comm.world_size):
             owned = [(job.name, family_of(job.solver)) for job in jobs if owners[job.name] == src]
             payload = Payload()
@@ -123,6 +152,8 @@ class UpdateStage:
             received = self.comm.broadcast(payload, src)
             for name, family in owned:
                 states[name] = family.assemble(prepared[name], received.fields(name), context)
+            names = [name for name, _ in owned]
+            watch.lap("broadcast", names, [_payload_bytes(payload, name) for name in names] if watch.enabled else None)
         return states
 
     def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState]) -> list[str]:
@@ -142,7 +173,7 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, layers: Sequence[RegisteredLayer], grads: Sequence[Tensor]
+        self, layers: Sequence[RegisteredLayer], grads: Sequence[Tensor], watch: Stopwatch = DISABLED
     ) -> list[tuple[RegisteredLayer, Tensor, Tensor]]:
         """(layer, ∇W, V̂) for every layer that has a state; owners broadcast under "gradient"."""
         ready = [(layer, grad) for layer, grad in zip(layers, grads, strict=True) if layer.state is not None]
@@ -150,10 +181,18 @@ class UpdateStage:
         for layer, grad in ready:
             if isinstance(layer.state, LayerState):
                 results[layer.name] = layer.state.precondition(grad)
+                watch.lap("precondition", layer.name)
         if self.strategy == "gradient" and self.comm.world_size > 1:
             for src in range(self.comm.world_size):
                 owned = [(layer.name, grad) for layer, grad in ready if layer.owner == src]
                 payload = Payload({(name, "grad"): results.get(name, torch.empty_like(grad)) for name, grad in owned})
                 received = self.comm.broadcast(payload, src)
                 results.update((name, received[(name, "grad")]) for name, _ in owned)
+                names = [name for name, _ in owned]
+                watch.lap("broadcast", names, [_payload_bytes(payload, n) for n in names] if watch.enabled else None)
         return [(layer, grad, results[layer.name]) for layer, grad in ready]
+
+
+def _payload_bytes(payload: Payload, layer: str) -> int:
+    """Bytes of ``layer``'s tensors in ``payload``."""
+    return sum(t.numel() * t.element_size() for t in payload.fields(layer).values())

@@ -4,7 +4,8 @@ A family is the math of one kind of curvature estimate, split into the phases of
 step so that the stage can run any family without knowing its name:
 
 1. :meth:`SolverFamily.contribute` — on every rank, reduce the layers' captured batches to
-   the tensors this family shares with the other ranks (a :class:`Contribution`);
+   the tensors this family shares with the other ranks (a :class:`Contribution`), charging
+   each layer's ``"capture"`` and ``"reduce"`` time to ``context.watch``;
 2. :meth:`SolverFamily.prepare` — from what every rank contributed, the inputs of each
    layer's solve, known identically on every rank;
 3. :meth:`SolverFamily.solve` — on a layer's owner, the solved tensors, batched across layers;
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import Payload, PayloadKey
+from hylo.profiling import DISABLED, Stopwatch
 
 
 def _nbytes(tensors: Mapping[str, Tensor]) -> int:
@@ -162,6 +164,8 @@ class UpdateContext:
     seed: int
     #: KIS's estimator: ``"unbiased"`` (Horvitz–Thompson weights) or ``"hylo"`` (unweighted).
     kis_estimator: str = "unbiased"
+    #: Where the phases charge their time (``profile_dir``); disabled otherwise.
+    watch: Stopwatch = DISABLED
 
 
 PreparedT = TypeVar("PreparedT")

@@ -139,6 +139,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         share = Contribution(Exchange.MEAN, Payload())
         for job in jobs:
             factor_a, factor_g = job.batch.kfac_factors()
+            context.watch.lap("capture", job.name)
             share.payload.add(job.name, {"factor_a": factor_a, "factor_g": factor_g})
             share.weights[(job.name, "factor_a")] = share.weights[(job.name, "factor_g")] = float(job.batch.rows)
         return share

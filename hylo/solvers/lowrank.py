@@ -162,6 +162,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         for index, job in enumerate(jobs):
             variant = VARIANTS[job.solver]
             rows = job.batch.lowrank_rows()
+            context.watch.lap("capture", job.name)
             n = rows.count
             r = n if variant.keeps_all else job.batch.kept
             seed = (context.seed + _SEED_STRIDE * index + context.rank) % 2**63
@@ -171,6 +172,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
                 fields["weights"] = weights.reshape(-1, 1)
             fields["counts"] = torch.tensor([[float(n), float(r)]], dtype=kept.dtype, device=kept.device)
             payload.add(job.name, fields)
+            context.watch.lap("reduce", job.name)
         return Contribution(Exchange.ROWS, payload)
 
     def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[LowRankUpdate]:
