@@ -232,10 +232,10 @@ class HyLoConfig:
             raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
         if self.studies and self.profile_dir is None:
             raise ValueError(f"studies {self.studies} write CSV files: set profile_dir")
-        unknown = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
-        if unknown or not self.grad_error_methods:
+        bad_methods = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
+        if bad_methods or not self.grad_error_methods:
             raise ValueError(
-                f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {unknown or '()'}"
+                f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {bad_methods or '()'}"
             )
         if self.profile_dir is not None and not isinstance(self.profile_dir, (str, os.PathLike)):
             raise ValueError(f"profile_dir must be a path or None, got {self.profile_dir!r}")
