@@ -193,6 +193,7 @@ class HyLoPreconditioner:
                     stacklevel=2,
                 )
                 self._needs_update = self._needs_update or is_update
+                watch.lap("check")
                 return
             self._policy.trend.observe(norms)
             watch.lap("check")
