@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -85,8 +86,15 @@ class HyLoPreconditioner:
         self._needs_update = False
         self._capture_cache: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
         self._removed = False
+        # the model's hooks hold the preconditioner weakly: dropping it closes its files and stops capturing
+        capturing = weakref.WeakMethod(self._capturing)
+
+        def should_capture(name: str) -> bool:
+            method = capturing()
+            return method is not None and method(name)
+
         found = register_layers(
-            model, self.config.skip_layers, self._capturing, self.config.initial_solver, self.config.conv_rows
+            model, self.config.skip_layers, should_capture, self.config.initial_solver, self.config.conv_rows
         )
         self._layers: list[RegisteredLayer] = found.layers
         self._skipped = found.skipped

@@ -77,6 +77,8 @@ class Stopwatch:
         if not self.enabled:
             return
         names = (layers,) if isinstance(layers, str) else tuple(layers)
+        if not names and phase in PHASES:
+            return  # no layer did this phase here (e.g. a rank that owns none): the interval runs on
         self._laps.append((phase, names, weights, self._mark()))
 
     def finish(self) -> StepTimes:
