@@ -10,12 +10,20 @@ Seeds: ``seed`` draws the initial weights (and hylo's KIS rows), ``seed + 1`` th
 ``data_seed`` the train/test split. ``batch_size`` is the global batch: under DDP each of the P
 ranks takes its 1/P slice of every batch, so P ranks see the same data in the same order as one
 process.
+
+Outputs of a run with ``log_dir`` (rank 0 unless said otherwise): ``config.json`` (the
+:class:`RunConfig`), ``metrics.csv`` (the per-epoch log, unless :func:`train` is given another
+``csv_path``) and, with ``profiling`` or any of ``studies``, hylo's profile files (its
+``profile_dir`` is ``log_dir``): ``timing-r{rank}.csv`` and ``steps-r{rank}.csv`` on every rank,
+``decisions.csv``, ``run.json`` and one CSV per study (``grad-norm.csv``, ``rank-analysis.csv``,
+``grad-error.csv``). hylo refuses a ``log_dir`` that already holds its files of another run.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import time
@@ -35,6 +43,16 @@ from scripts.models import build_model, models_for
 
 #: The solvers of ``hylo.HyLoPreconditioner``; ``RunConfig.solver`` may also be ``None``/``"none"``.
 HYLO_SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
+#: hylo's studies (``HyLoConfig.studies``), in the order of the flags that turn them on.
+STUDIES = ("grad_norm", "rank", "grad_error")
+#: hylo's gradient-error methods (``HyLoConfig.grad_error_methods``).
+GRAD_ERROR_METHODS = ("kid", "kis", "kfac", "sngd")
+#: The gradient-error methods of a run that names none (``--grad-error`` alone): KID and KIS, as in HyLo.
+DEFAULT_GRAD_ERROR_METHODS = ("kid", "kis")
+#: Study flag -> the hylo study it turns on.
+STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
+#: Method flag of ``--grad-error`` -> the gradient-error method it selects.
+METHOD_FLAGS = {"--enable-id": "kid", "--enable-is": "kis", "--enable-kfac": "kfac"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,14 @@ class RunConfig:
 
     ``kl_clip=0`` is stored as ``None`` (disabled). ``max_steps`` stops a run early without
     changing its schedule (smoke runs). ``damping`` … ``factor_update_freq`` are hylo's options.
+
+    ``log_dir`` is the directory of the run's outputs (see the module docstring). ``profiling``
+    has hylo time every step into ``log_dir``; ``studies`` (any of :data:`STUDIES`) adds hylo's
+    studies there and implies ``profiling``. Both need ``log_dir`` and a solver. ``study_every``
+    runs the rank and gradient-error studies at every ``study_every``-th update (hylo's
+    ``rank_every`` and ``grad_error_every``); ``grad_error_methods`` (any of
+    :data:`GRAD_ERROR_METHODS`) and ``grad_error_ratios`` (ρ in (0, 1]; None: ``rank_ratio``)
+    are what the gradient-error study measures.
     """
 
     model: str = "cnn"
@@ -67,6 +93,12 @@ class RunConfig:
     factor_update_freq: int | None = None
     seed: int = 0
     data_seed: int = 0
+    log_dir: str | None = None
+    profiling: bool = False
+    studies: tuple[str, ...] = ()
+    study_every: int = 1
+    grad_error_methods: tuple[str, ...] = DEFAULT_GRAD_ERROR_METHODS
+    grad_error_ratios: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.solver == "none":
@@ -83,6 +115,35 @@ class RunConfig:
             raise ValueError(f"model {self.model!r} does not fit dataset {self.dataset!r} (usable: {usable})")
         if self.epochs < 1 or self.batch_size < 1 or (self.max_steps is not None and self.max_steps < 1):
             raise ValueError("epochs, batch_size and max_steps must be at least 1")
+        self._check_profiling()
+
+    def _check_profiling(self) -> None:
+        """Normalise and check the profiling and study options (``studies`` imply ``profiling``)."""
+        for name in ("studies", "grad_error_methods"):
+            if isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a sequence of names, not a single string")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.log_dir is not None:
+            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
+        unknown = [s for s in self.studies if s not in STUDIES]
+        if unknown:
+            raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
+        if self.studies:
+            object.__setattr__(self, "profiling", True)
+        if self.profiling and self.log_dir is None:
+            raise ValueError("profiling and studies write their files into log_dir: set log_dir")
+        if self.profiling and self.solver is None:
+            raise ValueError("profiling and studies measure hylo: they need a solver, not the plain optimizer")
+        bad = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
+        if bad or not self.grad_error_methods:
+            raise ValueError(f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {bad}")
+        if isinstance(self.study_every, bool) or not (isinstance(self.study_every, int) and self.study_every >= 1):
+            raise ValueError(f"study_every must be an int >= 1, got {self.study_every!r}")
+        if self.grad_error_ratios is not None:
+            ratios = tuple(self.grad_error_ratios)
+            if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
+                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {self.grad_error_ratios!r}")
+            object.__setattr__(self, "grad_error_ratios", ratios)
 
     @property
     def name(self) -> str:
@@ -184,6 +245,108 @@ def config_from_args(args: argparse.Namespace, **fields: Any) -> RunConfig:
     )
 
 
+def _ratio(text: str) -> float:
+    """argparse type of a rank ratio ρ in (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the output, profiling and study options (HyLo's flag names); see :func:`profile_fields`."""
+    group = parser.add_argument_group(
+        "outputs, profiling and studies",
+        "Any of --profiling, --grad-norm, --rank-analysis, --grad-error writes hylo's profile files into "
+        "--log-dir (which it needs) and needs a hylo solver (not --solver none); a study flag implies --profiling.",
+    )
+    group.add_argument(
+        "--log-dir",
+        default=None,
+        help="directory of the run's outputs (created): config.json, metrics.csv (unless --out) and the profile files",
+    )
+    group.add_argument(
+        "--profiling", action="store_true", help="time every step: timing-r{rank}.csv, steps-r{rank}.csv, run.json"
+    )
+    group.add_argument(
+        "--grad-norm", action="store_true", help="gradient-norm study, every step and layer: grad-norm.csv"
+    )
+    group.add_argument(
+        "--rank-analysis",
+        action="store_true",
+        help="rank study (eigenvalues of the exact SNGD kernel, numerical rank) at sampled updates: rank-analysis.csv",
+    )
+    group.add_argument(
+        "--grad-error",
+        action="store_true",
+        help="gradient-error study against exact SNGD at sampled updates: grad-error.csv "
+        "(methods from --enable-id/--enable-is/--enable-kfac; none given: KID and KIS)",
+    )
+    group.add_argument("--enable-id", action="store_true", help="--grad-error measures KID (method kid)")
+    group.add_argument("--enable-is", action="store_true", help="--grad-error measures KIS (method kis)")
+    group.add_argument("--enable-kfac", action="store_true", help="--grad-error measures K-FAC (method kfac)")
+    group.add_argument(
+        "--study-every",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run --rank-analysis and --grad-error at every N-th update (default: every update)",
+    )
+    group.add_argument(
+        "--grad-error-ratios",
+        type=_ratio,
+        nargs="+",
+        default=None,
+        metavar="R",
+        help="rank ratios ρ at which --grad-error measures KID and KIS (default: --rank-ratio)",
+    )
+
+
+def profile_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The :class:`RunConfig` fields of :func:`add_profile_arguments`'s options; misuse is a ``parser.error``.
+
+    Errors (argparse's exit status 2 with the message): a profiling or study flag without
+    ``--log-dir`` or with ``--solver none``; ``--enable-*``, ``--grad-error-ratios`` without
+    ``--grad-error``; ``--study-every`` without ``--rank-analysis`` or ``--grad-error``.
+    """
+    studies = tuple(study for flag, study in STUDY_FLAGS.items() if getattr(args, _dest(flag)))
+    methods = tuple(method for flag, method in METHOD_FLAGS.items() if getattr(args, _dest(flag)))
+    asked = [flag for flag in ("--profiling", *STUDY_FLAGS) if getattr(args, _dest(flag))]
+    if asked and args.log_dir is None:
+        parser.error(f"{' '.join(asked)}: needs --log-dir DIR, where hylo writes its profile and study files")
+    if asked and getattr(args, "solver", None) == "none":
+        parser.error(f"{' '.join(asked)}: not available with --solver none (profiling and studies measure hylo)")
+    if "grad_error" not in studies:
+        given = [flag for flag in METHOD_FLAGS if getattr(args, _dest(flag))]
+        if args.grad_error_ratios is not None:
+            given.append("--grad-error-ratios")
+        if given:
+            parser.error(f"{' '.join(given)}: only with --grad-error")
+    if args.study_every != 1 and not {"rank", "grad_error"} & set(studies):
+        parser.error("--study-every: only with --rank-analysis or --grad-error")
+    return {
+        "log_dir": args.log_dir,
+        "profiling": bool(asked),
+        "studies": studies,
+        "study_every": args.study_every,
+        "grad_error_methods": methods or DEFAULT_GRAD_ERROR_METHODS,
+        "grad_error_ratios": tuple(args.grad_error_ratios) if args.grad_error_ratios else None,
+    }
+
+
+def _dest(flag: str) -> str:
+    """argparse's attribute name of a ``--long-flag``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int) -> Callable[[int], float]:
     """Learning rate at a 0-based step: linear warm-up to ``base_lr``, then cosine decay to 0."""
 
@@ -253,6 +416,11 @@ def write_rows(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+def write_config(path: str | Path, cfg: RunConfig) -> None:
+    """Write ``cfg``'s fields as a JSON object (tuples as lists)."""
+    Path(path).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+
 def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """The run's optimizer: momentum SGD with weight decay (its lr is set every step by the schedule)."""
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -280,6 +448,12 @@ def make_preconditioner(
         kis_estimator=cfg.kis_estimator,
         factor_update_freq=cfg.factor_update_freq,
         seed=cfg.seed,
+        profile_dir=cfg.log_dir if cfg.profiling else None,
+        studies=cfg.studies,
+        rank_every=cfg.study_every,
+        grad_error_every=cfg.study_every,
+        grad_error_methods=cfg.grad_error_methods,
+        grad_error_ratios=cfg.grad_error_ratios,
     )
 
 
@@ -304,7 +478,9 @@ def train(
 
     Runs on one process, or under DDP on every rank of an initialised process group. Rank 0
     alone prints (with ``verbose``: hylo's summary and one line per epoch) and rewrites
-    ``csv_path`` with one row per finished epoch.
+    ``csv_path`` with one row per finished epoch. With ``cfg.log_dir`` the directory is created,
+    rank 0 writes ``config.json`` there (once hylo has accepted the directory) and ``csv_path``
+    defaults to ``<log_dir>/metrics.csv``; hylo's profile files go there too (``cfg.profiling``).
     """
     rank, world = rank_and_world()
     if cfg.batch_size % world:
@@ -325,7 +501,13 @@ def train(
     if world > 1:
         model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_optimizer(model, cfg)
+    if cfg.log_dir is not None:
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        if csv_path is None:
+            csv_path = Path(cfg.log_dir) / "metrics.csv"
     pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch)
+    if cfg.log_dir is not None and rank == 0:
+        write_config(Path(cfg.log_dir) / "config.json", cfg)
     if pre is not None and verbose and rank == 0:
         print(pre.summary(), flush=True)
 

@@ -1,20 +1,25 @@
-"""The scripts' shared engine: config checks, schedule, model registry, CSV log, train.py smoke run."""
+"""The scripts' shared engine: config checks, schedule, model registry, CSV log, train.py smoke run,
+the outputs of --log-dir with profiling and studies, and bench_overhead's profiled timing."""
 
 from __future__ import annotations
 
 import ast
 import csv
+import json
 import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from scripts.engine import RunConfig, lr_schedule, train
-from scripts.models import MODELS, models_for
+from scripts import bench_overhead
+from scripts import train as train_script
+from scripts.engine import RunConfig, lr_schedule, make_preconditioner, train
+from scripts.models import MODELS, build_model, models_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_HEADER = ["epoch", "step", "train_loss", "test_loss", "test_acc", "seconds", "ranks"]
@@ -99,3 +104,156 @@ def test_scripts_neither_edit_sys_path_nor_import_hylo_internals() -> None:
             else:
                 continue
             assert not any(name.startswith("hylo.") for name in names), f"{path.name} imports {names}"
+
+
+# --------------------------------------------------------------------------- outputs, profiling, studies
+PROFILE_FILES = {"timing-r0.csv", "steps-r0.csv", "decisions.csv", "run.json"}
+STUDY_FILES = {"grad-norm.csv", "rank-analysis.csv", "grad-error.csv"}
+
+
+def _run_train(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``scripts/train.py argv`` in a subprocess from the repository root, one thread."""
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *argv],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=python_path, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_train_script_writes_profile_and_study_files(tmp_path: Path) -> None:
+    pytest.importorskip("mlxtend")
+    pd = pytest.importorskip("pandas")
+    log_dir = tmp_path / "run"  # created by train.py
+    done = _run_train(
+        *("--log-dir", str(log_dir), "--profiling", "--grad-norm", "--rank-analysis", "--grad-error"),
+        *("--enable-id", "--enable-kfac", "--max-steps", "4", "--freq", "2", "--batch-size", "250"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {p.name for p in log_dir.iterdir()} == PROFILE_FILES | STUDY_FILES | {"metrics.csv", "config.json"}
+    layers = {"0", "3", "7", "9"}  # the cnn's two Conv2d and two Linear layers
+
+    steps = pd.read_csv(log_dir / "steps-r0.csv")
+    assert list(steps["step"]) == [0, 1, 2, 3] and list(steps["kind"]) == ["update", "apply", "update", "apply"]
+    assert (steps["step_ms"] > 0).all()
+    timing = pd.read_csv(log_dir / "timing-r0.csv", dtype={"layer": str})
+    assert set(timing["step"]) == {0, 2} and set(timing["layer"]) == layers
+    decisions = pd.read_csv(log_dir / "decisions.csv", dtype={"layer": str})
+    assert set(decisions["step"]) == {0, 2} and set(decisions["layer"]) == layers
+
+    norms = pd.read_csv(log_dir / "grad-norm.csv", dtype={"layer": str})
+    assert len(norms) == 4 * len(layers) and sorted(set(norms["step"])) == [0, 1, 2, 3]
+    assert (norms["norm"] > 0).all()
+    ranks = pd.read_csv(log_dir / "rank-analysis.csv", dtype={"layer": str})
+    assert set(ranks["step"]) == {0, 2} and set(ranks["layer"]) == layers
+    assert (ranks["rank_90"] >= 1).all() and (ranks["rank_90"] <= ranks["rank_999"]).all()
+    errors = pd.read_csv(log_dir / "grad-error.csv", dtype={"layer": str})
+    assert set(errors["method"]) == {"kid", "kfac"} and set(errors["step"]) == {0, 2}
+    assert set(errors["rank_ratio"].dropna()) <= {0.1} and (errors["rel_error"] >= 0).all()
+
+    metrics = pd.read_csv(log_dir / "metrics.csv")
+    assert list(metrics.columns) == CSV_HEADER and list(metrics["step"]) == [4]
+    config = json.loads((log_dir / "config.json").read_text())
+    assert config["log_dir"] == str(log_dir) and config["profiling"] is True
+    assert config["studies"] == ["grad_norm", "rank", "grad_error"]
+    assert config["grad_error_methods"] == ["kid", "kfac"] and config["update_freq"] == 2
+    assert config == json.loads(json.dumps(asdict(RunConfig(**config))))  # a RunConfig round trip
+
+
+@pytest.mark.parametrize("flag", ["--profiling", "--grad-norm", "--rank-analysis", "--grad-error"])
+def test_profiling_and_study_flags_need_a_log_dir(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.parse_args([flag])
+    assert exit_info.value.code == 2
+    assert f"{flag}: needs --log-dir DIR" in capsys.readouterr().err
+
+
+def test_study_flags_need_a_solver(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--solver", "none", "--grad-norm", "--log-dir", str(tmp_path)])
+    assert "--grad-norm: not available with --solver none" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="need a solver"):
+        RunConfig(solver=None, studies=("grad_norm",), log_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--enable-id"], "--enable-id: only with --grad-error"),
+        (["--rank-analysis", "--grad-error-ratios", "0.1"], "--grad-error-ratios: only with --grad-error"),
+        (["--grad-norm", "--study-every", "2"], "--study-every: only with --rank-analysis or --grad-error"),
+        (["--grad-error", "--grad-error-ratios", "1.5"], "a ratio must be in (0, 1]"),
+        (["--rank-analysis", "--study-every", "0"], "must be an int >= 1"),
+    ],
+)
+def test_study_options_are_checked(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        train_script.parse_args([*argv, "--log-dir", str(tmp_path)])
+    assert message in capsys.readouterr().err
+
+
+def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
+    log_dir = str(tmp_path)
+    args = train_script.parse_args(["--grad-error", "--log-dir", log_dir])
+    assert args.profile == {
+        "log_dir": log_dir,
+        "profiling": True,
+        "studies": ("grad_error",),
+        "study_every": 1,
+        "grad_error_methods": ("kid", "kis"),  # --grad-error without --enable-*: KID and KIS
+        "grad_error_ratios": None,
+    }
+    args = train_script.parse_args(
+        ["--log-dir", log_dir, "--rank-analysis", "--grad-error", "--enable-is", "--enable-kfac"]
+        + ["--study-every", "3", "--grad-error-ratios", "0.05", "0.2"]
+    )
+    cfg = RunConfig(solver="kis", **args.profile)
+    assert cfg.studies == ("rank", "grad_error") and cfg.grad_error_methods == ("kis", "kfac")
+    pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
+    assert pre is not None
+    try:
+        c = pre.config
+        assert str(c.profile_dir) == log_dir and c.studies == ("rank", "grad_error")
+        assert (c.rank_every, c.grad_error_every) == (3, 3) and c.grad_error_ratios == (0.05, 0.2)
+        assert c.grad_error_methods == ("kis", "kfac")
+    finally:
+        pre.remove()
+    plain = train_script.parse_args(["--log-dir", log_dir]).profile
+    assert plain["profiling"] is False and plain["studies"] == ()
+    assert RunConfig(studies=["grad_norm"], solver="kfac", log_dir=log_dir).profiling  # studies imply profiling
+    with pytest.raises(ValueError, match="set log_dir"):
+        RunConfig(solver="kfac", profiling=True)
+
+
+def test_engine_log_dir_holds_metrics_and_config(tmp_path: Path) -> None:
+    pytest.importorskip("mlxtend")
+    log_dir = tmp_path / "plain"
+    result = train(RunConfig(model="mlp", max_steps=2, log_dir=str(log_dir)))
+    assert sorted(p.name for p in log_dir.iterdir()) == ["config.json", "metrics.csv"]  # no profiling asked
+    lines = (log_dir / "metrics.csv").read_text().splitlines()
+    assert lines[0] == ",".join(CSV_HEADER) and lines[1].startswith("0,2,") and result.steps == 2
+    assert json.loads((log_dir / "config.json").read_text())["solver"] is None
+
+    out = tmp_path / "elsewhere.csv"  # an explicit CSV path replaces metrics.csv
+    profiled = tmp_path / "profiled"
+    train(RunConfig(model="mlp", solver="kfac", max_steps=2, log_dir=str(profiled), profiling=True), csv_path=out)
+    assert {p.name for p in profiled.iterdir()} == PROFILE_FILES | {"config.json"} and out.exists()
+    config_before = (profiled / "config.json").read_text()
+    with pytest.raises(ValueError, match="already holds"):  # hylo refuses another run's files
+        train(RunConfig(model="mlp", solver="kfac", max_steps=1, lr=0.2, log_dir=str(profiled), profiling=True))
+    assert (profiled / "config.json").read_text() == config_before  # left as the first run wrote it
+
+
+def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:
+    seconds = bench_overhead.iteration_time("mlp", "kfac", 8, 2, 0, 1, None, profile_dir=tmp_path)
+    assert seconds > 0
+    steps = (tmp_path / "steps-r0.csv").read_text().splitlines()
+    assert steps[0].startswith("step,kind,") and len(steps) == 3  # header, then both timed steps
+    assert bench_overhead.profiled_iteration_time("mlp", "kfac", 8, 2, 0, 1, None) > 0
+    with pytest.raises(ValueError, match="needs a solver"):
+        bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, profile_dir=tmp_path)
