@@ -21,6 +21,7 @@ machine differences of a few percent are within the run-to-run noise.
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import tempfile
 import time
@@ -72,12 +73,33 @@ def iteration_time(
     return elapsed / steps
 
 
+#: The columns of steps-r0.csv the phase table reports, in order.
+BREAKDOWN = ("check", "decide", "capture", "reduce", "gather", "solve", "broadcast", "precondition")
+
+
+def phase_breakdown(steps_csv: str | os.PathLike[str], skip: int = 0) -> tuple[dict[str, float], float]:
+    """Mean ms per phase over the update steps of a ``steps-r{rank}.csv`` (its first ``skip`` steps
+    left out), and the mean ms of the other steps."""
+    with open(steps_csv, newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if int(row["step"]) >= skip]
+    updates = [row for row in rows if row["kind"] == "update"]
+    applies = [float(row["step_ms"]) for row in rows if row["kind"] == "apply"]
+    if not updates:
+        raise ValueError(f"{steps_csv} has no update step after step {skip}")
+    means = {phase: sum(float(row[f"{phase}_ms"]) for row in updates) / len(updates) for phase in BREAKDOWN}
+    means["step"] = sum(float(row["step_ms"]) for row in updates) / len(updates)
+    return means, sum(applies) / len(applies) if applies else float("nan")
+
+
 def profiled_iteration_time(
     model_name: str, solver: str, batch: int, steps: int, warmup: int, update_freq: int, image: int | None
-) -> float:
-    """:func:`iteration_time` of ``solver`` with hylo's profiling into a fresh temporary directory."""
+) -> tuple[float, dict[str, float], float]:
+    """:func:`iteration_time` of ``solver`` with hylo's profiling into a fresh temporary directory, and
+    :func:`phase_breakdown` of its timed steps."""
     with tempfile.TemporaryDirectory(prefix="hylo-bench-profile-") as directory:
-        return iteration_time(model_name, solver, batch, steps, warmup, update_freq, image, profile_dir=directory)
+        t = iteration_time(model_name, solver, batch, steps, warmup, update_freq, image, profile_dir=directory)
+        phases, apply_ms = phase_breakdown(os.path.join(directory, "steps-r0.csv"), skip=warmup)
+        return t, phases, apply_ms
 
 
 def main() -> None:
@@ -105,13 +127,21 @@ def main() -> None:
         header += f" {'profiled':>9} {'vs SGD':>7} {'prof/plain':>10}"
     print(header)
     print(f"{'sgd':<12} {1e3 * base:>9.1f} {1.0:>7.2f}")
+    breakdowns: dict[str, tuple[dict[str, float], float]] = {}
     for solver in args.solvers:
         t = iteration_time(args.model, solver, *shape)
         line = f"{'sgd+' + solver:<12} {1e3 * t:>9.1f} {t / base:>7.2f}"
         if args.profile:
-            p = profiled_iteration_time(args.model, solver, *shape)
+            p, phases, apply_ms = profiled_iteration_time(args.model, solver, *shape)
+            breakdowns[solver] = (phases, apply_ms)
             line += f" {1e3 * p:>9.1f} {p / base:>7.2f} {p / t:>10.2f}"
         print(line, flush=True)
+    if breakdowns:
+        print("\nms in hylo's step() per update step, by phase (steps-r0.csv), and per other step:")
+        print(f"{'solver':<8}" + "".join(f" {phase:>9}" for phase in (*BREAKDOWN, "step", "apply")))
+        for solver, (phases, apply_ms) in breakdowns.items():
+            values = [*(phases[phase] for phase in (*BREAKDOWN, "step")), apply_ms]
+            print(f"{solver:<8}" + "".join(f" {value:>9.1f}" for value in values))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ test_acc, seconds, ranks.
 Outputs, profiling and studies (the HyLo scripts' flags; files as hylo writes them):
 
     python scripts/train.py --solver hybrid --log-dir runs/a --profiling
-    python scripts/train.py --solver kis --log-dir runs/b --grad-norm --rank-analysis \
+    python scripts/train.py --solver kis --log-dir runs/b --grad-norm --rank-analysis \\
         --grad-error --enable-id --enable-kfac --study-every 5 --grad-error-ratios 0.05 0.1
 
 ``--log-dir DIR`` (created) gets ``config.json`` (the run's configuration, rank 0) and, unless

@@ -254,6 +254,10 @@ def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:
     assert seconds > 0
     steps = (tmp_path / "steps-r0.csv").read_text().splitlines()
     assert steps[0].startswith("step,kind,") and len(steps) == 3  # header, then both timed steps
-    assert bench_overhead.profiled_iteration_time("mlp", "kfac", 8, 2, 0, 1, None) > 0
+    phases, apply_ms = bench_overhead.phase_breakdown(tmp_path / "steps-r0.csv")
+    assert phases["step"] > 0 and apply_ms != apply_ms  # every step of update_freq=1 is an update: no apply
+    assert sum(phases[p] for p in bench_overhead.BREAKDOWN) == pytest.approx(phases["step"], rel=1e-6)
+    seconds, phases, apply_ms = bench_overhead.profiled_iteration_time("mlp", "kfac", 8, 3, 1, 2, None)
+    assert seconds > 0 and phases["solve"] > 0 and apply_ms > 0
     with pytest.raises(ValueError, match="needs a solver"):
         bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, profile_dir=tmp_path)
