@@ -9,8 +9,8 @@ from hylo.config import HyLoConfig
 from hylo.distributed import CommunicationError
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
+from hylo.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "CommunicationError",
     "Decision",

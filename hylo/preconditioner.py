@@ -31,6 +31,7 @@ from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
 from hylo.stage import UpdateStage
 from hylo.studies import StudyRunner
+from hylo.version import __version__
 
 STATE_FORMAT = 1
 #: Decisions kept in ``decision_log`` (oldest dropped first).
@@ -119,12 +120,14 @@ class HyLoPreconditioner:
         self._recorder: Recorder | None = None
         self._studies: StudyRunner | None = None
         if self.config.profile_dir is not None:
-            self._open_profile()
+            try:
+                self._open_profile()
+            except Exception:
+                self.remove()  # a refused profile_dir leaves the model without hylo's hooks
+                raise
 
     def _open_profile(self) -> None:
         """Open ``profile_dir`` (refusing hylo's files of another run unless appending) and start timing."""
-        from hylo import __version__
-
         device = self._layers[0].math.weight.device
         self._recorder = Recorder(
             self.config.profile_dir,  # type: ignore[arg-type]

@@ -487,6 +487,18 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+def test_a_refused_directory_leaves_no_hooks(tmp_path: Path) -> None:
+    """The constructor that refuses profile_dir removes the hooks it had registered on the model."""
+    model = make_net()
+    pre = HyLoPreconditioner(model, profile_dir=tmp_path)
+    pre.close()
+    (tmp_path / "steps-r0.csv").write_text("step\n0\n")
+    hooked = [len(m._forward_hooks) for m in model.modules()]
+    with pytest.raises(ValueError, match="profile_append"):
+        HyLoPreconditioner(model, profile_dir=tmp_path)
+    assert [len(m._forward_hooks) for m in model.modules()] == hooked
+
+
 def test_existing_files_are_refused_unless_appending(tmp_path: Path) -> None:
     """A second run on the same directory raises ValueError naming it and profile_append (and touches
     nothing); with profile_append=True and the first run's state the files continue."""
