@@ -67,6 +67,11 @@ def _check_value(name: str, value: Any, step: int | None = None) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}{where}")
 
 
+def rows_for_ratio(ratio: float, rows: int) -> int:
+    """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
+    return min(rows, max(1, math.floor(ratio * rows)))
+
+
 def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
     """Evaluate a constant-or-callable hyperparameter at ``step`` and validate the result."""
     if callable(value):
@@ -301,8 +306,9 @@ class HyLoConfig:
 
     def rows_kept(self, local_rows: int) -> int:
         """Rows r each rank keeps for KID/KIS out of ``local_rows``."""
-        r = self.rank if self.rank is not None else max(1, math.floor(self.rank_ratio * local_rows))
-        return min(r, local_rows)
+        if self.rank is not None:
+            return min(self.rank, local_rows)
+        return rows_for_ratio(self.rank_ratio, local_rows)
 
     def constants(self) -> dict[str, Any]:
         """The options that are plain values (callables are left out; paths as strings), for ``state_dict``."""

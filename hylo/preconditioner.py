@@ -220,12 +220,9 @@ class HyLoPreconditioner:
                 watch.lap("capture", [layer.name for layer in worked])
                 self._refresh(step, worked, batches)
             study_traffic = self._run_studies(step, batches, grads) if kind == "update" else {}
-            after = self._precondition(grads, step)
+            written = self._precondition(grads, step)
             if self._recorder is not None and self._recorder.norms is not None:
-                trend = self._policy.trend
-                assert trend.ema is not None
-                values = torch.stack((norms, trend.ema, norms if after is None else after))
-                self._recorder.norms.add(step, values, trend.last_trend, trend.critical)
+                self._record_norms(step, norms, written)
         finally:
             for layer in self._layers:
                 layer.capture.clear()
@@ -255,7 +252,7 @@ class HyLoPreconditioner:
                         layer.name,
                         layer.solver,
                         batch.rows,
-                        batch.kept if layer.solver in ("kid", "kis") else batch.rows,
+                        family_of(layer.solver).rows_kept(batch, layer.solver),
                         layer.math.d_a,
                         layer.math.d_g,
                         sent.get(layer.name, 0),
@@ -266,6 +263,17 @@ class HyLoPreconditioner:
                 times,
             )
             self._recorder.flush()
+
+    def _record_norms(self, step: int, norms: Tensor, written: dict[str, Tensor]) -> None:
+        """Queue the step's grad-norm rows: norms before, the trend's view, norms of what was written back."""
+        assert self._recorder is not None and self._recorder.norms is not None
+        after = norms.clone()
+        for i, layer in enumerate(self._layers):
+            if layer.name in written:
+                after[i] = torch.linalg.vector_norm(written[layer.name].to(layer.math.dtype))
+        trend = self._policy.trend
+        assert trend.ema is not None
+        self._recorder.norms.add(step, torch.stack((norms, trend.ema, after)), trend.last_trend, trend.critical)
 
     def _run_studies(self, step: int, batches: list[LayerBatch], grads: list[Tensor]) -> dict[str, int]:
         """The rank and gradient-error studies when this update is sampled; returns their traffic by tag."""
@@ -380,18 +388,12 @@ class HyLoPreconditioner:
                 layer.state = result.states[layer.name]
                 layer.owner = result.owners[layer.name]
 
-    def _precondition(self, grads: list[Tensor], step: int) -> Tensor | None:
-        """Apply every layer's state (with kl_clip scaling) and write the gradients back.
-
-        Returns the norms of the written gradients (unchanged layers keep theirs) when the
-        grad_norm study is recording, else None.
-        """
+    def _precondition(self, grads: list[Tensor], step: int) -> dict[str, Tensor]:
+        """Apply every layer's state (with kl_clip scaling), write the gradients back and return them by layer."""
         watch = self._watch
         triples = self._stage.precondition(self._layers, grads, watch)
-        if not triples:
-            return None
         scale: Tensor | None = None
-        if self.config.kl_clip is not None:
+        if triples and self.config.kl_clip is not None:
             kl_clip = resolve("kl_clip", self.config.kl_clip, step)
             assert self.config.lr is not None
             lr = resolve("lr", self.config.lr, step)
@@ -403,16 +405,7 @@ class HyLoPreconditioner:
             written[layer.name] = v if scale is None else v * scale.to(v.dtype)
             layer.math.set_grad_matrix(written[layer.name])
             watch.lap("precondition", layer.name)
-        if self._recorder is None or self._recorder.norms is None:
-            return None
-        return torch.stack(
-            [
-                torch.linalg.vector_norm(written[layer.name].to(layer.math.dtype)).to(torch.float64)
-                if layer.name in written
-                else torch.linalg.vector_norm(g.to(layer.math.dtype)).to(torch.float64)
-                for layer, g in zip(self._layers, grads, strict=True)
-            ]
-        )
+        return written
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:

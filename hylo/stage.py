@@ -122,7 +122,7 @@ class UpdateStage:
                 continue
             share = family.contribute(members, context)  # times its own capture and reduce
             names = [job.name for job in members]
-            sizes = [_payload_bytes(share.payload, name) for name in names] if context.watch.enabled else None
+            sizes = _payload_bytes(share.payload, names) if context.watch.enabled else None
             launched.append(Launched(family, members, names, sizes, self._launch(share)))
             context.watch.lap("gather", names, sizes)
         return launched
@@ -153,7 +153,7 @@ class UpdateStage:
             for name, family in owned:
                 states[name] = family.assemble(prepared[name], received.fields(name), context)
             names = [name for name, _ in owned]
-            watch.lap("broadcast", names, [_payload_bytes(payload, name) for name in names] if watch.enabled else None)
+            watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return states
 
     def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState]) -> list[str]:
@@ -189,10 +189,14 @@ class UpdateStage:
                 received = self.comm.broadcast(payload, src)
                 results.update((name, received[(name, "grad")]) for name, _ in owned)
                 names = [name for name, _ in owned]
-                watch.lap("broadcast", names, [_payload_bytes(payload, n) for n in names] if watch.enabled else None)
+                watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return [(layer, grad, results[layer.name]) for layer, grad in ready]
 
 
-def _payload_bytes(payload: Payload, layer: str) -> int:
-    """Bytes of ``layer``'s tensors in ``payload``."""
-    return sum(t.numel() * t.element_size() for t in payload.fields(layer).values())
+def _payload_bytes(payload: Payload, layers: Sequence[str]) -> list[int]:
+    """Bytes of each of ``layers``' tensors in ``payload`` (one pass over it)."""
+    sizes = dict.fromkeys(layers, 0)
+    for (layer, _), tensor in payload.items():
+        if layer in sizes:
+            sizes[layer] += tensor.numel() * tensor.element_size()
+    return list(sizes.values())

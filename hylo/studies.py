@@ -18,14 +18,13 @@ run's ``conv_rows`` form (``"sngd-sum"``/``"sngd-mean"``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from hylo.config import HyLoConfig
+from hylo.config import HyLoConfig, rows_for_ratio
 from hylo.distributed import Communicator
 from hylo.layers import Conv2dMath, LayerBatch, LayerMath
 from hylo.registry import RegisteredLayer
@@ -179,8 +178,7 @@ class StudyRunner:
                     method_batches = list(reference_batches)
                 else:
                     method_batches = [
-                        dataclasses.replace(b, kept=min(b.rows, max(1, math.floor(ratio * b.rows))))
-                        for b in reference_batches
+                        dataclasses.replace(b, kept=rows_for_ratio(ratio, b.rows)) for b in reference_batches
                     ]
                 states = self._solve(names, method, method_batches, context)
                 if not lead:

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
+from tests.kit.checks import counting_host_syncs
 from tests.kit.harness import run_distributed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -58,6 +58,15 @@ GRAD_NORM_COLUMNS = ["step", "layer", "norm", "ema", "trend", "critical", "norm_
 GRAD_ERROR_COLUMNS = ["step", "layer", "method", "rank_ratio", "rel_error", "reference"]
 DECISION_COLUMNS = ["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"]
 STUDIES = ("grad_norm", "rank", "grad_error")
+#: The options of the runs whose files are checked: updates every 2nd step, fc2 on K-FAC, all studies.
+STUDY_RUN: dict[str, Any] = {
+    "solver": "hybrid",
+    "layer_solvers": {"fc2": "kfac"},
+    "update_freq": 2,
+    "damping": 1e-2,
+    "rank_ratio": 0.5,
+    "studies": STUDIES,
+}
 RANK_FILES = {"grad-norm.csv", "rank-analysis.csv", "grad-error.csv", "decisions.csv", "run.json"}
 
 
@@ -169,13 +178,8 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
     model = make_net()
     pre = HyLoPreconditioner(
         model,
-        solver="hybrid",
-        layer_solvers={"fc2": "kfac"},
-        update_freq=2,
-        damping=1e-2,
-        rank_ratio=0.5,
+        **STUDY_RUN,
         profile_dir=directory,
-        studies=STUDIES,
         rank_every=2,
         rank_top_k=4,
         grad_error_every=3,
@@ -309,13 +313,8 @@ def _profiled_rank(rank: int, world_size: int, directory: str) -> dict[str, Any]
     net = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     pre = HyLoPreconditioner(
         net,
-        solver="hybrid",
-        layer_solvers={"fc2": "kfac"},
-        update_freq=2,
-        damping=1e-2,
-        rank_ratio=0.5,
+        **STUDY_RUN,
         profile_dir=directory,
-        studies=STUDIES,
         rank_every=2,
         grad_error_every=2,
         grad_error_methods=("kid", "kfac"),
@@ -630,16 +629,6 @@ def test_profiling_off_costs_no_sync_and_writes_nothing(tmp_path: Path, monkeypa
     """profile_dir=None: one host sync per non-update step (as before profiling existed), no recorder, no
     files; with profiling and the grad_norm study on, a non-update step still syncs once."""
     monkeypatch.chdir(tmp_path)
-    calls = {"item": 0, "tolist": 0, "__bool__": 0, "__float__": 0, "__int__": 0, "numpy": 0}
-
-    def counting(name: str) -> Callable[..., Any]:
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
 
     def syncs(directory: Path | None) -> tuple[list[int], HyLoPreconditioner]:
         """Host syncs of each of 4 steps (updates at 0 and 3)."""
@@ -647,9 +636,7 @@ def test_profiling_off_costs_no_sync_and_writes_nothing(tmp_path: Path, monkeypa
         options: dict[str, Any] = {"profile_dir": directory, "studies": ("grad_norm",)} if directory else {}
         pre = HyLoPreconditioner(model, solver="hybrid", update_freq=3, damping=1e-2, **options)
         counts = []
-        with monkeypatch.context() as m:
-            for name in calls:
-                m.setattr(torch.Tensor, name, counting(name))
+        with counting_host_syncs(monkeypatch) as calls:
             for step in range(4):
                 model.zero_grad()
                 x, y = data(step)

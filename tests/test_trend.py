@@ -19,7 +19,6 @@ import io
 import itertools
 import math
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.policy import GradNormTrend, SolverPolicy
 from hylo.solvers import LayerShape
-from tests.kit.checks import DT, grad_matrix
+from tests.kit.checks import DT, HOST_SYNCS, counting_host_syncs, grad_matrix
 from tests.kit.models import regression_data, sequential, wide_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -310,7 +309,7 @@ def test_trend_observe_and_sample_do_not_sync_per_layer(monkeypatch: pytest.Monk
 
     trend = GradNormTrend(5, decay=None, window=2, enter=0.2, exit_=0.1, z=3.0)
     with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
+        for name in HOST_SYNCS:
             m.setattr(torch.Tensor, name, forbidden)
         for step in range(4):
             trend.observe(torch.arange(1.0, 6.0) * (step + 1))
@@ -318,49 +317,37 @@ def test_trend_observe_and_sample_do_not_sync_per_layer(monkeypatch: pytest.Monk
     assert trend.ema_sq is not None and trend.ema_sq.dtype == DT
     trend.sample(0)
 
-    calls = {"item": 0, "tolist": 0}
+    with counting_host_syncs(monkeypatch, ("item", "tolist")) as calls:
+        trend.sample(3)
+        assert calls == {"item": 0, "tolist": 1}
+        assert all(noise is not None for noise in trend.last_noise)  # the noise came with that one transfer
+        assert _syncs_per_step(2, calls) == _syncs_per_step(6, calls) == (1, 1)
 
-    def counting(name: str) -> Callable[..., Any]:
-        original = getattr(torch.Tensor, name)
 
-        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return original(self, *args, **kwargs)
+def _syncs_per_step(n_layers: int, calls: dict[str, int]) -> tuple[int, int]:
+    """(syncs of a non-update step, syncs inside policy.decide at an update step)."""
+    layers = {f"fc{i}": nn.Linear(6, 6) for i in range(n_layers)}
+    model = sequential(0, **layers)
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, trend_window=1)
+    x, direction = regression_data(0, 4, 6, 6)
+    decide = pre._policy.decide
+    in_decide = []
 
-        return wrapper
+    def counted_decide(*args: Any, **kwargs: Any) -> Any:
+        before = sum(calls.values())
+        try:
+            return decide(*args, **kwargs)
+        finally:
+            in_decide.append(sum(calls.values()) - before)
 
-    for name in calls:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    trend.sample(3)
-    assert calls == {"item": 0, "tolist": 1}
-    assert all(noise is not None for noise in trend.last_noise)  # the noise came with that one transfer
-
-    def syncs_per_step(n_layers: int) -> tuple[int, int]:
-        """(syncs of a non-update step, syncs inside policy.decide at an update step)."""
-        layers = {f"fc{i}": nn.Linear(6, 6) for i in range(n_layers)}
-        model = sequential(0, **layers)
-        pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, trend_window=1)
-        x, direction = regression_data(0, 4, 6, 6)
-        decide = pre._policy.decide
-        in_decide = []
-
-        def counted_decide(*args: Any, **kwargs: Any) -> Any:
-            before = sum(calls.values())
-            try:
-                return decide(*args, **kwargs)
-            finally:
-                in_decide.append(sum(calls.values()) - before)
-
-        pre._policy.decide = counted_decide  # type: ignore[method-assign]
-        for step in range(3):
-            regression_step(model, x, direction)
-            before = sum(calls.values())
-            pre.step()
-            if step == 1:
-                non_update = sum(calls.values()) - before
-        return non_update, in_decide[-1]
-
-    assert syncs_per_step(2) == syncs_per_step(6) == (1, 1)
+    pre._policy.decide = counted_decide  # type: ignore[method-assign]
+    for step in range(3):
+        regression_step(model, x, direction)
+        before = sum(calls.values())
+        pre.step()
+        if step == 1:
+            non_update = sum(calls.values()) - before
+    return non_update, in_decide[-1]
 
 
 def _saved(state: dict[str, Any]) -> dict[str, Any]:

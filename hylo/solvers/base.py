@@ -213,6 +213,10 @@ class SolverFamily(ABC, Generic[PreparedT]):
     def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
         """What a rank that does not own the layer keeps for the next update."""
 
+    def rows_kept(self, batch: LayerBatch, solver: str) -> int:
+        """Rows of ``batch`` this rank keeps for ``solver``'s update (all of them unless the family reduces)."""
+        return batch.rows
+
     def state_from_dict(self, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
         """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
         return self.state_type.from_dict(entry, d_a, d_g, device)

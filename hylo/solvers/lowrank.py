@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from hylo.layers import LayerShape
+from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import Payload
 from hylo.rows import SampleRows, rows_from_fields
 from hylo.solvers.base import (
@@ -163,8 +163,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             variant = VARIANTS[job.solver]
             rows = job.batch.lowrank_rows()
             context.watch.lap("capture", job.name)
-            n = rows.count
-            r = n if variant.keeps_all else job.batch.kept
+            n, r = rows.count, self.rows_kept(job.batch, job.solver)
             seed = (context.seed + _SEED_STRIDE * index + context.rank) % 2**63
             kept, weights = variant.reduce(rows, r, seed, context)
             fields = kept.fields()
@@ -186,6 +185,10 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             rows = rows_from_fields(fields, job.batch.math.d_g, job.batch.math.d_a)
             prepared.append(VARIANTS[job.solver].update(rows, layer_counts, fields.get("weights"), context))
         return prepared
+
+    def rows_kept(self, batch: LayerBatch, solver: str) -> int:
+        """n for ``sngd``, the configured r for ``kid``/``kis``."""
+        return batch.rows if VARIANTS[solver].keeps_all else batch.kept
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """Rows and local reduction; gathered kernel m²·w and SMW m³; apply 2 m d_a d_g a step.

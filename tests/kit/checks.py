@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -67,3 +72,29 @@ def assert_same_tensors(a: object, b: object) -> None:
             assert_same_tensors(x, y)
     else:
         assert a == b
+
+
+#: The tensor methods that copy a value to the host (and so synchronise with the device).
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+
+@contextmanager
+def counting_host_syncs(
+    monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = HOST_SYNCS
+) -> Iterator[dict[str, int]]:
+    """Count calls of the tensor methods ``names`` while the block runs (the dict updates live)."""
+    calls = dict.fromkeys(names, 0)
+
+    def counting(name: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    with monkeypatch.context() as patched:
+        for name in names:
+            patched.setattr(torch.Tensor, name, counting(name))
+        yield calls
