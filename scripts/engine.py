@@ -1,87 +1,136 @@
-"""The scripts' one training engine: run configuration, schedule, loop, evaluation, DDP setup, CSV log.
+"""The scripts' one training engine: run configuration, the loop (one process or DDP), evaluation, checkpoints.
 
-Every run (plain SGD or SGD + hylo, one process or P ranks) uses the model of the registry
-built from the seed's initial weights, the same batches in the same order, momentum SGD with
-weight decay and the same learning-rate schedule (linear warm-up, then cosine decay to zero,
-set per step), so the only difference between runs is whether ``HyLoPreconditioner.step()``
-rewrites the gradients before ``optimizer.step()``.
+Every run — plain optimizer or optimizer + hylo, classification or segmentation, one process
+or P ranks — goes through :func:`train`: the model of the registry built from the seed's
+initial weights, the dataset of the registry, a ``DistributedSampler`` over the training set
+(also on one process, so the batch order depends on the seed alone), the optimizer, the
+learning-rate and damping schedules of :mod:`scripts.schedules`, and, with a solver, hylo's
+``step()`` between ``loss.backward()`` and ``optimizer.step()``.
 
-Seeds: ``seed`` draws the initial weights (and hylo's KIS rows), ``seed + 1`` the batch order,
-``data_seed`` the train/test split. ``batch_size`` is the global batch: under DDP each of the P
-ranks takes its 1/P slice of every batch, so P ranks see the same data in the same order as one
-process.
+Seeds: ``seed`` draws the initial weights (and hylo's KIS rows); ``seed + 1`` the batch order
+of every epoch (``DistributedSampler(seed=seed + 1).set_epoch(epoch)``); ``data_seed`` the
+train/test split of the sets that have none and every sample's augmentation (a function of
+data seed, epoch and index). ``batch_size`` is the global batch: each of the P ranks takes
+B/P samples of every batch, and the union is the same B samples one process would take, so P
+ranks see the same data in the same order as one process.
 
-Outputs of a run with ``log_dir`` (rank 0 unless said otherwise): ``config.json`` (the
-:class:`RunConfig`), ``metrics.csv`` (the per-epoch log, unless :func:`train` is given another
-``csv_path``) and, with ``profiling`` or any of ``studies``, hylo's profile files (its
-``profile_dir`` is ``log_dir``): ``timing-r{rank}.csv`` and ``steps-r{rank}.csv`` on every rank,
-``decisions.csv``, ``run.json`` and one CSV per study (``grad-norm.csv``, ``rank-analysis.csv``,
-``grad-error.csv``). hylo refuses a ``log_dir`` that already holds its files of another run.
+Outputs of a run with ``log_dir`` (rank 0 unless said otherwise):
+
+- ``config.json``: the :class:`RunConfig`;
+- ``model-summary.txt``: torchinfo's summary of the model;
+- ``metrics.csv``: one row per epoch (:data:`METRIC_COLUMNS`), appended as epochs finish;
+- ``checkpoint-{N:04d}.pt`` (+ ``checkpoint-{N:04d}-hylo-r{rank}.pt`` on every rank) every
+  ``checkpoint_freq`` epochs and after the last one (see :mod:`scripts.checkpoint`);
+- with ``profiling`` or ``studies``, hylo's profile files (its ``profile_dir`` is ``log_dir``).
+
+A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv`` or checkpoint) is
+refused unless ``resume``: then the run continues from its latest checkpoint up to
+``epochs`` — model, optimizer, lr scheduler, hylo's state (its step, so its damping
+schedule, and its generator), the sampler epoch and the RNG — and appends to ``metrics.csv``.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import math
 import os
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 import hylo
-from scripts.data import DATASETS, Split, load_dataset
-from scripts.models import build_model, models_for
+from scripts import checkpoint
+from scripts.data import DATASETS, DataOptions, DataSplits, load_dataset
+from scripts.models import MODELS, build_model
+from scripts.schedules import LR_SCHEDULES, damping_schedule, lr_factor
+from scripts.segmentation import dice_loss, mean_volume_dsc
 
 #: The solvers of ``hylo.HyLoPreconditioner``; ``RunConfig.solver`` may also be ``None``/``"none"``.
 HYLO_SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
+#: The optimizers a run can use.
+OPTIMIZERS = ("sgd", "adamw")
+#: torch.distributed backends (``auto``: NCCL on GPU, gloo on CPU).
+BACKENDS = ("auto", "gloo", "nccl")
 #: hylo's studies (``HyLoConfig.studies``), in the order of the flags that turn them on.
 STUDIES = ("grad_norm", "rank", "grad_error")
 #: hylo's gradient-error methods (``HyLoConfig.grad_error_methods``).
 GRAD_ERROR_METHODS = ("kid", "kis", "kfac", "sngd")
 #: The gradient-error methods of a run that names none (``--grad-error`` alone): KID and KIS, as in HyLo.
 DEFAULT_GRAD_ERROR_METHODS = ("kid", "kis")
-#: Study flag -> the hylo study it turns on.
-STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
-#: Method flag of ``--grad-error`` -> the gradient-error method it selects.
-METHOD_FLAGS = {"--enable-id": "kid", "--enable-is": "kis", "--enable-kfac": "kfac"}
+#: Fields a resumed run may change; any other difference from the checkpoint's configuration is refused.
+RESUMABLE_CHANGES = ("epochs", "log_dir", "data_dir", "workers", "checkpoint_freq")
+#: Columns of ``metrics.csv``; ``test_metric`` is written as ``test_acc`` (classification) or ``test_dsc``.
+METRIC_COLUMNS = (
+    "epoch",
+    "step",
+    "lr",
+    "train_loss",
+    "test_loss",
+    "test_metric",
+    "epoch_time_s",
+    "total_time_s",
+    "precondition_time_s",
+)
+#: The name of the test metric in ``metrics.csv``, per task.
+METRIC_NAMES = {"classification": "test_acc", "segmentation": "test_dsc"}
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One training run; ``solver=None`` (or ``"none"``) trains with the plain optimizer.
+    """One training run (the scripts' flags, one field each); ``solver=None`` trains with the plain optimizer.
 
-    ``kl_clip=0`` is stored as ``None`` (disabled). ``max_steps`` stops a run early without
-    changing its schedule (smoke runs). ``damping`` … ``factor_update_freq`` are hylo's options.
+    Data and model: ``dataset`` and ``model`` name entries of :data:`scripts.data.DATASETS`
+    and :data:`scripts.models.MODELS`; ``data_dir`` is where datasets that are not shipped
+    live; ``image_size`` the ImageNet crop / LGG slice side (None: 224 / 256).
 
-    ``log_dir`` is the directory of the run's outputs (see the module docstring). ``profiling``
-    has hylo time every step into ``log_dir``; ``studies`` (any of :data:`STUDIES`) adds hylo's
-    studies there and implies ``profiling``. Both need ``log_dir`` and a solver. ``study_every``
-    runs the rank and gradient-error studies at every ``study_every``-th update (hylo's
-    ``rank_every`` and ``grad_error_every``); ``grad_error_methods`` (any of
-    :data:`GRAD_ERROR_METHODS`) and ``grad_error_ratios`` (ρ in (0, 1]; None: ``rank_ratio``)
-    are what the gradient-error study measures.
+    Optimization: ``max_steps`` stops every epoch after that many steps (smoke runs; the
+    schedules count the shortened epochs). The lr warms up linearly over ``warmup_epochs``,
+    then follows ``lr_schedule``: ``"step"`` (× ``lr_decay`` at each epoch of ``milestones``)
+    or ``"cosine"`` (to 0 at the end of ``epochs``). ``label_smoothing`` applies to the
+    training loss of classification runs.
+
+    hylo: with ``target_damping``, ``damping`` decays log-linearly to it over
+    ``damping_decay_epochs`` after the warm-up (None: the rest of the run); without, it is constant; ``kl_clip=0`` is stored as ``None`` (disabled);
+    ``update_freq`` … ``factor_update_freq`` are hylo's options of the same names.
+
+    Outputs: see the module docstring. ``profiling`` has hylo time every step into
+    ``log_dir``; ``studies`` (any of :data:`STUDIES`) adds hylo's studies there and implies
+    ``profiling``; ``study_every``, ``grad_error_methods`` and ``grad_error_ratios`` are hylo's
+    ``rank_every``/``grad_error_every``, ``grad_error_methods`` and ``grad_error_ratios``.
+    ``checkpoint_freq`` (0: never) needs ``log_dir``.
     """
 
-    model: str = "cnn"
     dataset: str = "mnist5k"
+    model: str = "cnn"
+    data_dir: str | None = None
+    image_size: int | None = None
+    workers: int = 0
+    optimizer: str = "sgd"
     solver: str | None = None
     epochs: int = 15
     max_steps: int | None = None
     batch_size: int = 500
     lr: float = 0.1
+    lr_schedule: str = "step"
+    lr_decay: float = 0.1
+    milestones: tuple[int, ...] = ()
     warmup_epochs: float = 1.0
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
     damping: float = 0.3
+    target_damping: float | None = None
+    damping_decay_epochs: float | None = None
     update_freq: int = 10
     factor_decay: float = 0.95
     kl_clip: float | None = 1e-3
@@ -93,7 +142,9 @@ class RunConfig:
     factor_update_freq: int | None = None
     seed: int = 0
     data_seed: int = 0
+    backend: str = "auto"
     log_dir: str | None = None
+    checkpoint_freq: int = 0
     profiling: bool = False
     studies: tuple[str, ...] = ()
     study_every: int = 1
@@ -105,26 +156,58 @@ class RunConfig:
             object.__setattr__(self, "solver", None)
         if not self.kl_clip:
             object.__setattr__(self, "kl_clip", None)
+        for name in ("milestones", "adaptive", "studies", "grad_error_methods", "grad_error_ratios"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"{name} must be a sequence, not a single string")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        for name in ("log_dir", "data_dir"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        self._check_choices()
+        self._check_numbers()
+        self._check_outputs()
+
+    def _check_choices(self) -> None:
+        """Names: solver, optimizer, backend, schedule, dataset and a model of the dataset's task."""
         if self.solver is not None and self.solver not in HYLO_SOLVERS:
             raise ValueError(f"solver must be None, 'none' or one of {HYLO_SOLVERS}, got {self.solver!r}")
+        for name, allowed in (("optimizer", OPTIMIZERS), ("backend", BACKENDS), ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r} (expected one of {sorted(DATASETS)})")
-        dataset = DATASETS[self.dataset]
-        usable = models_for(dataset.input_shape, dataset.num_classes)
-        if self.model not in usable:
-            raise ValueError(f"model {self.model!r} does not fit dataset {self.dataset!r} (usable: {usable})")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r} (expected one of {sorted(MODELS)})")
+        task = DATASETS[self.dataset].task
+        if MODELS[self.model].task != task:
+            usable = sorted(name for name, spec in MODELS.items() if spec.task == task)
+            raise ValueError(f"model {self.model!r} does not fit the {task} dataset {self.dataset!r} (usable: {usable})")
+        if DATASETS[self.dataset].needs_data_dir and self.data_dir is None:
+            raise ValueError(f"dataset {self.dataset!r} needs data_dir: {DATASETS[self.dataset].layout}")
+
+    def _check_numbers(self) -> None:
+        """Counts >= 1, rates in range, the schedule's options where they apply."""
         if self.epochs < 1 or self.batch_size < 1 or (self.max_steps is not None and self.max_steps < 1):
             raise ValueError("epochs, batch_size and max_steps must be at least 1")
-        self._check_profiling()
+        if self.workers < 0 or self.checkpoint_freq < 0 or self.warmup_epochs < 0:
+            raise ValueError("workers, checkpoint_freq and warmup_epochs must be >= 0")
+        if not self.lr > 0 or not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"need lr > 0 and 0 <= label_smoothing < 1, got {self.lr} and {self.label_smoothing}")
+        if self.lr_schedule == "cosine" and self.milestones:
+            raise ValueError("milestones apply to the 'step' lr schedule, not 'cosine'")
+        if any(m < 1 for m in self.milestones) or not self.lr_decay > 0:
+            raise ValueError(f"milestones must be epochs >= 1 and lr_decay > 0, got {self.milestones}, {self.lr_decay}")
+        if self.damping_decay_epochs is not None and self.target_damping is None:
+            raise ValueError("damping_decay_epochs needs a target_damping to decay to")
+        if self.target_damping is not None and not self.target_damping > 0:
+            raise ValueError(f"target_damping must be > 0, got {self.target_damping}")
+        if self.damping_decay_epochs is not None and not self.damping_decay_epochs > 0:
+            raise ValueError(f"damping_decay_epochs must be > 0, got {self.damping_decay_epochs}")
 
-    def _check_profiling(self) -> None:
-        """Normalise and check the profiling and study options (``studies`` imply ``profiling``)."""
-        for name in ("studies", "grad_error_methods"):
-            if isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a sequence of names, not a single string")
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.log_dir is not None:
-            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
+    def _check_outputs(self) -> None:
+        """Profiling, studies and checkpoints (``studies`` imply ``profiling``; all need ``log_dir``)."""
         unknown = [s for s in self.studies if s not in STUDIES]
         if unknown:
             raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
@@ -134,47 +217,59 @@ class RunConfig:
             raise ValueError("profiling and studies write their files into log_dir: set log_dir")
         if self.profiling and self.solver is None:
             raise ValueError("profiling and studies measure hylo: they need a solver, not the plain optimizer")
+        if self.checkpoint_freq and self.log_dir is None:
+            raise ValueError("checkpoints are written into log_dir: set log_dir")
         bad = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
         if bad or not self.grad_error_methods:
             raise ValueError(f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {bad}")
         if isinstance(self.study_every, bool) or not (isinstance(self.study_every, int) and self.study_every >= 1):
             raise ValueError(f"study_every must be an int >= 1, got {self.study_every!r}")
         if self.grad_error_ratios is not None:
-            ratios = tuple(self.grad_error_ratios)
+            ratios = self.grad_error_ratios
             if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
-                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {self.grad_error_ratios!r}")
-            object.__setattr__(self, "grad_error_ratios", ratios)
+                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {ratios!r}")
 
     @property
     def name(self) -> str:
-        """``"sgd"`` or ``"hylo-<solver>"``."""
-        return "sgd" if self.solver is None else f"hylo-{self.solver}"
+        """``"<optimizer>"`` or ``"hylo-<solver>"``."""
+        return self.optimizer if self.solver is None else f"hylo-{self.solver}"
+
+    @property
+    def task(self) -> str:
+        """``"classification"`` or ``"segmentation"`` (the dataset's)."""
+        return DATASETS[self.dataset].task
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (tuples as lists); ``RunConfig(**cfg.to_json())`` gives ``cfg`` back."""
+        return json.loads(json.dumps(asdict(self)))
 
 
 @dataclass(frozen=True)
 class EpochLog:
-    """One epoch as the CSV log has it: steps so far, epoch-mean training loss, test metrics, time."""
+    """One row of ``metrics.csv``: epochs and steps so far, the lr, losses, the test metric, times in seconds."""
 
     epoch: int
     step: int
+    lr: float
     train_loss: float
     test_loss: float
-    test_acc: float
-    seconds: float
-    ranks: int
+    test_metric: float
+    epoch_time_s: float
+    total_time_s: float
+    precondition_time_s: float
 
 
 @dataclass
 class RunResult:
-    """Outcome of one run: its config, one :class:`EpochLog` per epoch and the training wall time."""
+    """Outcome of one :func:`train` call: its config, the epochs it ran and its wall time."""
 
     config: RunConfig
-    log: list[EpochLog]
-    seconds: float
+    log: list[EpochLog] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def name(self) -> str:
-        """``"sgd"`` or ``"hylo-<solver>"``."""
+        """The config's name (``"sgd"``, ``"hylo-kfac"``, …)."""
         return self.config.name
 
     @property
@@ -184,12 +279,12 @@ class RunResult:
 
     @property
     def test_accuracy(self) -> float:
-        """Test accuracy after the last epoch."""
-        return self.log[-1].test_acc
+        """The test metric after the last epoch (accuracy, or mean per-volume DSC)."""
+        return self.log[-1].test_metric
 
     @property
     def test_loss(self) -> float:
-        """Mean test cross-entropy after the last epoch."""
+        """The test loss after the last epoch."""
         return self.log[-1].test_loss
 
     @property
@@ -198,199 +293,30 @@ class RunResult:
         return self.log[-1].train_loss
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int) -> None:
-    """Add the command-line options every training entry point shares (see :func:`config_from_args`)."""
-    mnist = DATASETS["mnist5k"]
-    parser.add_argument("--model", default="cnn", choices=models_for(mnist.input_shape, mnist.num_classes))
-    parser.add_argument("--epochs", type=int, default=epochs, help="epochs per run (8 steps each at batch 500)")
-    parser.add_argument("--batch-size", type=int, default=500, help="global batch size")
-    parser.add_argument("--warmup-epochs", type=float, default=1.0, help="linear lr warm-up before the cosine decay")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=5e-4)
-    parser.add_argument("--damping", type=float, default=0.3, help="hylo damping λ")
-    parser.add_argument(
-        "--kl-clip", type=float, default=1e-3, help="hylo kl_clip (0 disables it); uses the scheduled lr"
-    )
-    parser.add_argument(
-        "--conv-rows",
-        default="sum",
-        choices=["sum", "exact", "mean"],
-        help="hylo conv_rows (low-rank rows of a Conv2d)",
-    )
-    parser.add_argument("--kis-estimator", default="unbiased", choices=["unbiased", "hylo"], help="hylo kis_estimator")
-    parser.add_argument(
-        "--factor-update-freq", type=int, default=None, help="hylo factor_update_freq (K-FAC factors between updates)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order")
-    parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split")
-
-
-def config_from_args(args: argparse.Namespace, **fields: Any) -> RunConfig:
-    """A :class:`RunConfig` from the options of :func:`add_run_arguments`, plus ``fields``."""
-    return RunConfig(
-        model=args.model,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        warmup_epochs=args.warmup_epochs,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        damping=args.damping,
-        kl_clip=args.kl_clip,
-        conv_rows=args.conv_rows,
-        kis_estimator=args.kis_estimator,
-        factor_update_freq=args.factor_update_freq,
-        seed=args.seed,
-        data_seed=args.data_seed,
-        **fields,
-    )
-
-
-def _ratio(text: str) -> float:
-    """argparse type of a rank ratio ρ in (0, 1]."""
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    """argparse type of an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
-    return value
-
-
-def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the output, profiling and study options (HyLo's flag names); see :func:`profile_fields`."""
-    group = parser.add_argument_group(
-        "outputs, profiling and studies",
-        "Any of --profiling, --grad-norm, --rank-analysis, --grad-error writes hylo's profile files into "
-        "--log-dir (which it needs) and needs a hylo solver (not --solver none); a study flag implies --profiling.",
-    )
-    group.add_argument(
-        "--log-dir",
-        default=None,
-        help="directory of the run's outputs (created): config.json, metrics.csv (unless --out) and the profile files",
-    )
-    group.add_argument(
-        "--profiling", action="store_true", help="time every step: timing-r{rank}.csv, steps-r{rank}.csv, run.json"
-    )
-    group.add_argument(
-        "--grad-norm", action="store_true", help="gradient-norm study, every step and layer: grad-norm.csv"
-    )
-    group.add_argument(
-        "--rank-analysis",
-        action="store_true",
-        help="rank study (eigenvalues of the exact SNGD kernel, numerical rank) at sampled updates: rank-analysis.csv",
-    )
-    group.add_argument(
-        "--grad-error",
-        action="store_true",
-        help="gradient-error study against exact SNGD at sampled updates: grad-error.csv "
-        "(methods from --enable-id/--enable-is/--enable-kfac; none given: KID and KIS)",
-    )
-    group.add_argument("--enable-id", action="store_true", help="--grad-error measures KID (method kid)")
-    group.add_argument("--enable-is", action="store_true", help="--grad-error measures KIS (method kis)")
-    group.add_argument("--enable-kfac", action="store_true", help="--grad-error measures K-FAC (method kfac)")
-    group.add_argument(
-        "--study-every",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="run --rank-analysis and --grad-error at every N-th update (default: every update)",
-    )
-    group.add_argument(
-        "--grad-error-ratios",
-        type=_ratio,
-        nargs="+",
-        default=None,
-        metavar="R",
-        help="rank ratios ρ at which --grad-error measures KID and KIS (default: --rank-ratio)",
-    )
-
-
-def profile_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The :class:`RunConfig` fields of :func:`add_profile_arguments`'s options; misuse is a ``parser.error``.
-
-    Errors (argparse's exit status 2 with the message): a profiling or study flag without
-    ``--log-dir`` or with ``--solver none``; ``--enable-*``, ``--grad-error-ratios`` without
-    ``--grad-error``; ``--study-every`` without ``--rank-analysis`` or ``--grad-error``.
-    """
-    studies = tuple(study for flag, study in STUDY_FLAGS.items() if getattr(args, _dest(flag)))
-    methods = tuple(method for flag, method in METHOD_FLAGS.items() if getattr(args, _dest(flag)))
-    asked = [flag for flag in ("--profiling", *STUDY_FLAGS) if getattr(args, _dest(flag))]
-    if asked and args.log_dir is None:
-        parser.error(f"{' '.join(asked)}: needs --log-dir DIR, where hylo writes its profile and study files")
-    if asked and getattr(args, "solver", None) == "none":
-        parser.error(f"{' '.join(asked)}: not available with --solver none (profiling and studies measure hylo)")
-    if "grad_error" not in studies:
-        given = [flag for flag in METHOD_FLAGS if getattr(args, _dest(flag))]
-        if args.grad_error_ratios is not None:
-            given.append("--grad-error-ratios")
-        if given:
-            parser.error(f"{' '.join(given)}: only with --grad-error")
-    if args.study_every != 1 and not {"rank", "grad_error"} & set(studies):
-        parser.error("--study-every: only with --rank-analysis or --grad-error")
-    return {
-        "log_dir": args.log_dir,
-        "profiling": bool(asked),
-        "studies": studies,
-        "study_every": args.study_every,
-        "grad_error_methods": methods or DEFAULT_GRAD_ERROR_METHODS,
-        "grad_error_ratios": tuple(args.grad_error_ratios) if args.grad_error_ratios else None,
-    }
-
-
-def _dest(flag: str) -> str:
-    """argparse's attribute name of a ``--long-flag``."""
-    return flag.removeprefix("--").replace("-", "_")
-
-
-def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int) -> Callable[[int], float]:
-    """Learning rate at a 0-based step: linear warm-up to ``base_lr``, then cosine decay to 0."""
-
-    def lr_at(step: int) -> float:
-        if step < warmup_steps:
-            return base_lr * (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return lr_at
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` on (x, y), in eval mode."""
-    model.eval()
-    correct, loss = 0, 0.0
-    for start in range(0, x.shape[0], batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
-        loss += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == target).sum())
-    model.train()
-    return correct / x.shape[0], loss / x.shape[0]
-
-
+# --------------------------------------------------------------------------- process group, files
 @contextmanager
-def distributed() -> Iterator[torch.device]:
-    """Join torchrun's process group if launched by torchrun (NCCL on GPU, gloo on CPU); yield the device.
+def distributed(backend: str = "auto") -> Iterator[torch.device]:
+    """Join torchrun's process group if launched by torchrun; yield this process's device.
 
     Without torchrun (no ``RANK`` in the environment) nothing is joined and the device is the
-    GPU if there is one, else the CPU. The process group is destroyed on exit.
+    GPU if there is one, else the CPU. ``backend="auto"`` is NCCL on GPU and gloo on CPU; the
+    process group is destroyed on exit.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        yield torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        yield torch.device("cuda" if cuda else "cpu")
         return
-    if torch.cuda.is_available():
+    if cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' (or 'auto') on CPU")
+    dist.init_process_group(("nccl" if cuda else "gloo") if backend == "auto" else backend)
     try:
         yield device
     finally:
@@ -416,27 +342,88 @@ def write_rows(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def write_config(path: str | Path, cfg: RunConfig) -> None:
-    """Write ``cfg``'s fields as a JSON object (tuples as lists)."""
-    Path(path).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+def metrics_header(task: str) -> list[str]:
+    """The header of ``metrics.csv`` for a task."""
+    return [METRIC_NAMES[task] if column == "test_metric" else column for column in METRIC_COLUMNS]
 
 
+def _append_metrics(path: Path, task: str, entry: EpochLog) -> None:
+    """Append one epoch to ``metrics.csv`` (header first if the file is new), flushed to disk."""
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as handle:
+        writer = csv.writer(handle)
+        if new:
+            writer.writerow(metrics_header(task))
+        writer.writerow([repr(value) if isinstance(value, float) else value for value in asdict(entry).values()])
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write a JSON file atomically (temporary file + ``os.replace``)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class RunError(ValueError):
+    """A run that cannot start as asked: its ``log_dir`` holds another run, or there is nothing to resume."""
+
+
+#: Files whose presence marks a directory as holding a run.
+_RUN_FILES = ("config.json", "metrics.csv")
+
+
+def _holds_a_run(log_dir: Path) -> list[str]:
+    """The run files in ``log_dir`` (config, metrics, checkpoints)."""
+    found = [name for name in _RUN_FILES if (log_dir / name).exists()]
+    return found + sorted(path.name for path in log_dir.glob("checkpoint-*.pt"))[:1]
+
+
+# --------------------------------------------------------------------------- building blocks
 def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """The run's optimizer: momentum SGD with weight decay (its lr is set every step by the schedule)."""
+    """The run's optimizer: momentum SGD or AdamW, with weight decay (its lr is set by the schedule)."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: RunConfig, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step ``LambdaLR`` of :func:`scripts.schedules.lr_factor` (stepped after every ``optimizer.step()``)."""
+    factor = lr_factor(
+        cfg.lr_schedule,
+        total_steps=steps_per_epoch * cfg.epochs,
+        warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+        milestones=[m * steps_per_epoch for m in cfg.milestones],
+        decay=cfg.lr_decay,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def make_preconditioner(
-    model: nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
+    model: nn.Module,
+    cfg: RunConfig,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    *,
+    profile_append: bool = False,
 ) -> hylo.HyLoPreconditioner | None:
     """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the optimizer's scheduled lr."""
     if cfg.solver is None:
         return None
+    damping: float | Any = cfg.damping
+    if cfg.target_damping is not None:
+        warmup = round(cfg.warmup_epochs * steps_per_epoch)
+        decay_epochs = cfg.damping_decay_epochs
+        decay_steps = round(decay_epochs * steps_per_epoch) if decay_epochs else cfg.epochs * steps_per_epoch - warmup
+        damping = damping_schedule(cfg.damping, cfg.target_damping, warmup_steps=warmup, decay_steps=max(1, decay_steps))
     return hylo.HyLoPreconditioner(
         model,
         solver=cfg.solver,
         update_freq=cfg.update_freq,
-        damping=cfg.damping,
+        damping=damping,
         factor_decay=cfg.factor_decay,
         kl_clip=cfg.kl_clip,
         lr=(lambda _step: optimizer.param_groups[0]["lr"]) if cfg.kl_clip is not None else None,
@@ -449,6 +436,7 @@ def make_preconditioner(
         factor_update_freq=cfg.factor_update_freq,
         seed=cfg.seed,
         profile_dir=cfg.log_dir if cfg.profiling else None,
+        profile_append=profile_append,
         studies=cfg.studies,
         rank_every=cfg.study_every,
         grad_error_every=cfg.study_every,
@@ -457,102 +445,354 @@ def make_preconditioner(
     )
 
 
-def _global_mean(total: float, count: int, world: int, device: torch.device) -> float:
-    """``total / count`` summed over all ranks."""
-    if world == 1:
-        return total / count
-    both = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
-    dist.all_reduce(both)
-    return float(both[0] / both[1])
+def model_summary(net: nn.Module, input_shape: tuple[int, int, int], device: torch.device) -> str:
+    """torchinfo's summary of ``net`` on a batch of two ``input_shape`` inputs (the global RNG is left as it was)."""
+    import torchinfo
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        stats = torchinfo.summary(net, input_size=(2, *input_shape), device=device, verbose=0, mode="eval")
+    return str(stats)
 
 
+def _loss(cfg: RunConfig, output: Tensor, target: Tensor, *, train: bool) -> Tensor:
+    """Training (``train``) or test loss: cross-entropy (label smoothing only in training) or soft Dice."""
+    if cfg.task == "segmentation":
+        return dice_loss(output, target)
+    return nn.functional.cross_entropy(output, target, label_smoothing=cfg.label_smoothing if train else 0.0)
+
+
+@torch.no_grad()
+def evaluate(
+    net: nn.Module, cfg: RunConfig, data: DataSplits, device: torch.device, *, batch_size: int = 500
+) -> tuple[float, float]:
+    """Test loss and metric of ``net`` in eval mode: (cross-entropy, accuracy) or (Dice loss, mean volume DSC).
+
+    Classification shards the test set over the ranks (every P-th sample) and sums over them;
+    segmentation evaluates whole volumes, so every rank evaluates the whole validation set
+    (the per-volume DSC keeps each volume's largest 3-D connected component).
+    """
+    rank, world = rank_and_world()
+    net.eval()
+    segmentation = cfg.task == "segmentation"
+    indices = range(len(data.test)) if segmentation else range(rank, len(data.test), world)  # type: ignore[arg-type]
+    loader = DataLoader(data.test, batch_size=batch_size, sampler=list(indices), num_workers=cfg.workers)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    hits = torch.zeros((), dtype=torch.float64, device=device)
+    probs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        output = net(x)
+        if segmentation:
+            loss_sum += dice_loss(output, y).double() * y.shape[0]
+            probs.extend(torch.sigmoid(output).squeeze(1).cpu().numpy())
+            masks.extend(y.squeeze(1).cpu().numpy())
+        else:
+            loss_sum += nn.functional.cross_entropy(output, y, reduction="sum").double()
+            hits += (output.argmax(dim=1) == y).sum()
+    net.train()
+    if segmentation:
+        volumes = data.test.volumes  # type: ignore[attr-defined]
+        return float(loss_sum) / len(masks), mean_volume_dsc(probs, masks, volumes)
+    totals = torch.stack([loss_sum, hits])
+    if world > 1:
+        dist.all_reduce(totals)
+    n = len(data.test)  # type: ignore[arg-type]
+    return float(totals[0]) / n, float(totals[1]) / n
+
+
+class _Clock:
+    """Time spent in a repeated section: ``perf_counter`` on CPU, CUDA events (read once per epoch) on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: float | torch.cuda.Event = 0.0
+
+    def start(self) -> None:
+        """Mark the start of the section."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._start = event
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark its end (no host synchronisation on GPU)."""
+        if isinstance(self._start, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def total(self) -> float:
+        """Seconds so far (synchronises once on GPU)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        return self.seconds
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr (off when ``enabled`` is false or stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=None if enabled else True, leave=False, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- resume
+@dataclass
+class _Start:
+    """Where a run starts: epoch and step counters, training time so far, the checkpoint (if resuming)."""
+
+    epoch: int = 0
+    step: int = 0
+    total_time_s: float = 0.0
+    state: dict[str, Any] | None = None
+
+
+def _check_resumable(saved: Mapping[str, Any], cfg: RunConfig, path: Path) -> None:
+    """Refuse a checkpoint made with a different configuration (beyond :data:`RESUMABLE_CHANGES`) or world size."""
+    now = cfg.to_json()
+    changed = [
+        f"{name} {saved.get(name)!r} -> {now[name]!r}"
+        for name in now
+        if name not in RESUMABLE_CHANGES and saved.get(name) != now[name]
+    ]
+    if changed:
+        raise RunError(
+            f"{path} was made with a different configuration ({'; '.join(changed)}); "
+            f"a resumed run may change only {', '.join(RESUMABLE_CHANGES)}"
+        )
+
+
+def _prepare_log_dir(cfg: RunConfig, resume: bool, world: int, device: torch.device) -> _Start:
+    """Check ``log_dir`` (refuse another run unless resuming) and load the latest checkpoint when resuming."""
+    if cfg.log_dir is None:
+        if resume:
+            raise RunError("resume continues the run in log_dir: set log_dir")
+        return _Start()
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        found = _holds_a_run(log_dir)
+        if found:
+            raise RunError(
+                f"log_dir {log_dir} holds another run ({', '.join(found)}); resume it (--resume) or choose another"
+            )
+        return _Start()
+    latest = checkpoint.latest_checkpoint(log_dir)
+    if latest is None:
+        raise RunError(f"nothing to resume: no checkpoint-NNNN.pt in {log_dir}")
+    epoch, path = latest
+    state = checkpoint.load(path, map_location=device)
+    if state.get("world") != world:
+        raise RunError(f"{path} was written by {state.get('world')} ranks; resume it on as many, not {world}")
+    _check_resumable(state["config"], cfg, path)
+    if epoch >= cfg.epochs:
+        raise RunError(f"{path}: the run has finished {epoch} epochs; ask for more (--epochs > {epoch}) to resume")
+    return _Start(epoch=state["epoch"], step=state["step"], total_time_s=state["total_time_s"], state=state)
+
+
+def _truncate_metrics(path: Path, size: int) -> None:
+    """Cut ``metrics.csv`` back to its size at the checkpoint (rows of epochs after it are dropped)."""
+    actual = path.stat().st_size if path.exists() else 0
+    if actual < size:
+        raise RunError(f"{path} is shorter ({actual} bytes) than when the checkpoint was written ({size} bytes)")
+    if actual > size:
+        print(f"resume: dropping rows of {path} written after the checkpoint", file=sys.stderr, flush=True)
+        os.truncate(path, size)
+
+
+def _save_checkpoint(
+    cfg: RunConfig,
+    *,
+    epoch: int,
+    step: int,
+    total_time_s: float,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    pre: hylo.HyLoPreconditioner | None,
+    metrics_path: Path,
+) -> None:
+    """Write the checkpoint after ``epoch`` epochs: hylo's state on every rank, then rank 0's file."""
+    assert cfg.log_dir is not None
+    rank, world = rank_and_world()
+    if pre is not None:
+        checkpoint.save_atomic(pre.state_dict(), checkpoint.hylo_state_path(cfg.log_dir, epoch, rank))
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        state = {
+            "format": 1,
+            "epoch": epoch,
+            "step": step,
+            "world": world,
+            "total_time_s": total_time_s,
+            "metrics_bytes": metrics_path.stat().st_size,
+            "config": cfg.to_json(),
+            "model": net.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        checkpoint.save_atomic(state, checkpoint.checkpoint_path(cfg.log_dir, epoch))
+    if world > 1:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------- the loop
 def train(
     cfg: RunConfig,
-    data: Split | None = None,
+    data: DataSplits | None = None,
     *,
     device: torch.device | None = None,
-    csv_path: str | Path | None = None,
+    resume: bool = False,
     verbose: bool = False,
 ) -> RunResult:
-    """Train ``cfg`` on ``data`` (default: its dataset, split with ``cfg.data_seed``), evaluating every epoch.
+    """Train ``cfg`` (on ``data``, default: its dataset), evaluating after every epoch; see the module docstring.
 
     Runs on one process, or under DDP on every rank of an initialised process group. Rank 0
-    alone prints (with ``verbose``: hylo's summary and one line per epoch) and rewrites
-    ``csv_path`` with one row per finished epoch. With ``cfg.log_dir`` the directory is created,
-    rank 0 writes ``config.json`` there (once hylo has accepted the directory) and ``csv_path``
-    defaults to ``<log_dir>/metrics.csv``; hylo's profile files go there too (``cfg.profiling``).
+    alone prints (with ``verbose``: the model and hylo summaries, a progress bar on a
+    terminal, one line per epoch) and writes the run's files. ``resume`` continues the run in
+    ``cfg.log_dir`` from its latest checkpoint (a ``ValueError`` names what does not fit).
     """
     rank, world = rank_and_world()
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
     device = device or torch.device("cpu")
-    data = data if data is not None else load_dataset(cfg.dataset, cfg.data_seed)
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
-    n_train = x_train.shape[0]
-    steps_per_epoch = n_train // cfg.batch_size  # drop the last partial batch
+    start = _prepare_log_dir(cfg, resume, world, device)
+    if world > 1:
+        dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it
+    if data is None:
+        options = DataOptions(data_dir=cfg.data_dir, seed=cfg.data_seed, image_size=cfg.image_size)
+        data = load_dataset(cfg.dataset, options)
+    reason = MODELS[cfg.model].fits(data.input_shape)
+    if reason is not None:
+        raise ValueError(f"model {cfg.model!r} does not take {cfg.dataset!r} inputs {data.input_shape}: {reason}")
+
+    local = cfg.batch_size // world
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed + 1, drop_last=True)  # type: ignore[arg-type]
+    loader = DataLoader(
+        data.train,
+        batch_size=local,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=cfg.workers,
+        pin_memory=device.type == "cuda",
+    )
+    steps_per_epoch = min(len(loader), cfg.max_steps or len(loader))
     if steps_per_epoch < 1:
-        raise ValueError(f"batch size {cfg.batch_size} exceeds the {n_train} training images")
-    lr_at = lr_schedule(cfg.lr, steps_per_epoch * cfg.epochs, round(cfg.warmup_epochs * steps_per_epoch))
+        raise ValueError(f"batch size {cfg.batch_size} exceeds the {len(data.train)} training samples")  # type: ignore[arg-type]
 
     torch.manual_seed(cfg.seed)
-    net = build_model(cfg.model).to(device)
-    model = net
+    net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else None
+    if rank == 0 and (verbose or log_dir is not None):
+        summary = model_summary(net, data.input_shape, device)
+        if log_dir is not None:
+            (log_dir / "model-summary.txt").write_text(summary + "\n")
+        if verbose:
+            print(summary, flush=True)
+    if start.state is not None:
+        net.load_state_dict(start.state["model"])
+    model: nn.Module = net
     if world > 1:
         model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_optimizer(model, cfg)
-    if cfg.log_dir is not None:
-        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        if csv_path is None:
-            csv_path = Path(cfg.log_dir) / "metrics.csv"
-    pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch)
-    if cfg.log_dir is not None and rank == 0:
-        write_config(Path(cfg.log_dir) / "config.json", cfg)
+    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch, profile_append=start.state is not None)
+    metrics_path = log_dir / "metrics.csv" if log_dir is not None else None
+    if start.state is not None:
+        assert log_dir is not None and metrics_path is not None
+        optimizer.load_state_dict(start.state["optimizer"])
+        scheduler.load_state_dict(start.state["scheduler"])
+        torch.set_rng_state(start.state["rng"].cpu())
+        if pre is not None:
+            hylo_path = checkpoint.hylo_state_path(log_dir, start.epoch, rank)
+            pre.load_state_dict(checkpoint.load(hylo_path, map_location=device))
+        if rank == 0:
+            _truncate_metrics(metrics_path, start.state["metrics_bytes"])
+    if log_dir is not None and rank == 0:
+        _write_json(log_dir / "config.json", cfg.to_json())
     if pre is not None and verbose and rank == 0:
         print(pre.summary(), flush=True)
 
-    local = cfg.batch_size // world
-    order_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    log: list[EpochLog] = []
-    step = 0
-    done = False
-    start = time.perf_counter()
+    result = RunResult(cfg)
+    step, total_time = start.step, start.total_time_s
+    began = time.perf_counter()
     try:
-        for epoch in range(cfg.epochs):
-            perm = torch.randperm(n_train, generator=order_gen)
-            running, seen = 0.0, 0
-            for i in range(steps_per_epoch):
-                idx = perm[i * cfg.batch_size : (i + 1) * cfg.batch_size][rank * local : (rank + 1) * local]
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step)
+        for epoch in range(start.epoch, cfg.epochs):
+            epoch_began = time.perf_counter()
+            sampler.set_epoch(epoch)
+            if hasattr(data.train, "set_epoch"):
+                data.train.set_epoch(epoch)
+            clock = _Clock(device)
+            running = torch.zeros((), dtype=torch.float64, device=device)
+            lr = optimizer.param_groups[0]["lr"]
+            bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", verbose and rank == 0)
+            batches = iter(loader)
+            for _ in range(steps_per_epoch):
+                x, y = next(batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                lr = optimizer.param_groups[0]["lr"]
                 optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+                loss = _loss(cfg, model(x), y, train=True)
                 loss.backward()
                 if pre is not None:
+                    clock.start()
                     pre.step()
+                    clock.stop()
                 optimizer.step()
-                running += float(loss.detach()) * idx.numel()
-                seen += idx.numel()
+                scheduler.step()
+                running += loss.detach().double()
                 step += 1
-                done = cfg.max_steps is not None and step >= cfg.max_steps
-                if done:
-                    break
-            train_loss = _global_mean(running, seen, world, device)
-            test_acc, test_loss = evaluate(net, x_test, y_test)
-            entry = EpochLog(epoch, step, train_loss, test_loss, test_acc, time.perf_counter() - start, world)
-            log.append(entry)
+                bar.update(1)
+                if not bar.disable and bar.n % 10 == 0:  # a host sync every 10 steps, on a terminal only
+                    rate = (bar.format_dict.get("rate") or 0.0) * cfg.batch_size
+                    bar.set_postfix(loss=f"{float(loss):.4f}", samples_s=f"{rate:.0f}")
+            bar.close()
+            del batches
+            if world > 1:
+                dist.all_reduce(running)
+            train_loss = float(running) / (steps_per_epoch * world)
+            epoch_time = time.perf_counter() - epoch_began
+            total_time += epoch_time
+            test_loss, test_metric = evaluate(net, cfg, data, device)
+            entry = EpochLog(
+                epoch + 1, step, lr, train_loss, test_loss, test_metric, epoch_time, total_time, clock.total()
+            )
+            result.log.append(entry)
             if rank == 0:
                 if verbose:
                     print(
-                        f"epoch {epoch} step {step} loss {train_loss:.4f} test_acc {test_acc:.4f} "
-                        f"time {entry.seconds:.1f}s ranks {world}",
+                        f"epoch {entry.epoch} step {step} lr {lr:.4g} loss {train_loss:.4f} "
+                        f"{METRIC_NAMES[cfg.task]} {test_metric:.4f} time {epoch_time:.1f}s ranks {world}",
                         flush=True,
                     )
-                if csv_path is not None:
-                    write_rows(csv_path, [asdict(e) for e in log])
-            if done:
-                break
+                if metrics_path is not None:
+                    _append_metrics(metrics_path, cfg.task, entry)
+            last = epoch + 1 == cfg.epochs
+            if cfg.checkpoint_freq and ((epoch + 1) % cfg.checkpoint_freq == 0 or last):
+                assert metrics_path is not None
+                _save_checkpoint(
+                    cfg,
+                    epoch=epoch + 1,
+                    step=step,
+                    total_time_s=total_time,
+                    net=net,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    pre=pre,
+                    metrics_path=metrics_path,
+                )
     finally:
         if pre is not None:
             pre.remove()
-    return RunResult(cfg, log, time.perf_counter() - start)
+    result.seconds = time.perf_counter() - began
+    return result

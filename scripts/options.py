@@ -1,0 +1,386 @@
+"""Command-line flags of the training scripts (HyLo's names and meanings where they exist) -> :class:`RunConfig`.
+
+:func:`build_parser` gives ``train.py`` and ``train_segmentation.py`` the same flags, with
+their own defaults; :func:`config_from_args` checks what argparse cannot (a flag that would
+be ignored in the company it keeps is an error, not a silent no-op) and returns the run's
+:class:`~scripts.engine.RunConfig`. The demo uses :func:`add_run_arguments` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from scripts.data import DATASETS, DatasetLayoutError
+from scripts.engine import (
+    BACKENDS,
+    DEFAULT_GRAD_ERROR_METHODS,
+    HYLO_SOLVERS,
+    OPTIMIZERS,
+    RunConfig,
+    RunError,
+    distributed,
+    train,
+)
+from scripts.models import MODELS
+from scripts.schedules import LR_SCHEDULES
+
+#: Study flag -> the hylo study it turns on.
+STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
+#: Method flag of ``--grad-error`` -> the gradient-error method it selects.
+METHOD_FLAGS = {"--enable-id": "kid", "--enable-is": "kis", "--enable-kfac": "kfac"}
+#: hylo's flags with their defaults; each is an error with ``--solver none`` (nothing would read it).
+HYLO_DEFAULTS: dict[str, Any] = {
+    "damping": 0.3,
+    "target_damping": None,
+    "damping_decay_epochs": None,
+    "freq": 10,
+    "factor_decay": 0.95,
+    "compression_ratio": 0.1,
+    "kl_clip": 1e-3,
+    "strategy": "inverse",
+    "adaptive": None,
+    "conv_rows": "sum",
+    "kis_estimator": "unbiased",
+    "factor_update_freq": None,
+}
+
+
+def _ratio(text: str) -> float:
+    """argparse type of a rank ratio ρ in (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
+
+
+def _dest(flag: str) -> str:
+    """argparse's attribute name of a ``--long-flag``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int, models: list[str] | None = None) -> None:
+    """The options every training entry point shares (the demo's whole set): model, length, SGD, hylo basics, seeds."""
+    parser.add_argument("--model", default="cnn", choices=models or sorted(MODELS), help="model of the registry")
+    parser.add_argument("--epochs", type=_positive_int, default=epochs, help="epochs to train (default: %(default)s)")
+    parser.add_argument("--batch-size", type=_positive_int, default=500, help="GLOBAL batch size, split over the ranks")
+    parser.add_argument(
+        "--warmup-epochs", type=float, default=1.0, help="linear lr warm-up (epochs, fractions allowed; default 1)"
+    )
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    parser.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 5e-4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split and the augmentation")
+
+
+def run_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The RunConfig fields of :func:`add_run_arguments`'s flags."""
+    return {
+        "model": args.model,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "warmup_epochs": args.warmup_epochs,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+    }
+
+
+def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
+    """hylo's flags (defaults None here: :func:`config_from_args` fills :data:`HYLO_DEFAULTS`)."""
+    group = parser.add_argument_group("hylo (errors with --solver none)")
+    group.add_argument("--damping", type=float, help="damping λ of (F + λI), the initial one (default 0.3)")
+    group.add_argument(
+        "--target-damping",
+        type=float,
+        help="decay λ log-linearly to this value after the warm-up (default: constant λ)",
+    )
+    group.add_argument(
+        "--damping-decay-epochs",
+        type=float,
+        help="epochs over which λ reaches --target-damping (default: the rest of the run)",
+    )
+    group.add_argument("--freq", type=_positive_int, help="steps between curvature/inverse updates (default 10)")
+    group.add_argument("--factor-decay", type=float, help="K-FAC running-average decay of the factors (default 0.95)")
+    group.add_argument(
+        "--compression-ratio",
+        "--rank-ratio",
+        dest="compression_ratio",
+        type=_ratio,
+        help="ρ: the low-rank solvers keep max(1, ⌊ρ·n⌋) of the n batch rows of a layer (default 0.1)",
+    )
+    group.add_argument(
+        "--kl-clip", type=float, help="clip the preconditioned step's KL size, with the scheduled lr (0: off; 1e-3)"
+    )
+    group.add_argument(
+        "--strategy", choices=["inverse", "gradient"], help="broadcast the inverses or the gradients (default inverse)"
+    )
+    group.add_argument(
+        "--adaptive",
+        type=int,
+        nargs=3,
+        metavar=("A0", "A1", "A2"),
+        help="HyLo's fixed windows: KID while epoch < A0 or A1 < epoch <= A2, KIS otherwise (needs --solver hybrid)",
+    )
+    group.add_argument("--conv-rows", choices=["sum", "exact", "mean"], help="low-rank rows of a Conv2d (default sum)")
+    group.add_argument("--kis-estimator", choices=["unbiased", "hylo"], help="KIS estimator (default unbiased)")
+    group.add_argument("--factor-update-freq", type=_positive_int, help="K-FAC factor updates between inverse updates")
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Log directory, checkpoints, resume, profiling and the studies (HyLo's flag names)."""
+    group = parser.add_argument_group(
+        "outputs, checkpoints, profiling and studies",
+        "Any of --profiling, --grad-norm, --rank-analysis, --grad-error writes hylo's profile files into "
+        "--log-dir (which it needs) and needs a hylo solver (not --solver none); a study flag implies --profiling.",
+    )
+    group.add_argument(
+        "--log-dir",
+        help="directory of the run (created): config.json, model-summary.txt, metrics.csv, checkpoints, profile "
+        "files; a directory holding another run is refused unless --resume",
+    )
+    group.add_argument(
+        "--resume", action="store_true", help="continue the run in --log-dir from its latest checkpoint up to --epochs"
+    )
+    group.add_argument(
+        "--checkpoint-freq",
+        type=int,
+        help="write a checkpoint every N epochs and after the last (default 5 with --log-dir; 0: never)",
+    )
+    group.add_argument(
+        "--profiling", action="store_true", help="time every step: timing-r{rank}.csv, steps-r{rank}.csv, run.json"
+    )
+    group.add_argument(
+        "--grad-norm", action="store_true", help="gradient-norm study, every step and layer: grad-norm.csv"
+    )
+    group.add_argument(
+        "--rank-analysis",
+        action="store_true",
+        help="rank study (eigenvalues of the exact SNGD kernel, numerical rank) at sampled updates: rank-analysis.csv",
+    )
+    group.add_argument(
+        "--grad-error",
+        action="store_true",
+        help="gradient-error study against exact SNGD at sampled updates: grad-error.csv "
+        "(methods from --enable-id/--enable-is/--enable-kfac; none given: KID and KIS)",
+    )
+    group.add_argument("--enable-id", action="store_true", help="--grad-error measures KID (train with it: --solver kid)")
+    group.add_argument("--enable-is", action="store_true", help="--grad-error measures KIS (train with it: --solver kis)")
+    group.add_argument("--enable-kfac", action="store_true", help="--grad-error measures K-FAC")
+    group.add_argument(
+        "--study-every",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run --rank-analysis and --grad-error at every N-th update (default: every update)",
+    )
+    group.add_argument(
+        "--grad-error-ratios",
+        type=_ratio,
+        nargs="+",
+        metavar="R",
+        help="rank ratios ρ at which --grad-error measures KID and KIS (default: --compression-ratio)",
+    )
+
+
+def build_parser(
+    description: str, *, task: str, defaults: Mapping[str, Any], epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """The flags of a training script for ``task`` (datasets and models of that task); ``defaults`` override."""
+    parser = argparse.ArgumentParser(
+        description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    datasets = sorted(name for name, spec in DATASETS.items() if spec.task == task)
+    models = sorted(name for name, spec in MODELS.items() if spec.task == task)
+    data = parser.add_argument_group("data and model")
+    data.add_argument(
+        "--dataset",
+        choices=datasets,
+        help="; ".join(f"{name}: {DATASETS[name].layout}" for name in datasets),
+    )
+    data.add_argument("--data-dir", help="where the dataset lives (every dataset but mnist5k and digits)")
+    data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
+    data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    add_run_arguments(parser, epochs=5, models=models)
+    opt = parser.add_argument_group("optimizer and schedules")
+    opt.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="momentum SGD or AdamW (default sgd)")
+    opt.add_argument(
+        "--solver",
+        choices=["none", *HYLO_SOLVERS],
+        help="hylo's solver; 'none' trains with the plain optimizer (default hybrid)",
+    )
+    opt.add_argument("--sngd", action="store_true", help="HyLo's flag: train with exact SNGD (= --solver sngd)")
+    opt.add_argument("--max-steps", type=_positive_int, help="stop every epoch after N steps (smoke runs)")
+    opt.add_argument("--lr", type=float, default=0.1, help="peak learning rate, after the warm-up (default 0.1)")
+    opt.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="step",
+        help="after the warm-up: 'step' (× --lr-decay at each --milestone) or 'cosine' to 0 (default step)",
+    )
+    opt.add_argument("--lr-decay", type=float, help="lr factor at each --milestone (default 0.1; step schedule)")
+    opt.add_argument("--milestone", type=_positive_int, nargs="+", help="epochs at which the lr decays (step schedule)")
+    opt.add_argument(
+        "--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss (classification)"
+    )
+    _add_hylo_arguments(parser)
+    system = parser.add_argument_group("distribution")
+    system.add_argument(
+        "--backend", choices=BACKENDS, default="auto", help="torch.distributed backend (auto: NCCL on GPU, gloo on CPU)"
+    )
+    _add_output_arguments(parser)
+    parser.set_defaults(momentum=None)  # 0.9 for SGD; an error with AdamW (see config_from_args)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def _solver(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """``--solver`` with ``--sngd`` folded in (a conflict is an error); the default is hybrid."""
+    if args.sngd:
+        if args.solver not in (None, "sngd"):
+            parser.error(f"--sngd trains with SNGD; it contradicts --solver {args.solver}")
+        return "sngd"
+    return args.solver or "hybrid"
+
+
+def _hylo_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solver: str) -> dict[str, Any]:
+    """hylo's flags as RunConfig fields; given with ``--solver none`` they are an error."""
+    given = [name for name in HYLO_DEFAULTS if getattr(args, name) is not None]
+    if solver == "none" and given:
+        parser.error(f"{', '.join('--' + n.replace('_', '-') for n in given)}: hylo options, not used by --solver none")
+    values = {name: HYLO_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in HYLO_DEFAULTS}
+    if values["adaptive"] is not None and solver != "hybrid":
+        parser.error(f"--adaptive sets the hybrid policy's windows; it needs --solver hybrid, not {solver}")
+    if values["damping_decay_epochs"] is not None and values["target_damping"] is None:
+        parser.error("--damping-decay-epochs: needs --target-damping (the value to decay to)")
+    return {
+        "damping": values["damping"],
+        "target_damping": values["target_damping"],
+        "damping_decay_epochs": values["damping_decay_epochs"],
+        "update_freq": values["freq"],
+        "factor_decay": values["factor_decay"],
+        "rank_ratio": values["compression_ratio"],
+        "kl_clip": values["kl_clip"],
+        "strategy": values["strategy"],
+        "adaptive": tuple(values["adaptive"]) if values["adaptive"] else None,
+        "conv_rows": values["conv_rows"],
+        "kis_estimator": values["kis_estimator"],
+        "factor_update_freq": values["factor_update_freq"],
+    }
+
+
+def profile_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solver: str) -> dict[str, Any]:
+    """The RunConfig fields of the profiling and study flags; misuse is a ``parser.error``.
+
+    Errors: a profiling or study flag without ``--log-dir`` or with ``--solver none``;
+    ``--enable-*``, ``--grad-error-ratios`` without ``--grad-error``; ``--study-every``
+    without ``--rank-analysis`` or ``--grad-error``.
+    """
+    studies = tuple(study for flag, study in STUDY_FLAGS.items() if getattr(args, _dest(flag)))
+    methods = tuple(method for flag, method in METHOD_FLAGS.items() if getattr(args, _dest(flag)))
+    asked = [flag for flag in ("--profiling", *STUDY_FLAGS) if getattr(args, _dest(flag))]
+    if asked and args.log_dir is None:
+        parser.error(f"{' '.join(asked)}: needs --log-dir DIR, where hylo writes its profile and study files")
+    if asked and solver == "none":
+        parser.error(f"{' '.join(asked)}: not available with --solver none (profiling and studies measure hylo)")
+    if "grad_error" not in studies:
+        given = [flag for flag in METHOD_FLAGS if getattr(args, _dest(flag))]
+        if args.grad_error_ratios is not None:
+            given.append("--grad-error-ratios")
+        if given:
+            parser.error(f"{' '.join(given)}: only with --grad-error (to train with KID or KIS: --solver kid/kis)")
+    if args.study_every != 1 and not {"rank", "grad_error"} & set(studies):
+        parser.error("--study-every: only with --rank-analysis or --grad-error")
+    return {
+        "profiling": bool(asked),
+        "studies": studies,
+        "study_every": args.study_every,
+        "grad_error_methods": methods or DEFAULT_GRAD_ERROR_METHODS,
+        "grad_error_ratios": tuple(args.grad_error_ratios) if args.grad_error_ratios else None,
+    }
+
+
+def _ignored_flags(args: argparse.Namespace) -> str | None:
+    """The message for a flag that nothing in this run would read, or None."""
+    spec = DATASETS[args.dataset]
+    if args.optimizer == "adamw" and args.momentum is not None:
+        return "--momentum: SGD's; AdamW has betas (leave --momentum out with --optimizer adamw)"
+    if spec.task != "classification" and args.label_smoothing:
+        return "--label-smoothing: only for classification"
+    if not spec.needs_data_dir and args.data_dir is not None:
+        return f"--data-dir: dataset {args.dataset} ships with a package and reads no directory"
+    if args.image_size is not None and args.dataset not in ("imagenet", "lgg"):
+        return f"--image-size: only for imagenet and lgg, not {args.dataset}"
+    return None
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
+    """The :class:`RunConfig` of :func:`build_parser`'s flags; contradictions and bad values are ``parser.error``."""
+    solver = _solver(args, parser)
+    if args.lr_schedule == "cosine" and (args.milestone or args.lr_decay is not None):
+        parser.error("--milestone/--lr-decay belong to --lr-schedule step; cosine decays to 0 by itself")
+    if args.checkpoint_freq and args.log_dir is None:
+        parser.error("--checkpoint-freq: needs --log-dir, where checkpoints are written")
+    if args.resume and args.log_dir is None:
+        parser.error("--resume: needs --log-dir, the run to continue")
+    ignored = _ignored_flags(args)
+    if ignored:
+        parser.error(ignored)
+    checkpoint_freq = args.checkpoint_freq if args.checkpoint_freq is not None else (5 if args.log_dir else 0)
+    fields = dict(
+        run_fields(args),
+        momentum=0.9 if args.momentum is None else args.momentum,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        image_size=args.image_size,
+        workers=args.workers,
+        optimizer=args.optimizer,
+        solver=None if solver == "none" else solver,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        lr_decay=0.1 if args.lr_decay is None else args.lr_decay,
+        milestones=tuple(args.milestone or ()),
+        label_smoothing=args.label_smoothing,
+        backend=args.backend,
+        log_dir=args.log_dir,
+        checkpoint_freq=checkpoint_freq,
+        **_hylo_fields(args, parser, solver),
+        **profile_fields(args, parser, solver),
+    )
+    try:
+        return RunConfig(**fields)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def run_script(doc: str, argv: list[str] | None, *, task: str, defaults: Mapping[str, Any]) -> int:
+    """A training script's ``main``: parse, join torchrun's group if any, train; exit status 0, 1 or 2.
+
+    ``doc`` (the script's docstring) is the ``--help`` text. Flag misuse exits with argparse's
+    status 2; a dataset that is not where ``--data-dir`` says or a ``--log-dir`` that cannot be
+    used (another run, nothing to resume, a different configuration) prints its message and
+    returns 1.
+    """
+    parser = build_parser(doc.split("\n\n")[0], task=task, defaults=defaults, epilog=doc)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, parser)
+    try:
+        with distributed(cfg.backend) as device:
+            train(cfg, device=device, resume=args.resume, verbose=True)
+    except (RunError, DatasetLayoutError) as err:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
