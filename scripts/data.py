@@ -126,7 +126,7 @@ def _image_size(options: DataOptions, default: int) -> int:
 
 
 def _shuffled_split(images: np.ndarray, labels: np.ndarray, n_train: int, n_test: int, seed: int) -> DataSplits:
-    """Shuffle float32 N×C×H×W digit ``images`` (10 classes) with ``seed``, split, normalise with the training mean/std."""
+    """Shuffle float32 N×C×H×W digit images (10 classes) with ``seed``, split, normalise with the train mean/std."""
     order = np.random.default_rng(seed).permutation(images.shape[0])
     images, labels = images[order], labels[order].astype(np.int64)
     train, test = images[:n_train], images[n_train : n_train + n_test]

@@ -235,13 +235,13 @@ def read_fashion_mnist(
     root: Path, dataset: str = "fashion-mnist"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Train images (N×28×28), train labels, test images and test labels of the IDX files in ``root``."""
-    arrays = []
-    for name in FASHION_MNIST_FILES:
-        candidates = [root / name, root / f"{name}.gz"]
-        path = next((p for p in candidates if p.is_file()), None)
+    paths = []
+    for name in FASHION_MNIST_FILES:  # all present before any is read
+        path = next((p for p in (root / name, root / f"{name}.gz") if p.is_file()), None)
         if path is None:
-            raise DatasetLayoutError(dataset, candidates[0], "missing (nor its .gz)")
-        arrays.append(read_idx(path, 3 if "images" in name else 1, dataset))
+            raise DatasetLayoutError(dataset, root / name, "missing (nor its .gz)")
+        paths.append(path)
+    arrays = [read_idx(path, 3 if "images" in path.name else 1, dataset) for path in paths]
     for images, labels, name in ((arrays[0], arrays[1], "train"), (arrays[2], arrays[3], "t10k")):
         if images.shape[1:] != (28, 28):
             raise DatasetLayoutError(dataset, root / f"{name}-images-idx3-ubyte", f"images of {images.shape[1:]}")
@@ -286,8 +286,6 @@ CIFAR100 = CifarFormat(
 
 def _read_cifar_batch(path: Path, fmt: CifarFormat) -> tuple[np.ndarray, np.ndarray]:
     """Images (N×3×32×32 uint8) and labels of one pickle batch."""
-    if not path.is_file():
-        raise DatasetLayoutError(fmt.dataset, path)
     try:
         with path.open("rb") as f:
             batch: Any = pickle.load(f, encoding="bytes")
@@ -320,6 +318,9 @@ def cifar_folder(root: Path, fmt: CifarFormat) -> Path:
 def read_cifar(root: Path, fmt: CifarFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Train images (N×3×32×32 uint8), train labels, test images and test labels of a CIFAR folder or its parent."""
     folder = cifar_folder(root, fmt)
+    missing = next((folder / n for n in fmt.train_files + fmt.test_files if not (folder / n).is_file()), None)
+    if missing is not None:  # all present before any is read
+        raise DatasetLayoutError(fmt.dataset, missing)
     parts = []
     for files in (fmt.train_files, fmt.test_files):
         batches = [_read_cifar_batch(folder / name, fmt) for name in files]

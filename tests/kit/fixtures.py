@@ -51,7 +51,7 @@ def _cifar_batch(images: np.ndarray, labels: dict[bytes, list[int]], name: str) 
 
 
 def write_cifar10(root: Path, n_train_per_batch: int = 4, n_test: int = 6, seed: int = 0) -> ArraySet:
-    """``root/cifar-10-batches-py`` with data_batch_1..5 (``n_train_per_batch`` images each), test_batch, batches.meta."""
+    """``root/cifar-10-batches-py``: data_batch_1..5 (``n_train_per_batch`` images each), test_batch, batches.meta."""
     rng = np.random.default_rng(seed)
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
