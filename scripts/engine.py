@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import hylo
 from scripts import checkpoint
 from scripts.data import DATASETS, DataOptions, DataSplits, load_dataset
+from scripts.datasets import SliceDataset
 from scripts.models import MODELS, build_model
 from scripts.schedules import LR_SCHEDULES, damping_schedule, lr_factor
 from scripts.segmentation import dice_loss, mean_volume_dsc
@@ -474,7 +475,7 @@ def evaluate(
     rank, world = rank_and_world()
     net.eval()
     segmentation = cfg.task == "segmentation"
-    indices = range(len(data.test)) if segmentation else range(rank, len(data.test), world)  # type: ignore[arg-type]
+    indices = range(len(data.test)) if segmentation else range(rank, len(data.test), world)
     loader = DataLoader(data.test, batch_size=batch_size, sampler=list(indices), num_workers=cfg.workers)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     hits = torch.zeros((), dtype=torch.float64, device=device)
@@ -492,12 +493,14 @@ def evaluate(
             hits += (output.argmax(dim=1) == y).sum()
     net.train()
     if segmentation:
-        volumes = data.test.volumes  # type: ignore[attr-defined]
+        if not isinstance(data.test, SliceDataset):
+            raise TypeError(f"segmentation needs a dataset of volumes, got {type(data.test).__name__}")
+        volumes = data.test.volumes
         return float(loss_sum) / len(masks), mean_volume_dsc(probs, masks, volumes)
     totals = torch.stack([loss_sum, hits])
     if world > 1:
         dist.all_reduce(totals)
-    n = len(data.test)  # type: ignore[arg-type]
+    n = len(data.test)
     return float(totals[0]) / n, float(totals[1]) / n
 
 
@@ -677,7 +680,9 @@ def train(
         raise ValueError(f"model {cfg.model!r} does not take {cfg.dataset!r} inputs {data.input_shape}: {reason}")
 
     local = cfg.batch_size // world
-    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed + 1, drop_last=True)  # type: ignore[arg-type]
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed + 1, drop_last=True
+    )
     loader = DataLoader(
         data.train,
         batch_size=local,
@@ -688,7 +693,7 @@ def train(
     )
     steps_per_epoch = min(len(loader), cfg.max_steps or len(loader))
     if steps_per_epoch < 1:
-        raise ValueError(f"batch size {cfg.batch_size} exceeds the {len(data.train)} training samples")  # type: ignore[arg-type]
+        raise ValueError(f"batch size {cfg.batch_size} exceeds the {len(data.train)} training samples")
 
     torch.manual_seed(cfg.seed)
     net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)

@@ -149,15 +149,16 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def _fixture(dataset: str, root: Path) -> tuple[str | None, dict[str, Any]]:
     """(data_dir, extra RunConfig fields) of a small on-disk fixture for ``dataset``."""
     if dataset == "fashion-mnist":
-        return str(fixtures.write_fashion_mnist(root, n_train=32, n_test=16, gz=True)[0]), {}
+        return str(fixtures.write_fashion_mnist(root, n_train=32, n_test=16, gz=True).data_dir), {}
     if dataset == "cifar10":
-        return str(fixtures.write_cifar10(root, n_train_per_batch=8, n_test=16)[0]), {}
+        return str(fixtures.write_cifar10(root, n_train_per_batch=8, n_test=16).data_dir), {}
     if dataset == "cifar100":
-        return str(fixtures.write_cifar100(root, n_train=40, n_test=16)[0]), {}
+        return str(fixtures.write_cifar100(root, n_train=40, n_test=16).data_dir), {}
     if dataset == "imagenet":
-        return str(fixtures.write_imagenet(root, classes=3, per_class=6, size=40)[0]), {"image_size": 32}
+        folders = fixtures.write_imagenet(root, classes=["n01", "n02", "n03"], per_class=6, size=40)
+        return str(folders.data_dir), {"image_size": 32}
     if dataset == "lgg":
-        return str(fixtures.write_lgg(root, cases=4, slices=4, size=32)[0]), {"image_size": 32}
+        return str(fixtures.write_lgg(root, cases=4, slices=4, size=32).data_dir), {"image_size": 32}
     return None, {}
 
 
