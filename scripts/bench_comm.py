@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 import hylo
 from scripts.engine import write_rows
-from scripts.models import MODELS
+from scripts.models import MODELS, build_model, model_names
 
 FLOAT_BYTES = 4
 
@@ -44,7 +44,7 @@ def layer_shapes(model_name: str) -> list[tuple[str, int, int]]:
     """(name, d_a, d_g) of every layer hylo registers in the model."""
     with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
         warnings.filterwarnings("ignore", message="hylo leaves")
-        pre = hylo.HyLoPreconditioner(MODELS[model_name].build())
+        pre = hylo.HyLoPreconditioner(build_model(model_name))
     shapes = [(info.name, info.d_a, info.d_g) for info in pre.layer_info()]
     pre.remove()
     return shapes
@@ -83,14 +83,15 @@ def _measure_worker(
     )
     try:
         spec = MODELS[model_name]
+        # the bytes do not depend on the image side: at most 32 keeps ResNet-50 cheap
+        side = min(32, spec.input_shape[-1])
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(spec.build())
+        model = torch.nn.parallel.DistributedDataParallel(build_model(model_name, spec.shape(side)))
         with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
             warnings.filterwarnings("ignore", message="hylo leaves")
             pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=1, rank_ratio=rank_ratio)
         torch.manual_seed(rank + 1)
-        # the bytes do not depend on the image side: at most 32 keeps ResNet-50 cheap
-        x, y = spec.random_batch(local_batch, side=min(32, spec.input_shape[-1]))
+        x, y = spec.random_batch(local_batch, side=side)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         pre.step()
         queue.put((rank, dict(pre.comm.bytes_by_tag)))
@@ -126,7 +127,7 @@ def measure(model_name: str, solver: str, world: int, local_batch: int, rank_rat
 def main() -> None:
     """Print the analytic table (and measured checks), optionally write CSVs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["resnet32", "resnet50"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["resnet32", "resnet50"], choices=model_names())
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--local-batch", type=int, default=32)
     parser.add_argument("--rank-ratio", type=float, default=0.1)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 import hylo
 from scripts.engine import write_rows
-from scripts.models import MODELS
+from scripts.models import MODELS, build_model, model_names
 from scripts.persample import batchnorm_eval, per_sample_grads, relative_error, sngd_reference, supported_layers
 
 #: Methods by name: HyLoPreconditioner options. ``conv_rows`` picks a convolution's per-sample
@@ -134,7 +134,7 @@ def format_tables(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of the benchmark."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet32", choices=list(MODELS))
+    parser.add_argument("--model", default="resnet32", choices=model_names())
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="weights, batch and hylo's KIS draws")
     parser.add_argument("--damping", type=float, nargs="+", default=[0.1, 1.0], help="hylo's absolute λ")
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     spec = MODELS[args.model]
     torch.manual_seed(args.seed)
-    model = spec.build().to(torch.float64)
+    model = build_model(args.model).to(torch.float64)
     x, y = spec.random_batch(args.batch_size)
     x = x.to(torch.float64)
     batchnorm_eval(model, x)

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 import hylo
-from scripts.models import MODELS
+from scripts.models import MODELS, build_model, model_names
 
 
 def iteration_time(
@@ -47,9 +47,10 @@ def iteration_time(
     if profile_dir is not None and solver is None:
         raise ValueError("profile_dir profiles hylo: it needs a solver")
     spec = MODELS[model_name]
+    side = image or None
     torch.manual_seed(0)
-    model = spec.build()
-    x, y = spec.random_batch(batch, side=image or None)
+    model = build_model(model_name, spec.shape(side))
+    x, y = spec.random_batch(batch, side=side)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     pre = None
     if solver is not None:
@@ -105,7 +106,7 @@ def profiled_iteration_time(
 def main() -> None:
     """Print the per-iteration time of SGD and of each solver, and the ratio (with ``--profile``, profiled too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet32", choices=list(MODELS))
+    parser.add_argument("--model", default="resnet32", choices=model_names())
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=None, help="input side (default: the workload's)")
     parser.add_argument("--steps", type=int, default=30)

@@ -14,7 +14,7 @@ import pytest
 from torch import nn
 
 from scripts import bench_fidelity
-from scripts.models import MODELS
+from scripts.models import build_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -30,7 +30,7 @@ def test_bench_writes_long_rows_and_sngd_is_exact_on_linear_layers(
     with out.open() as handle:
         rows = list(csv.DictReader(handle))
     assert rows and list(rows[0]) == COLUMNS
-    model = MODELS["cnn"].build()
+    model = build_model("cnn")
     layers = [name for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     assert [(r["method"], r["layer"]) for r in rows] == [(m, name) for m in ("kfac", "sngd") for name in layers]
     assert {r["model"] for r in rows} == {"cnn"} and {r["batch"] for r in rows} == {"8"}

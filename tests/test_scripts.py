@@ -47,11 +47,14 @@ def test_lr_schedule_warms_up_then_decays_to_zero() -> None:
 
 
 def test_model_registry_entries_match_their_shapes() -> None:
-    assert models_for((1, 28, 28), 10) == ["cnn", "mlp"]
+    assert models_for((1, 28, 28), 10) == ["cnn", "mlp", "3c1f"]
+    assert models_for((3, 32, 32), 1, task="segmentation") == ["unet"]
     for name, spec in MODELS.items():
         torch.manual_seed(0)
-        x, _ = spec.random_batch(2, side=32 if name == "resnet50" else None)
-        assert spec.build()(x).shape == (2, spec.num_classes), name
+        side = {"resnet50": 32, "unet": 16}.get(name)
+        x, y = spec.random_batch(2, side=side)
+        out = build_model(name, spec.shape(side))(x)
+        assert out.shape == ((2, spec.num_classes) if spec.task == "classification" else y.shape), name
 
 
 def test_engine_logs_one_csv_row_per_epoch(tmp_path: Path) -> None:
