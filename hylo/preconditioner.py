@@ -85,6 +85,8 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.config.strategy, self.comm)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._needs_update = False
+        # after load_state_dict on P > 1 ranks: agree once whether any rank must recompute
+        self._agree_after_load = False
         self._capture_cache: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
         self._removed = False
         # the model's hooks hold the preconditioner weakly: dropping it closes its files and stops capturing
@@ -156,6 +158,10 @@ class HyLoPreconditioner:
         """
         step, update, refreshing = self._capture_cache
         if step != self.steps:
+            if self._agree_after_load:  # one small collective, on every rank at the same step
+                self._agree_after_load = False
+                needs = torch.tensor([self._needs_update])
+                self._needs_update = bool(self.comm.any_true(needs)[0])
             freq = resolve("update_freq", self.config.update_freq, self.steps)
             update = self._needs_update or self.steps % freq == 0
             refreshing = frozenset()
@@ -478,7 +484,8 @@ class HyLoPreconditioner:
                 "owner": layer.owner,
             }
             if isinstance(layer.state, RemoteState):
-                entry["remote"] = True  # solved on another rank: recomputed after loading
+                entry["remote"] = True  # solved on layer.owner: only what the next update builds on is here
+                entry["carried"] = dict(layer.state.carried())
             elif layer.state is not None:
                 entry.update(layer.state.to_dict())
             layers[layer.name] = entry
@@ -490,6 +497,8 @@ class HyLoPreconditioner:
             "updates": self._updates,
             "trend": self._policy.trend.state_dict(),
             "config": self.config.constants(),
+            "rank": self.comm.rank,
+            "world_size": self.comm.world_size,
             "layers": layers,
         }
 
@@ -518,13 +527,19 @@ class HyLoPreconditioner:
         overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
         self.config = dataclasses.replace(self.config, **overrides)
         self._policy.config = self.config
+        # A remote layer is exact only in the file its own rank saved, in a world of the same size.
+        own_file = (state_dict.get("rank"), state_dict.get("world_size")) == (self.comm.rank, self.comm.world_size)
+        missing_state = False
         for layer in self._layers:
+            entry = saved[layer.name]
             layer.solver, layer.state = restored[layer.name]
-            layer.owner = int(saved[layer.name].get("owner", 0))
+            layer.owner = int(entry.get("owner", 0))
+            if entry.get("remote") and not (isinstance(layer.state, RemoteState) and own_file):
+                layer.state, missing_state = None, True  # the owner's state is not on its rank: recompute
         self.steps = int(state_dict["steps"])
         self._updates = int(state_dict.get("updates", 0))
-        remote = any(saved[name].get("remote") for name in names)
-        self._needs_update = bool(state_dict["needs_update"]) or remote
+        self._needs_update = bool(state_dict["needs_update"]) or missing_state
+        self._agree_after_load = self.comm.world_size > 1
         self._capture_cache = (-1, False, frozenset())
         self._generator = generator
         if "trend" in state_dict:
@@ -541,6 +556,14 @@ class HyLoPreconditioner:
         solver = entry["solver"]
         if solver not in SOLVER_NAMES:
             raise ValueError(f"layer {layer.name!r}: state_dict names an unknown solver {solver!r}")
+        if entry.get("remote"):
+            carried = entry.get("carried")
+            if carried is None or int(entry.get("owner", 0)) == self.comm.rank:
+                return solver, None
+            if not (isinstance(carried, Mapping) and all(isinstance(t, Tensor) for t in carried.values())):
+                raise ValueError(f"layer {layer.name!r}: state_dict's carried tensors are not a dict of tensors")
+            moved = {str(k): t.to(m.weight.device) for k, t in carried.items()}
+            return solver, RemoteState(family_of(solver).name, moved)
         if "tensors" not in entry:
             return solver, None
         try:

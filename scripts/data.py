@@ -27,7 +27,6 @@ transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

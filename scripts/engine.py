@@ -34,7 +34,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -68,8 +67,6 @@ STUDIES = ("grad_norm", "rank", "grad_error")
 GRAD_ERROR_METHODS = ("kid", "kis", "kfac", "sngd")
 #: The gradient-error methods of a run that names none (``--grad-error`` alone): KID and KIS, as in HyLo.
 DEFAULT_GRAD_ERROR_METHODS = ("kid", "kis")
-#: Fields a resumed run may change; any other difference from the checkpoint's configuration is refused.
-RESUMABLE_CHANGES = ("epochs", "log_dir", "data_dir", "workers", "checkpoint_freq")
 #: Columns of ``metrics.csv``; ``test_metric`` is written as ``test_acc`` (classification) or ``test_dsc``.
 METRIC_COLUMNS = (
     "epoch",
@@ -92,7 +89,8 @@ class RunConfig:
 
     Data and model: ``dataset`` and ``model`` name entries of :data:`scripts.data.DATASETS`
     and :data:`scripts.models.MODELS`; ``data_dir`` is where datasets that are not shipped
-    live; ``image_size`` the ImageNet crop / LGG slice side (None: 224 / 256).
+    live; ``image_size`` the ImageNet crop / LGG slice side (None: 224 / 256); ``image_backend``
+    decodes ImageNet with Pillow or (optional extra) torchvision.
 
     Optimization: ``max_steps`` stops every epoch after that many steps (smoke runs; the
     schedules count the shortened epochs). The lr warms up linearly over ``warmup_epochs``,
@@ -115,6 +113,7 @@ class RunConfig:
     model: str = "cnn"
     data_dir: str | None = None
     image_size: int | None = None
+    image_backend: str = "pillow"
     workers: int = 0
     optimizer: str = "sgd"
     solver: str | None = None
@@ -184,7 +183,9 @@ class RunConfig:
         task = DATASETS[self.dataset].task
         if MODELS[self.model].task != task:
             usable = sorted(name for name, spec in MODELS.items() if spec.task == task)
-            raise ValueError(f"model {self.model!r} does not fit the {task} dataset {self.dataset!r} (usable: {usable})")
+            raise ValueError(
+                f"model {self.model!r} does not fit the {task} dataset {self.dataset!r} (usable: {usable})"
+            )
         if DATASETS[self.dataset].needs_data_dir and self.data_dir is None:
             raise ValueError(f"dataset {self.dataset!r} needs data_dir: {DATASETS[self.dataset].layout}")
 
@@ -367,20 +368,6 @@ def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-class RunError(ValueError):
-    """A run that cannot start as asked: its ``log_dir`` holds another run, or there is nothing to resume."""
-
-
-#: Files whose presence marks a directory as holding a run.
-_RUN_FILES = ("config.json", "metrics.csv")
-
-
-def _holds_a_run(log_dir: Path) -> list[str]:
-    """The run files in ``log_dir`` (config, metrics, checkpoints)."""
-    found = [name for name in _RUN_FILES if (log_dir / name).exists()]
-    return found + sorted(path.name for path in log_dir.glob("checkpoint-*.pt"))[:1]
-
-
 # --------------------------------------------------------------------------- building blocks
 def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """The run's optimizer: momentum SGD or AdamW, with weight decay (its lr is set by the schedule)."""
@@ -419,7 +406,9 @@ def make_preconditioner(
         warmup = round(cfg.warmup_epochs * steps_per_epoch)
         decay_epochs = cfg.damping_decay_epochs
         decay_steps = round(decay_epochs * steps_per_epoch) if decay_epochs else cfg.epochs * steps_per_epoch - warmup
-        damping = damping_schedule(cfg.damping, cfg.target_damping, warmup_steps=warmup, decay_steps=max(1, decay_steps))
+        damping = damping_schedule(
+            cfg.damping, cfg.target_damping, warmup_steps=warmup, decay_steps=max(1, decay_steps)
+        )
     return hylo.HyLoPreconditioner(
         model,
         solver=cfg.solver,
@@ -547,108 +536,6 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, disable=None if enabled else True, leave=False, dynamic_ncols=True)
 
 
-# --------------------------------------------------------------------------- resume
-@dataclass
-class _Start:
-    """Where a run starts: epoch and step counters, training time so far, the checkpoint (if resuming)."""
-
-    epoch: int = 0
-    step: int = 0
-    total_time_s: float = 0.0
-    state: dict[str, Any] | None = None
-
-
-def _check_resumable(saved: Mapping[str, Any], cfg: RunConfig, path: Path) -> None:
-    """Refuse a checkpoint made with a different configuration (beyond :data:`RESUMABLE_CHANGES`) or world size."""
-    now = cfg.to_json()
-    changed = [
-        f"{name} {saved.get(name)!r} -> {now[name]!r}"
-        for name in now
-        if name not in RESUMABLE_CHANGES and saved.get(name) != now[name]
-    ]
-    if changed:
-        raise RunError(
-            f"{path} was made with a different configuration ({'; '.join(changed)}); "
-            f"a resumed run may change only {', '.join(RESUMABLE_CHANGES)}"
-        )
-
-
-def _prepare_log_dir(cfg: RunConfig, resume: bool, world: int, device: torch.device) -> _Start:
-    """Check ``log_dir`` (refuse another run unless resuming) and load the latest checkpoint when resuming."""
-    if cfg.log_dir is None:
-        if resume:
-            raise RunError("resume continues the run in log_dir: set log_dir")
-        return _Start()
-    log_dir = Path(cfg.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        found = _holds_a_run(log_dir)
-        if found:
-            raise RunError(
-                f"log_dir {log_dir} holds another run ({', '.join(found)}); resume it (--resume) or choose another"
-            )
-        return _Start()
-    latest = checkpoint.latest_checkpoint(log_dir)
-    if latest is None:
-        raise RunError(f"nothing to resume: no checkpoint-NNNN.pt in {log_dir}")
-    epoch, path = latest
-    state = checkpoint.load(path, map_location=device)
-    if state.get("world") != world:
-        raise RunError(f"{path} was written by {state.get('world')} ranks; resume it on as many, not {world}")
-    _check_resumable(state["config"], cfg, path)
-    if epoch >= cfg.epochs:
-        raise RunError(f"{path}: the run has finished {epoch} epochs; ask for more (--epochs > {epoch}) to resume")
-    return _Start(epoch=state["epoch"], step=state["step"], total_time_s=state["total_time_s"], state=state)
-
-
-def _truncate_metrics(path: Path, size: int) -> None:
-    """Cut ``metrics.csv`` back to its size at the checkpoint (rows of epochs after it are dropped)."""
-    actual = path.stat().st_size if path.exists() else 0
-    if actual < size:
-        raise RunError(f"{path} is shorter ({actual} bytes) than when the checkpoint was written ({size} bytes)")
-    if actual > size:
-        print(f"resume: dropping rows of {path} written after the checkpoint", file=sys.stderr, flush=True)
-        os.truncate(path, size)
-
-
-def _save_checkpoint(
-    cfg: RunConfig,
-    *,
-    epoch: int,
-    step: int,
-    total_time_s: float,
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    pre: hylo.HyLoPreconditioner | None,
-    metrics_path: Path,
-) -> None:
-    """Write the checkpoint after ``epoch`` epochs: hylo's state on every rank, then rank 0's file."""
-    assert cfg.log_dir is not None
-    rank, world = rank_and_world()
-    if pre is not None:
-        checkpoint.save_atomic(pre.state_dict(), checkpoint.hylo_state_path(cfg.log_dir, epoch, rank))
-    if world > 1:
-        dist.barrier()
-    if rank == 0:
-        state = {
-            "format": 1,
-            "epoch": epoch,
-            "step": step,
-            "world": world,
-            "total_time_s": total_time_s,
-            "metrics_bytes": metrics_path.stat().st_size,
-            "config": cfg.to_json(),
-            "model": net.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        checkpoint.save_atomic(state, checkpoint.checkpoint_path(cfg.log_dir, epoch))
-    if world > 1:
-        dist.barrier()
-
-
 # --------------------------------------------------------------------------- the loop
 def train(
     cfg: RunConfig,
@@ -669,11 +556,13 @@ def train(
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
     device = device or torch.device("cpu")
-    start = _prepare_log_dir(cfg, resume, world, device)
+    start = checkpoint.open_run_dir(cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device)
     if world > 1:
         dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it
     if data is None:
-        options = DataOptions(data_dir=cfg.data_dir, seed=cfg.data_seed, image_size=cfg.image_size)
+        options = DataOptions(
+            data_dir=cfg.data_dir, seed=cfg.data_seed, image_size=cfg.image_size, image_backend=cfg.image_backend
+        )
         data = load_dataset(cfg.dataset, options)
     reason = MODELS[cfg.model].fits(data.input_shape)
     if reason is not None:
@@ -698,12 +587,8 @@ def train(
     torch.manual_seed(cfg.seed)
     net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else None
-    if rank == 0 and (verbose or log_dir is not None):
-        summary = model_summary(net, data.input_shape, device)
-        if log_dir is not None:
-            (log_dir / "model-summary.txt").write_text(summary + "\n")
-        if verbose:
-            print(summary, flush=True)
+    # Before hylo's hooks exist: torchinfo's forward must not be captured as curvature.
+    summary = model_summary(net, data.input_shape, device) if rank == 0 and (verbose or log_dir) else None
     if start.state is not None:
         net.load_state_dict(start.state["model"])
     model: nn.Module = net
@@ -722,9 +607,12 @@ def train(
             hylo_path = checkpoint.hylo_state_path(log_dir, start.epoch, rank)
             pre.load_state_dict(checkpoint.load(hylo_path, map_location=device))
         if rank == 0:
-            _truncate_metrics(metrics_path, start.state["metrics_bytes"])
-    if log_dir is not None and rank == 0:
+            checkpoint.truncate_metrics(metrics_path, start.state["metrics_bytes"])
+    if log_dir is not None and rank == 0:  # hylo has accepted log_dir: the run's files go in
         _write_json(log_dir / "config.json", cfg.to_json())
+        (log_dir / "model-summary.txt").write_text(f"{summary}\n")
+    if verbose and rank == 0:
+        print(summary, flush=True)
     if pre is not None and verbose and rank == 0:
         print(pre.summary(), flush=True)
 
@@ -784,9 +672,10 @@ def train(
                     _append_metrics(metrics_path, cfg.task, entry)
             last = epoch + 1 == cfg.epochs
             if cfg.checkpoint_freq and ((epoch + 1) % cfg.checkpoint_freq == 0 or last):
-                assert metrics_path is not None
-                _save_checkpoint(
-                    cfg,
+                assert log_dir is not None and metrics_path is not None
+                checkpoint.save_checkpoint(
+                    log_dir,
+                    cfg.to_json(),
                     epoch=epoch + 1,
                     step=step,
                     total_time_s=total_time,

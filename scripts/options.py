@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from scripts.checkpoint import RunError
 from scripts.data import DATASETS, DatasetLayoutError
 from scripts.engine import (
     BACKENDS,
@@ -21,7 +22,6 @@ from scripts.engine import (
     HYLO_SOLVERS,
     OPTIMIZERS,
     RunConfig,
-    RunError,
     distributed,
     train,
 )
@@ -176,8 +176,12 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="gradient-error study against exact SNGD at sampled updates: grad-error.csv "
         "(methods from --enable-id/--enable-is/--enable-kfac; none given: KID and KIS)",
     )
-    group.add_argument("--enable-id", action="store_true", help="--grad-error measures KID (train with it: --solver kid)")
-    group.add_argument("--enable-is", action="store_true", help="--grad-error measures KIS (train with it: --solver kis)")
+    group.add_argument(
+        "--enable-id", action="store_true", help="--grad-error measures KID (train with it: --solver kid)"
+    )
+    group.add_argument(
+        "--enable-is", action="store_true", help="--grad-error measures KIS (train with it: --solver kis)"
+    )
     group.add_argument("--enable-kfac", action="store_true", help="--grad-error measures K-FAC")
     group.add_argument(
         "--study-every",
@@ -212,6 +216,11 @@ def build_parser(
     )
     data.add_argument("--data-dir", help="where the dataset lives (every dataset but mnist5k and digits)")
     data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
+    data.add_argument(
+        "--image-backend",
+        choices=["pillow", "torchvision"],
+        help="ImageNet pixel operations: Pillow (default) or torchvision (optional extra: pip install torchvision)",
+    )
     data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
     add_run_arguments(parser, epochs=5, models=models)
     opt = parser.add_argument_group("optimizer and schedules")
@@ -260,7 +269,9 @@ def _hylo_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solv
     given = [name for name in HYLO_DEFAULTS if getattr(args, name) is not None]
     if solver == "none" and given:
         parser.error(f"{', '.join('--' + n.replace('_', '-') for n in given)}: hylo options, not used by --solver none")
-    values = {name: HYLO_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in HYLO_DEFAULTS}
+    values = {
+        name: HYLO_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in HYLO_DEFAULTS
+    }
     if values["adaptive"] is not None and solver != "hybrid":
         parser.error(f"--adaptive sets the hybrid policy's windows; it needs --solver hybrid, not {solver}")
     if values["damping_decay_epochs"] is not None and values["target_damping"] is None:
@@ -321,6 +332,8 @@ def _ignored_flags(args: argparse.Namespace) -> str | None:
         return "--label-smoothing: only for classification"
     if not spec.needs_data_dir and args.data_dir is not None:
         return f"--data-dir: dataset {args.dataset} ships with a package and reads no directory"
+    if args.image_backend is not None and args.dataset != "imagenet":
+        return f"--image-backend: only for imagenet, not {args.dataset}"
     if args.image_size is not None and args.dataset not in ("imagenet", "lgg"):
         return f"--image-size: only for imagenet and lgg, not {args.dataset}"
     return None
@@ -345,6 +358,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         dataset=args.dataset,
         data_dir=args.data_dir,
         image_size=args.image_size,
+        image_backend=args.image_backend or "pillow",
         workers=args.workers,
         optimizer=args.optimizer,
         solver=None if solver == "none" else solver,

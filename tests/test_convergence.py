@@ -32,10 +32,10 @@ def runs() -> dict[str, RunResult]:
     torch.set_num_threads(2)
     try:
         data = load_dataset("mnist5k")
-        sgd = [train(RunConfig(solver=None, lr=lr), data) for lr in SGD_LRS]
+        sgd = [train(RunConfig(solver=None, lr=lr, lr_schedule="cosine"), data) for lr in SGD_LRS]
         results = {"sgd": max(sgd, key=lambda r: r.test_accuracy)}
         for solver in HYLO_SOLVERS:
-            results[solver] = train(RunConfig(solver=solver, lr=0.1), data)
+            results[solver] = train(RunConfig(solver=solver, lr=0.1, lr_schedule="cosine"), data)
     finally:
         torch.set_num_threads(threads)
     return results

@@ -292,3 +292,61 @@ def test_single_process_matches_dense_oracle() -> None:
         result = train(0, 1, solver, xs, ys, [8], 1)
         assert_rel_close(as_matrices(result["raw"][0], model), oracle["grad"], 1e-12, "grad")
         assert_rel_close(as_matrices(result["pre"][0], model), oracle[solver], 1e-8, solver)
+
+
+def _resume_run(rank: int, world_size: int, solver: str, xs: Tensor, ys: Tensor, stop: int, load_from: str) -> Any:
+    """Train ``len(xs)`` steps under ``strategy="gradient"``, or ``stop`` steps, save, rebuild, load, and go on.
+
+    ``load_from``: ``"none"`` (uninterrupted), ``"own"`` (each rank loads its own state_dict) or
+    ``"rank0"`` (every rank loads rank 0's). Returns the final parameters and, per step after
+    ``stop``, whether it was an update step on this rank.
+    """
+    local = slice(rank * xs.shape[1] // world_size, (rank + 1) * xs.shape[1] // world_size)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, hylo.HyLoPreconditioner]:
+        net = nn.parallel.DistributedDataParallel(make_model(xs.dtype))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        pre = hylo.HyLoPreconditioner(net, solver=solver, update_freq=3, damping=DAMPING, strategy="gradient")
+        return net, opt, pre
+
+    def one_step(net: nn.Module, opt: torch.optim.Optimizer, pre: hylo.HyLoPreconditioner, i: int) -> bool:
+        opt.zero_grad()
+        F.cross_entropy(net(xs[i][local]), ys[i][local]).backward()
+        before = len(pre.decision_log)  # one decision per layer per update
+        pre.step()
+        opt.step()
+        return len(pre.decision_log) > before
+
+    net, opt, pre = build()
+    kinds: list[bool] = []
+    for i in range(len(xs) if load_from == "none" else stop):
+        kinds.append(one_step(net, opt, pre, i))
+    if load_from != "none":
+        states = [None] * world_size
+        dist.all_gather_object(states, pre.state_dict())
+        model_state, opt_state = net.state_dict(), opt.state_dict()
+        pre.remove()
+        net, opt, pre = build()
+        net.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+        pre.load_state_dict(states[rank if load_from == "own" else 0])  # type: ignore[arg-type]
+        for i in range(stop, len(xs)):
+            kinds.append(one_step(net, opt, pre, i))
+    pre.remove()
+    return {"params": {k: v.detach().clone() for k, v in net.module.state_dict().items()}, "updates": kinds}
+
+
+@pytest.mark.parametrize("solver", ["kfac", "kid"])
+def test_gradient_strategy_resumes_exactly_from_each_ranks_own_state(solver: str) -> None:
+    """Each rank's state_dict carries what its remote layers build on: a resume is bit-exact, with no extra update;
+    loading rank 0's state everywhere recomputes at the first step on every rank (agreed), never on one alone."""
+    xs, ys = make_data(8, 8, torch.float64)
+    whole = run_distributed(_resume_run, 2, solver, xs, ys, 4, "none", timeout=120)
+    own = run_distributed(_resume_run, 2, solver, xs, ys, 4, "own", timeout=120)
+    shared = run_distributed(_resume_run, 2, solver, xs, ys, 4, "rank0", timeout=120)
+    for rank in range(2):
+        assert own[rank]["updates"] == whole[rank]["updates"] == [i % 3 == 0 for i in range(8)]
+        for key, value in whole[rank]["params"].items():
+            assert torch.equal(own[rank]["params"][key], value), (rank, key)
+        assert shared[rank]["updates"][4] is True  # step 4 is not on the cadence: the agreed recompute
+    assert shared[0]["updates"] == shared[1]["updates"]

@@ -28,24 +28,22 @@ def _run(cmd: list[str], tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("solver", ["hybrid", "kfac"])
 def test_torchrun_two_ranks_trains_and_writes_csv(tmp_path: Path, solver: str) -> None:
-    out = tmp_path / "run.csv"
-    stdout = _run(
-        ["bash", "scripts/launch_mnist.sh", "--solver", solver, "--epochs", "1", "--max-steps", "3", "--out", str(out)],
-        tmp_path,
-    )
+    log_dir = tmp_path / "run"
+    argv = ["--solver", solver, "--epochs", "1", "--max-steps", "3", "--log-dir", str(log_dir)]
+    stdout = _run(["bash", "scripts/launch_mnist.sh", *argv], tmp_path)
     assert "world_size=2" in stdout
     assert "ranks 2" in stdout
-    lines = out.read_text().splitlines()
-    assert lines[0].startswith("epoch,step,train_loss") and len(lines) == 2
+    lines = (log_dir / "metrics.csv").read_text().splitlines()
+    assert lines[0].startswith("epoch,step,lr,train_loss") and len(lines) == 2
 
 
 def test_one_process_and_two_ranks_see_the_same_first_step(tmp_path: Path) -> None:
     """The global batch is split across ranks, so step 1's loss is the same for P = 1 and P = 2."""
     args = ["--solver", "sngd", "--epochs", "1", "--max-steps", "1", "--kl-clip", "0"]
-    one = _run([sys.executable, "scripts/train.py", *args, "--out", str(tmp_path / "one.csv")], tmp_path)
-    two = _run(["bash", "scripts/launch_mnist.sh", *args, "--out", str(tmp_path / "two.csv")], tmp_path)
+    one = _run([sys.executable, "scripts/train.py", *args, "--log-dir", str(tmp_path / "one")], tmp_path)
+    two = _run(["bash", "scripts/launch_mnist.sh", *args, "--log-dir", str(tmp_path / "two")], tmp_path)
     assert one and two
-    row_one = (tmp_path / "one.csv").read_text().splitlines()[1].split(",")
-    row_two = (tmp_path / "two.csv").read_text().splitlines()[1].split(",")
-    assert abs(float(row_one[4]) - float(row_two[4])) <= 0.002  # test_acc
-    assert abs(float(row_one[2]) - float(row_two[2])) <= 1e-5  # train_loss: mean over both ranks' halves
+    row_one = (tmp_path / "one" / "metrics.csv").read_text().splitlines()[1].split(",")
+    row_two = (tmp_path / "two" / "metrics.csv").read_text().splitlines()[1].split(",")
+    assert abs(float(row_one[5]) - float(row_two[5])) <= 0.002  # test_acc
+    assert abs(float(row_one[3]) - float(row_two[3])) <= 1e-5  # train_loss: mean over both ranks' halves

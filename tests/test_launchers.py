@@ -347,6 +347,24 @@ def test_dry_run_prints_the_command_it_would_run_with_known_flags_only(cluster: 
     assert set(occurrences(train)) <= KNOWN_FLAGS
 
 
+@pytest.mark.parametrize("launcher", [*LAUNCHERS, "launch_mnist.sh"])
+def test_the_training_script_accepts_every_launchers_command(cluster: Cluster, launcher: str) -> None:
+    """The recipe parses into a RunConfig with the real flags of train.py / train_segmentation.py."""
+    from scripts import train as train_script
+    from scripts import train_segmentation as seg_script
+    from scripts.options import build_parser, config_from_args
+
+    dry = cluster.run(launcher, DRY_RUN="1", DATA_DIR="data")
+    assert dry.returncode == 0, dry.stderr
+    script = RECIPES[launcher].script if launcher in RECIPES else "train.py"
+    module = seg_script if script == "train_segmentation.py" else train_script
+    task = "segmentation" if module is seg_script else "classification"
+    parser = build_parser(script, task=task, defaults=module.DEFAULTS)
+    cfg = config_from_args(parser.parse_args(after_script(shlex.split(dry.stdout), script)), parser)
+    if launcher in RECIPES:
+        assert cfg.data_dir == "data" and cfg.solver == "hybrid" and cfg.log_dir == RECIPES[launcher].log_dir
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("data_dir", [None, ""])
 def test_a_missing_data_dir_is_a_clear_error(cluster: Cluster, launcher: str, data_dir: str | None) -> None:

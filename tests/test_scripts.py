@@ -1,16 +1,13 @@
-"""The scripts' shared engine: config checks, schedule, model registry, CSV log, train.py smoke run,
-the outputs of --log-dir with profiling and studies, and bench_overhead's profiled timing."""
+"""The scripts' plain-optimizer smoke run, their import hygiene, the profiling and study flags and files
+of train.py, and bench_overhead's profiled timing (the engine's own tests: tests/test_training.py)."""
 
 from __future__ import annotations
 
 import ast
-import csv
 import json
-import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -18,32 +15,12 @@ import torch
 
 from scripts import bench_overhead
 from scripts import train as train_script
-from scripts.engine import RunConfig, lr_schedule, make_preconditioner, train
+from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
 from scripts.models import MODELS, build_model, models_for
+from scripts.options import build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
-CSV_HEADER = ["epoch", "step", "train_loss", "test_loss", "test_acc", "seconds", "ranks"]
-
-
-def test_run_config_normalises_and_checks() -> None:
-    cfg = RunConfig(solver="none", kl_clip=0.0)
-    assert cfg.solver is None and cfg.kl_clip is None and cfg.name == "sgd"
-    assert RunConfig(solver="kfac").name == "hylo-kfac"
-    with pytest.raises(ValueError, match="solver"):
-        RunConfig(solver="adam")
-    with pytest.raises(ValueError, match="does not fit"):
-        RunConfig(model="resnet32")  # 3×32×32 inputs, the default dataset has 1×28×28
-    with pytest.raises(ValueError, match="unknown dataset"):
-        RunConfig(dataset="nope")
-
-
-def test_lr_schedule_warms_up_then_decays_to_zero() -> None:
-    lr_at = lr_schedule(0.1, total_steps=20, warmup_steps=4)
-    assert [lr_at(s) for s in range(4)] == pytest.approx([0.025, 0.05, 0.075, 0.1])
-    after = [lr_at(s) for s in range(4, 21)]
-    assert after[0] == pytest.approx(0.1) and after[-1] == pytest.approx(0.0, abs=1e-12)
-    assert all(a > b for a, b in zip(after, after[1:], strict=False))
-    assert lr_at(12) == pytest.approx(0.05)  # half-way through the cosine
+CSV_HEADER = metrics_header("classification")
 
 
 def test_model_registry_entries_match_their_shapes() -> None:
@@ -57,42 +34,21 @@ def test_model_registry_entries_match_their_shapes() -> None:
         assert out.shape == ((2, spec.num_classes) if spec.task == "classification" else y.shape), name
 
 
-def test_engine_logs_one_csv_row_per_epoch(tmp_path: Path) -> None:
-    pytest.importorskip("mlxtend")
-    out = tmp_path / "log" / "run.csv"
-    result = train(RunConfig(model="mlp", epochs=2, lr=0.05), csv_path=out)
-    with out.open() as handle:
-        rows = list(csv.reader(handle))
-    assert rows[0] == CSV_HEADER and len(rows) == 3
-    assert [int(r[1]) for r in rows[1:]] == [8, 16] and {r[6] for r in rows[1:]} == {"1"}
-    assert result.steps == 16 and len(result.log) == 2
-    assert float(rows[2][2]) == result.train_loss and float(rows[2][4]) == result.test_accuracy
-    assert result.train_loss < result.log[0].train_loss  # epoch means, and training makes progress
-
-
-def test_engine_with_preconditioner_stops_at_max_steps() -> None:
-    pytest.importorskip("mlxtend")
-    result = train(RunConfig(model="mlp", solver="kfac", epochs=3, max_steps=3))
-    assert result.steps == 3 and len(result.log) == 1
-    assert math.isfinite(result.train_loss) and math.isfinite(result.test_loss)
-
-
 def test_train_script_runs_with_the_plain_optimizer(tmp_path: Path) -> None:
     pytest.importorskip("mlxtend")
-    out = tmp_path / "train.csv"
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "scripts/train.py", "--solver", "none", "--max-steps", "2", "--out", str(out)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=python_path, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    log_dir = tmp_path / "run"
+    done = _run_train("--solver", "none", "--epochs", "1", "--max-steps", "2", "--log-dir", str(log_dir))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "HyLoPreconditioner" not in done.stdout and "epoch 0 step 2" in done.stdout
-    lines = out.read_text().splitlines()
-    assert lines[0] == ",".join(CSV_HEADER) and len(lines) == 2 and lines[1].startswith("0,2,")
+    assert "HyLoPreconditioner" not in done.stdout and "epoch 1 step 2" in done.stdout
+    lines = (log_dir / "metrics.csv").read_text().splitlines()
+    assert lines[0] == ",".join(CSV_HEADER) and len(lines) == 2 and lines[1].startswith("1,2,")
+    assert float(lines[1].split(",")[-1]) == 0.0  # precondition_time_s: no preconditioner
+
+
+def _parse(argv: list[str]) -> RunConfig:
+    """train.py's RunConfig of ``argv`` (flag misuse: SystemExit 2)."""
+    parser = build_parser("train.py", task="classification", defaults=train_script.DEFAULTS)
+    return config_from_args(parser.parse_args(argv), parser)
 
 
 def test_scripts_neither_edit_sys_path_nor_import_hylo_internals() -> None:
@@ -112,6 +68,7 @@ def test_scripts_neither_edit_sys_path_nor_import_hylo_internals() -> None:
 # --------------------------------------------------------------------------- outputs, profiling, studies
 PROFILE_FILES = {"timing-r0.csv", "steps-r0.csv", "decisions.csv", "run.json"}
 STUDY_FILES = {"grad-norm.csv", "rank-analysis.csv", "grad-error.csv"}
+RUN_FILES = {"metrics.csv", "config.json", "model-summary.txt", "checkpoint-0001.pt", "checkpoint-0001-hylo-r0.pt"}
 
 
 def _run_train(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -133,10 +90,10 @@ def test_train_script_writes_profile_and_study_files(tmp_path: Path) -> None:
     log_dir = tmp_path / "run"  # created by train.py
     done = _run_train(
         *("--log-dir", str(log_dir), "--profiling", "--grad-norm", "--rank-analysis", "--grad-error"),
-        *("--enable-id", "--enable-kfac", "--max-steps", "4", "--freq", "2", "--batch-size", "250"),
+        *("--enable-id", "--enable-kfac", "--max-steps", "4", "--freq", "2", "--batch-size", "250", "--epochs", "1"),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert {p.name for p in log_dir.iterdir()} == PROFILE_FILES | STUDY_FILES | {"metrics.csv", "config.json"}
+    assert {p.name for p in log_dir.iterdir()} == PROFILE_FILES | STUDY_FILES | RUN_FILES
     layers = {"0", "3", "7", "9"}  # the cnn's two Conv2d and two Linear layers
 
     steps = pd.read_csv(log_dir / "steps-r0.csv")
@@ -163,20 +120,20 @@ def test_train_script_writes_profile_and_study_files(tmp_path: Path) -> None:
     assert config["log_dir"] == str(log_dir) and config["profiling"] is True
     assert config["studies"] == ["grad_norm", "rank", "grad_error"]
     assert config["grad_error_methods"] == ["kid", "kfac"] and config["update_freq"] == 2
-    assert config == json.loads(json.dumps(asdict(RunConfig(**config))))  # a RunConfig round trip
+    assert config == RunConfig(**config).to_json()  # a RunConfig round trip
 
 
 @pytest.mark.parametrize("flag", ["--profiling", "--grad-norm", "--rank-analysis", "--grad-error"])
 def test_profiling_and_study_flags_need_a_log_dir(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        train_script.parse_args([flag])
+        _parse([flag])
     assert exit_info.value.code == 2
     assert f"{flag}: needs --log-dir DIR" in capsys.readouterr().err
 
 
 def test_study_flags_need_a_solver(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        train_script.parse_args(["--solver", "none", "--grad-norm", "--log-dir", str(tmp_path)])
+        _parse(["--solver", "none", "--grad-norm", "--log-dir", str(tmp_path)])
     assert "--grad-norm: not available with --solver none" in capsys.readouterr().err
     with pytest.raises(ValueError, match="need a solver"):
         RunConfig(solver=None, studies=("grad_norm",), log_dir=str(tmp_path))
@@ -196,26 +153,19 @@ def test_study_options_are_checked(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        train_script.parse_args([*argv, "--log-dir", str(tmp_path)])
+        _parse([*argv, "--log-dir", str(tmp_path)])
     assert message in capsys.readouterr().err
 
 
 def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
     log_dir = str(tmp_path)
-    args = train_script.parse_args(["--grad-error", "--log-dir", log_dir])
-    assert args.profile == {
-        "log_dir": log_dir,
-        "profiling": True,
-        "studies": ("grad_error",),
-        "study_every": 1,
-        "grad_error_methods": ("kid", "kis"),  # --grad-error without --enable-*: KID and KIS
-        "grad_error_ratios": None,
-    }
-    args = train_script.parse_args(
-        ["--log-dir", log_dir, "--rank-analysis", "--grad-error", "--enable-is", "--enable-kfac"]
+    cfg = _parse(["--grad-error", "--log-dir", log_dir])
+    assert (cfg.log_dir, cfg.profiling, cfg.studies, cfg.study_every) == (log_dir, True, ("grad_error",), 1)
+    assert cfg.grad_error_methods == ("kid", "kis") and cfg.grad_error_ratios is None  # no --enable-*: KID and KIS
+    cfg = _parse(
+        ["--log-dir", log_dir, "--solver", "kis", "--rank-analysis", "--grad-error", "--enable-is", "--enable-kfac"]
         + ["--study-every", "3", "--grad-error-ratios", "0.05", "0.2"]
     )
-    cfg = RunConfig(solver="kis", **args.profile)
     assert cfg.studies == ("rank", "grad_error") and cfg.grad_error_methods == ("kis", "kfac")
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
     assert pre is not None
@@ -226,8 +176,8 @@ def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
         assert c.grad_error_methods == ("kis", "kfac")
     finally:
         pre.remove()
-    plain = train_script.parse_args(["--log-dir", log_dir]).profile
-    assert plain["profiling"] is False and plain["studies"] == ()
+    plain = _parse(["--log-dir", log_dir])
+    assert plain.profiling is False and plain.studies == ()
     assert RunConfig(studies=["grad_norm"], solver="kfac", log_dir=log_dir).profiling  # studies imply profiling
     with pytest.raises(ValueError, match="set log_dir"):
         RunConfig(solver="kfac", profiling=True)
@@ -236,20 +186,18 @@ def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
 def test_engine_log_dir_holds_metrics_and_config(tmp_path: Path) -> None:
     pytest.importorskip("mlxtend")
     log_dir = tmp_path / "plain"
-    result = train(RunConfig(model="mlp", max_steps=2, log_dir=str(log_dir)))
-    assert sorted(p.name for p in log_dir.iterdir()) == ["config.json", "metrics.csv"]  # no profiling asked
+    result = train(RunConfig(model="mlp", epochs=1, max_steps=2, log_dir=str(log_dir)))
+    assert sorted(p.name for p in log_dir.iterdir()) == ["config.json", "metrics.csv", "model-summary.txt"]
     lines = (log_dir / "metrics.csv").read_text().splitlines()
-    assert lines[0] == ",".join(CSV_HEADER) and lines[1].startswith("0,2,") and result.steps == 2
+    assert lines[0] == ",".join(CSV_HEADER) and lines[1].startswith("1,2,") and result.steps == 2
     assert json.loads((log_dir / "config.json").read_text())["solver"] is None
 
-    out = tmp_path / "elsewhere.csv"  # an explicit CSV path replaces metrics.csv
     profiled = tmp_path / "profiled"
-    train(RunConfig(model="mlp", solver="kfac", max_steps=2, log_dir=str(profiled), profiling=True), csv_path=out)
-    assert {p.name for p in profiled.iterdir()} == PROFILE_FILES | {"config.json"} and out.exists()
-    config_before = (profiled / "config.json").read_text()
+    (profiled).mkdir()
+    (profiled / "steps-r0.csv").write_text("step\n0\n")  # hylo's file of another run, nothing of the engine's
     with pytest.raises(ValueError, match="already holds"):  # hylo refuses another run's files
-        train(RunConfig(model="mlp", solver="kfac", max_steps=1, lr=0.2, log_dir=str(profiled), profiling=True))
-    assert (profiled / "config.json").read_text() == config_before  # left as the first run wrote it
+        train(RunConfig(model="mlp", solver="kfac", max_steps=1, log_dir=str(profiled), profiling=True))
+    assert sorted(p.name for p in profiled.iterdir()) == ["steps-r0.csv"]  # nothing written beside it
 
 
 def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ import torch
 from scripts import checkpoint
 from scripts import train as train_script
 from scripts import train_segmentation as seg_script
-from scripts.engine import RunConfig, RunError, make_preconditioner, metrics_header, train
+from scripts.checkpoint import RunError
+from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
 from scripts.models import build_model
 from scripts.options import build_parser, config_from_args
 from scripts.schedules import damping_schedule, lr_factor
@@ -56,7 +57,9 @@ def test_damping_decays_log_linearly_after_the_warm_up() -> None:
 
 # --------------------------------------------------------------------------- flags -> config
 def _config(*argv: str, script: Any = train_script) -> RunConfig:
-    parser = build_parser("test", task="classification" if script is train_script else "segmentation", defaults=script.DEFAULTS)
+    parser = build_parser(
+        "test", task="classification" if script is train_script else "segmentation", defaults=script.DEFAULTS
+    )
     return config_from_args(parser.parse_args(list(argv)), parser)
 
 
@@ -104,7 +107,7 @@ def test_each_flag_sets_its_field(argv: list[str], expected: dict[str, Any]) -> 
         (["--solver", "kid", "--adaptive", "1", "2", "3"], "--adaptive sets the hybrid policy's windows"),
         (["--damping-decay-epochs", "3"], "needs --target-damping"),
         (["--dataset", "cifar10"], "needs data_dir"),
-        (["--dataset", "cifar10", "--data-dir", "d"], "does not fit"),  # the default cnn is a classifier of 1×28×28
+        (["--model", "unet"], "invalid choice: 'unet'"),  # train.py offers the classifiers only
     ],
 )
 def test_flags_that_would_be_ignored_or_contradict_are_errors(
@@ -125,12 +128,28 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{action.option_strings} has no help"
-        for flag in ("--data-dir", "--lr-decay", "--milestone", "--target-damping", "--damping-decay-epochs", "--resume"):
+        for flag in (
+            "--data-dir",
+            "--lr-decay",
+            "--milestone",
+            "--target-damping",
+            "--damping-decay-epochs",
+            "--resume",
+        ):
             assert flag in out
 
 
+def test_a_model_that_cannot_take_the_datasets_inputs_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not fit the classification dataset"):
+        RunConfig(model="unet")
+    with pytest.raises(ValueError, match=r"does not take 'digits' inputs \(1, 8, 8\)"):
+        train(RunConfig(dataset="digits", model="resnet50", batch_size=8, epochs=1))
+
+
 def test_target_damping_becomes_hylos_damping_schedule() -> None:
-    cfg = RunConfig(model="mlp", solver="kfac", damping=2.0, target_damping=0.5, damping_decay_epochs=1, warmup_epochs=0)
+    cfg = RunConfig(
+        model="mlp", solver="kfac", damping=2.0, target_damping=0.5, damping_decay_epochs=1, warmup_epochs=0
+    )
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
     assert pre is not None
     try:
@@ -158,7 +177,7 @@ def _fixture(dataset: str, root: Path) -> tuple[str | None, dict[str, Any]]:
         folders = fixtures.write_imagenet(root, classes=["n01", "n02", "n03"], per_class=6, size=40)
         return str(folders.data_dir), {"image_size": 32}
     if dataset == "lgg":
-        return str(fixtures.write_lgg(root, cases=4, slices=4, size=32).data_dir), {"image_size": 32}
+        return str(fixtures.write_lgg(root, cases=5, slices=5, size=32).data_dir), {"image_size": 32}
     return None, {}
 
 
@@ -187,7 +206,7 @@ def test_each_model_trains_a_short_epoch_on_its_fixture(model: str, dataset: str
         batch_size=8,
         epochs=1,
         max_steps=2,
-        update_freq=1,
+        update_freq=2,  # an update step, then a step that applies the held state
         log_dir=str(log_dir),
         checkpoint_freq=1,
         **extra,
@@ -278,9 +297,10 @@ def _script(script: str, *argv: str, torchrun: int = 0, timeout: int = 300) -> s
     )
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_train_script_on_mnist5k_writes_its_run_and_resumes_exactly(tmp_path: Path, ranks: int) -> None:
-    flags = ["--model", "mlp", "--solver", "hybrid", "--strategy", "gradient", "--batch-size", "250", "--max-steps", "3"]
+@pytest.mark.parametrize(("ranks", "strategy"), [(1, "inverse"), (2, "gradient")])
+def test_train_script_on_mnist5k_writes_its_run_and_resumes_exactly(tmp_path: Path, ranks: int, strategy: str) -> None:
+    """Every rank saves its own hylo state (under "gradient" a layer's inverse lives on its owner only)."""
+    flags = ["--model", "mlp", "--solver", "hybrid", "--strategy", strategy, "--batch-size", "250", "--max-steps", "3"]
     flags += ["--freq", "2", "--milestone", "2", "--checkpoint-freq", "1"]
     whole = _script("train.py", *flags, "--epochs", "2", "--log-dir", str(tmp_path / "whole"), torchrun=ranks)
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
@@ -288,10 +308,12 @@ def test_train_script_on_mnist5k_writes_its_run_and_resumes_exactly(tmp_path: Pa
     assert {"metrics.csv", "config.json", "model-summary.txt", "checkpoint-0002.pt"} <= files
     assert {f"checkpoint-0002-hylo-r{r}.pt" for r in range(ranks)} <= files
     assert "Trainable params" in (tmp_path / "whole" / "model-summary.txt").read_text()
-    assert json.loads((tmp_path / "whole" / "config.json").read_text())["strategy"] == "gradient"
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["solver"] == "hybrid"
     part = _script("train.py", *flags, "--epochs", "1", "--log-dir", str(tmp_path / "part"), torchrun=ranks)
     assert part.returncode == 0, part.stderr[-2000:]
-    again = _script("train.py", *flags, "--epochs", "2", "--log-dir", str(tmp_path / "part"), "--resume", torchrun=ranks)
+    again = _script(
+        "train.py", *flags, "--epochs", "2", "--log-dir", str(tmp_path / "part"), "--resume", torchrun=ranks
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert _without_times(_rows(tmp_path / "part" / "metrics.csv")) == _without_times(
         _rows(tmp_path / "whole" / "metrics.csv")
@@ -304,3 +326,25 @@ def test_a_missing_dataset_names_the_layout_and_the_first_missing_file(tmp_path:
     done = _script("train.py", "--dataset", "cifar10", "--data-dir", str(tmp_path), "--model", "resnet20")
     assert done.returncode == 1
     assert "data_batch_1" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_accuracy_reports_the_first_evaluation_over_each_threshold(tmp_path: Path) -> None:
+    from scripts import bench_accuracy
+    from scripts.engine import EpochLog, RunResult
+
+    def entry(step: int, acc: float, seconds: float) -> EpochLog:
+        return EpochLog(step // 8, step, 0.1, 0.0, 0.0, acc, 0.0, seconds, 0.0)
+
+    result = RunResult(RunConfig(), [entry(8, 0.95, 1.0), entry(16, 0.965, 2.0), entry(24, 0.96, 3.0)])
+    assert bench_accuracy.first_reach(result, 0.96) == (16, 2.0)
+    assert bench_accuracy.first_reach(result, 0.97) is None
+    out = tmp_path / "curves.csv"
+    argv = ["--batch-sizes", "500", "--iterations", "16", "--solvers", "kfac", "--sgd-lrs", "0.1", "--seeds", "0"]
+    assert bench_accuracy.main([*argv, "--threads", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert [(r["run"], r["step"]) for r in rows] == [
+        ("sgd", "8"),
+        ("sgd", "16"),
+        ("hylo-kfac", "8"),
+        ("hylo-kfac", "16"),
+    ]
