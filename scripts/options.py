@@ -212,7 +212,7 @@ def build_parser(
     data.add_argument(
         "--dataset",
         choices=datasets,
-        help="; ".join(f"{name}: {DATASETS[name].layout}" for name in datasets),
+        help="(default: %(default)s) " + "; ".join(f"{name}: {DATASETS[name].layout}" for name in datasets),
     )
     data.add_argument("--data-dir", help="where the dataset lives (every dataset but mnist5k and digits)")
     data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
