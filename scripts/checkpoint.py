@@ -175,6 +175,8 @@ def save_checkpoint(
     *,
     epoch: int,
     step: int,
+    rank: int,
+    world: int,
     total_time_s: float,
     net: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -183,7 +185,6 @@ def save_checkpoint(
     metrics_path: Path,
 ) -> None:
     """Write the checkpoint after ``epoch`` epochs: hylo's state on every rank, then (after a barrier) rank 0's file."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     if pre is not None:
         save_atomic(pre.state_dict(), hylo_state_path(log_dir, epoch, rank))
     if world > 1:

@@ -95,7 +95,23 @@ class DatasetLayoutError(FileNotFoundError):
 
 
 class SizedDataset(Dataset[Item], abc.ABC):
-    """A map-style dataset of ``(x, y)`` items that knows its length (the datasets of ``DataSplits``)."""
+    """A map-style dataset of ``(x, y)`` items that knows its length (the datasets of ``DataSplits``).
+
+    Its random augmentation (if any) draws from :meth:`generator`, the generator of (data seed,
+    epoch, index): the engine calls :meth:`set_epoch` before each epoch.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the augmentation of ``epoch`` from now on."""
+        self.epoch = epoch
+
+    def generator(self, index: int) -> torch.Generator:
+        """The generator of item ``index`` in the current epoch (see :func:`sample_generator`)."""
+        return sample_generator(self.seed, self.epoch, index)
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -177,12 +193,7 @@ class ImageTensorDataset(SizedDataset):
         self.mean = torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
         self.augment = augment
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the augmentation of ``epoch`` from now on."""
-        self.epoch = epoch
+        super().__init__(seed)
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -192,12 +203,7 @@ class ImageTensorDataset(SizedDataset):
         index = torch.as_tensor(indices, dtype=torch.int64)
         x = self.images[index]
         if self.augment is not None:
-            x = torch.stack(
-                [
-                    self.augment(image, sample_generator(self.seed, self.epoch, i))
-                    for image, i in zip(x, indices, strict=True)
-                ]
-            )
+            x = torch.stack([self.augment(image, self.generator(i)) for image, i in zip(x, indices, strict=True)])
         x = (x.float() - self.mean) / self.std
         return list(zip(x.unbind(0), self.labels[index].unbind(0), strict=True))
 
@@ -549,12 +555,7 @@ class ImageFileDataset(SizedDataset):
         self.paths = np.array([os.fsencode(p) for p in paths], dtype=np.bytes_)
         self.labels = torch.as_tensor(labels, dtype=torch.int64)
         self.transform = transform
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the augmentation of ``epoch`` from now on."""
-        self.epoch = epoch
+        super().__init__(seed)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -562,7 +563,7 @@ class ImageFileDataset(SizedDataset):
     def __getitem__(self, index: int) -> Item:
         with Image.open(os.fsdecode(self.paths[index])) as file:
             img = file.convert("RGB")
-        return self.transform(img, sample_generator(self.seed, self.epoch, index)), self.labels[index]
+        return self.transform(img, self.generator(index)), self.labels[index]
 
 
 # --------------------------------------------------------------------------- LGG (kaggle_3m TIFF slices)
@@ -664,12 +665,7 @@ class SliceDataset(SizedDataset):
             (v.case, list(range(int(starts[i]), int(starts[i + 1])))) for i, v in enumerate(volumes)
         ]
         self.flip = flip
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the flips of ``epoch`` from now on."""
-        self.epoch = epoch
+        super().__init__(seed)
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -681,7 +677,7 @@ class SliceDataset(SizedDataset):
         x = (self.images[index].float() - self.mean[volume][:, :, None, None]) / self.std[volume][:, :, None, None]
         y = self.masks[index].float()
         if self.flip:
-            flipped = torch.tensor([_coin(sample_generator(self.seed, self.epoch, i)) for i in indices])
+            flipped = torch.tensor([_coin(self.generator(i)) for i in indices])
             x = torch.where(flipped[:, None, None, None], x.flip(-1), x)
             y = torch.where(flipped[:, None, None, None], y.flip(-1), y)
         return list(zip(x.unbind(0), y.unbind(0), strict=True))

@@ -25,7 +25,7 @@ import torch
 
 from scripts.data import DataOptions, load_dataset
 from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
-from scripts.options import HYLO_DEFAULTS, add_run_arguments, run_fields
+from scripts.options import add_run_arguments, run_default, run_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,9 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--update-freq", type=int, default=10, help="hylo steps between curvature updates")
     parser.add_argument("--factor-decay", type=float, default=0.95, help="K-FAC running-average decay")
-    parser.add_argument("--damping", type=float, default=HYLO_DEFAULTS["damping"], help="hylo damping λ")
+    parser.add_argument("--damping", type=float, default=run_default("damping"), help="hylo damping λ")
     parser.add_argument(
-        "--kl-clip", type=float, default=HYLO_DEFAULTS["kl_clip"], help="hylo kl_clip (0: off), with the scheduled lr"
+        "--kl-clip", type=float, default=run_default("kl_clip"), help="hylo kl_clip (0: off), with the scheduled lr"
     )
     parser.add_argument("--conv-rows", default="sum", choices=["sum", "exact", "mean"], help="hylo conv_rows")
     parser.add_argument("--kis-estimator", default="unbiased", choices=["unbiased", "hylo"], help="hylo kis_estimator")

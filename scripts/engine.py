@@ -623,8 +623,7 @@ def train(
         for epoch in range(start.epoch, cfg.epochs):
             epoch_began = time.perf_counter()
             sampler.set_epoch(epoch)
-            if hasattr(data.train, "set_epoch"):
-                data.train.set_epoch(epoch)
+            data.train.set_epoch(epoch)
             clock = _Clock(device)
             running = torch.zeros((), dtype=torch.float64, device=device)
             lr = optimizer.param_groups[0]["lr"]
@@ -678,6 +677,8 @@ def train(
                     cfg.to_json(),
                     epoch=epoch + 1,
                     step=step,
+                    rank=rank,
+                    world=world,
                     total_time_s=total_time,
                     net=net,
                     optimizer=optimizer,

@@ -32,21 +32,26 @@ from scripts.schedules import LR_SCHEDULES
 STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
 #: Method flag of ``--grad-error`` -> the gradient-error method it selects.
 METHOD_FLAGS = {"--enable-id": "kid", "--enable-is": "kis", "--enable-kfac": "kfac"}
-#: hylo's flags with their defaults; each is an error with ``--solver none`` (nothing would read it).
-HYLO_DEFAULTS: dict[str, Any] = {
-    "damping": 0.3,
-    "target_damping": None,
-    "damping_decay_epochs": None,
-    "freq": 10,
-    "factor_decay": 0.95,
-    "compression_ratio": 0.1,
-    "kl_clip": 1e-3,
-    "strategy": "inverse",
-    "adaptive": None,
-    "conv_rows": "sum",
-    "kis_estimator": "unbiased",
-    "factor_update_freq": None,
+#: hylo's flags (argparse names) -> the RunConfig fields they set; each is an error with ``--solver none``.
+HYLO_FLAGS = {
+    "damping": "damping",
+    "target_damping": "target_damping",
+    "damping_decay_epochs": "damping_decay_epochs",
+    "freq": "update_freq",
+    "factor_decay": "factor_decay",
+    "compression_ratio": "rank_ratio",
+    "kl_clip": "kl_clip",
+    "strategy": "strategy",
+    "adaptive": "adaptive",
+    "conv_rows": "conv_rows",
+    "kis_estimator": "kis_estimator",
+    "factor_update_freq": "factor_update_freq",
 }
+
+
+def run_default(field: str) -> Any:
+    """The default of a :class:`RunConfig` field (the one source of the scripts' defaults)."""
+    return RunConfig.__dataclass_fields__[field].default
 
 
 def _ratio(text: str) -> float:
@@ -74,12 +79,22 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int, models: l
     """The options every training entry point shares (the demo's whole set): model, length, SGD, hylo basics, seeds."""
     parser.add_argument("--model", default="cnn", choices=models or sorted(MODELS), help="model of the registry")
     parser.add_argument("--epochs", type=_positive_int, default=epochs, help="epochs to train (default: %(default)s)")
-    parser.add_argument("--batch-size", type=_positive_int, default=500, help="GLOBAL batch size, split over the ranks")
     parser.add_argument(
-        "--warmup-epochs", type=float, default=1.0, help="linear lr warm-up (epochs, fractions allowed; default 1)"
+        "--batch-size",
+        type=_positive_int,
+        default=run_default("batch_size"),
+        help="GLOBAL batch size, split over the ranks",
     )
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    parser.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 5e-4)")
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=run_default("warmup_epochs"),
+        help="linear lr warm-up (epochs, fractions allowed; default %(default)s)",
+    )
+    parser.add_argument("--momentum", type=float, default=run_default("momentum"), help="SGD momentum (default 0.9)")
+    parser.add_argument(
+        "--weight-decay", type=float, default=run_default("weight_decay"), help="weight decay (default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split and the augmentation")
 
@@ -99,9 +114,11 @@ def run_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
-    """hylo's flags (defaults None here: :func:`config_from_args` fills :data:`HYLO_DEFAULTS`)."""
+    """hylo's flags (defaults None here, so that a flag given with ``--solver none`` is seen; RunConfig's apply)."""
     group = parser.add_argument_group("hylo (errors with --solver none)")
-    group.add_argument("--damping", type=float, help="damping λ of (F + λI), the initial one (default 0.3)")
+    group.add_argument(
+        "--damping", type=float, help=f"damping λ of (F + λI), the initial one (default {run_default('damping')})"
+    )
     group.add_argument(
         "--target-damping",
         type=float,
@@ -112,20 +129,32 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="epochs over which λ reaches --target-damping (default: the rest of the run)",
     )
-    group.add_argument("--freq", type=_positive_int, help="steps between curvature/inverse updates (default 10)")
-    group.add_argument("--factor-decay", type=float, help="K-FAC running-average decay of the factors (default 0.95)")
+    group.add_argument(
+        "--freq",
+        type=_positive_int,
+        help=f"steps between curvature/inverse updates (default {run_default('update_freq')})",
+    )
+    group.add_argument(
+        "--factor-decay",
+        type=float,
+        help=f"K-FAC running-average decay of the factors (default {run_default('factor_decay')})",
+    )
     group.add_argument(
         "--compression-ratio",
         "--rank-ratio",
         dest="compression_ratio",
         type=_ratio,
-        help="ρ: the low-rank solvers keep max(1, ⌊ρ·n⌋) of the n batch rows of a layer (default 0.1)",
+        help=f"ρ: the low-rank solvers keep max(1, ⌊ρ·n⌋) of a layer's n batch rows (default {run_default('rank_ratio')})",
     )
     group.add_argument(
-        "--kl-clip", type=float, help="clip the preconditioned step's KL size, with the scheduled lr (0: off; 1e-3)"
+        "--kl-clip",
+        type=float,
+        help=f"clip the preconditioned step's KL size, with the scheduled lr (0: off; {run_default('kl_clip')})",
     )
     group.add_argument(
-        "--strategy", choices=["inverse", "gradient"], help="broadcast the inverses or the gradients (default inverse)"
+        "--strategy",
+        choices=["inverse", "gradient"],
+        help=f"broadcast the inverses or the gradients (default {run_default('strategy')})",
     )
     group.add_argument(
         "--adaptive",
@@ -134,8 +163,14 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("A0", "A1", "A2"),
         help="HyLo's fixed windows: KID while epoch < A0 or A1 < epoch <= A2, KIS otherwise (needs --solver hybrid)",
     )
-    group.add_argument("--conv-rows", choices=["sum", "exact", "mean"], help="low-rank rows of a Conv2d (default sum)")
-    group.add_argument("--kis-estimator", choices=["unbiased", "hylo"], help="KIS estimator (default unbiased)")
+    group.add_argument(
+        "--conv-rows",
+        choices=["sum", "exact", "mean"],
+        help=f"low-rank rows of a Conv2d (default {run_default('conv_rows')})",
+    )
+    group.add_argument(
+        "--kis-estimator", choices=["unbiased", "hylo"], help=f"KIS estimator (default {run_default('kis_estimator')})"
+    )
     group.add_argument("--factor-update-freq", type=_positive_int, help="K-FAC factor updates between inverse updates")
 
 
@@ -232,7 +267,12 @@ def build_parser(
     )
     opt.add_argument("--sngd", action="store_true", help="HyLo's flag: train with exact SNGD (= --solver sngd)")
     opt.add_argument("--max-steps", type=_positive_int, help="stop every epoch after N steps (smoke runs)")
-    opt.add_argument("--lr", type=float, default=0.1, help="peak learning rate, after the warm-up (default 0.1)")
+    opt.add_argument(
+        "--lr",
+        type=float,
+        default=run_default("lr"),
+        help="peak learning rate, after the warm-up (default %(default)s)",
+    )
     opt.add_argument(
         "--lr-schedule",
         choices=LR_SCHEDULES,
@@ -266,30 +306,18 @@ def _solver(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
 
 def _hylo_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solver: str) -> dict[str, Any]:
     """hylo's flags as RunConfig fields; given with ``--solver none`` they are an error."""
-    given = [name for name in HYLO_DEFAULTS if getattr(args, name) is not None]
+    given = [name for name in HYLO_FLAGS if getattr(args, name) is not None]
     if solver == "none" and given:
         parser.error(f"{', '.join('--' + n.replace('_', '-') for n in given)}: hylo options, not used by --solver none")
-    values = {
-        name: HYLO_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in HYLO_DEFAULTS
+    fields = {
+        field: run_default(field) if getattr(args, name) is None else getattr(args, name)
+        for name, field in HYLO_FLAGS.items()
     }
-    if values["adaptive"] is not None and solver != "hybrid":
+    if fields["adaptive"] is not None and solver != "hybrid":
         parser.error(f"--adaptive sets the hybrid policy's windows; it needs --solver hybrid, not {solver}")
-    if values["damping_decay_epochs"] is not None and values["target_damping"] is None:
+    if fields["damping_decay_epochs"] is not None and fields["target_damping"] is None:
         parser.error("--damping-decay-epochs: needs --target-damping (the value to decay to)")
-    return {
-        "damping": values["damping"],
-        "target_damping": values["target_damping"],
-        "damping_decay_epochs": values["damping_decay_epochs"],
-        "update_freq": values["freq"],
-        "factor_decay": values["factor_decay"],
-        "rank_ratio": values["compression_ratio"],
-        "kl_clip": values["kl_clip"],
-        "strategy": values["strategy"],
-        "adaptive": tuple(values["adaptive"]) if values["adaptive"] else None,
-        "conv_rows": values["conv_rows"],
-        "kis_estimator": values["kis_estimator"],
-        "factor_update_freq": values["factor_update_freq"],
-    }
+    return fields
 
 
 def profile_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solver: str) -> dict[str, Any]:
@@ -354,7 +382,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     checkpoint_freq = args.checkpoint_freq if args.checkpoint_freq is not None else (5 if args.log_dir else 0)
     fields = dict(
         run_fields(args),
-        momentum=0.9 if args.momentum is None else args.momentum,
+        momentum=run_default("momentum") if args.momentum is None else args.momentum,
         dataset=args.dataset,
         data_dir=args.data_dir,
         image_size=args.image_size,
@@ -365,7 +393,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_steps=args.max_steps,
         lr=args.lr,
         lr_schedule=args.lr_schedule,
-        lr_decay=0.1 if args.lr_decay is None else args.lr_decay,
+        lr_decay=run_default("lr_decay") if args.lr_decay is None else args.lr_decay,
         milestones=tuple(args.milestone or ()),
         label_smoothing=args.label_smoothing,
         backend=args.backend,
