@@ -111,12 +111,17 @@ def _holds_a_run(log_dir: Path) -> list[str]:
     return found + sorted(path.name for path in log_dir.glob("checkpoint-*.pt"))[:1]
 
 
-def _check_resumable(saved: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> None:
-    """Refuse a checkpoint made with other options than ``config`` (beyond :data:`RESUMABLE_CHANGES`)."""
+def _check_resumable(
+    saved: Mapping[str, Any], config: Mapping[str, Any], path: Path, defaults: Mapping[str, Any]
+) -> None:
+    """Refuse a checkpoint made with other options than ``config`` (beyond :data:`RESUMABLE_CHANGES`).
+
+    An option the checkpoint does not have (added after it was written) counts as its default.
+    """
     changed = [
-        f"{name} {saved.get(name)!r} -> {config[name]!r}"
+        f"{name} {saved.get(name, defaults.get(name))!r} -> {config[name]!r}"
         for name in config
-        if name not in RESUMABLE_CHANGES and saved.get(name) != config[name]
+        if name not in RESUMABLE_CHANGES and saved.get(name, defaults.get(name)) != config[name]
     ]
     if changed:
         raise RunError(
@@ -126,11 +131,18 @@ def _check_resumable(saved: Mapping[str, Any], config: Mapping[str, Any], path: 
 
 
 def open_run_dir(
-    log_dir: str | None, config: Mapping[str, Any], *, resume: bool, world: int, device: torch.device
+    log_dir: str | None,
+    config: Mapping[str, Any],
+    *,
+    resume: bool,
+    world: int,
+    device: torch.device,
+    defaults: Mapping[str, Any] | None = None,
 ) -> Start:
     """Create ``log_dir``, refuse another run in it unless ``resume``; resuming, load its latest checkpoint.
 
-    ``config`` is the run's configuration as JSON values (``epochs`` included). Nothing is
+    ``config`` is the run's configuration as JSON values (``epochs`` included); ``defaults`` the
+    values of options an older checkpoint may lack. Nothing is
     written besides the directory itself; every refusal is a :class:`RunError`.
     """
     if log_dir is None:
@@ -153,7 +165,7 @@ def open_run_dir(
     state = load(path, map_location=device)
     if state.get("world") != world:
         raise RunError(f"{path} was written by {state.get('world')} ranks; resume it on as many, not {world}")
-    _check_resumable(state["config"], config, path)
+    _check_resumable(state["config"], config, path, defaults or {})
     if epoch >= config["epochs"]:
         raise RunError(f"{path}: the run has finished {epoch} epochs; ask for more (--epochs > {epoch}) to resume")
     return Start(epoch=state["epoch"], step=state["step"], total_time_s=state["total_time_s"], state=state)

@@ -137,6 +137,7 @@ class RunConfig:
     rank_ratio: float = 0.1
     strategy: str = "inverse"
     adaptive: tuple[int, int, int] | None = None
+    trend_window: int = 100
     conv_rows: str = "sum"
     kis_estimator: str = "unbiased"
     factor_update_freq: int | None = None
@@ -421,6 +422,7 @@ def make_preconditioner(
         strategy=cfg.strategy,
         adaptive=cfg.adaptive,
         iters_per_epoch=steps_per_epoch if cfg.adaptive is not None else None,
+        trend_window=cfg.trend_window,
         conv_rows=cfg.conv_rows,
         kis_estimator=cfg.kis_estimator,
         factor_update_freq=cfg.factor_update_freq,
@@ -556,7 +558,9 @@ def train(
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
     device = device or torch.device("cpu")
-    start = checkpoint.open_run_dir(cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device)
+    start = checkpoint.open_run_dir(
+        cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device, defaults=RunConfig().to_json()
+    )
     if world > 1:
         dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it
     if data is None:

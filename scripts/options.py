@@ -43,6 +43,7 @@ HYLO_FLAGS = {
     "kl_clip": "kl_clip",
     "strategy": "strategy",
     "adaptive": "adaptive",
+    "trend_window": "trend_window",
     "conv_rows": "conv_rows",
     "kis_estimator": "kis_estimator",
     "factor_update_freq": "factor_update_freq",
@@ -162,6 +163,12 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
         nargs=3,
         metavar=("A0", "A1", "A2"),
         help="HyLo's fixed windows: KID while epoch < A0 or A1 < epoch <= A2, KIS otherwise (needs --solver hybrid)",
+    )
+    group.add_argument(
+        "--trend-window",
+        type=_positive_int,
+        help="steps over which the gradient-norm trend is measured (hybrid policy and --grad-norm; "
+        f"default {run_default('trend_window')})",
     )
     group.add_argument(
         "--conv-rows",
@@ -315,6 +322,8 @@ def _hylo_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, solv
     }
     if fields["adaptive"] is not None and solver != "hybrid":
         parser.error(f"--adaptive sets the hybrid policy's windows; it needs --solver hybrid, not {solver}")
+    if args.trend_window is not None and solver != "hybrid" and not args.grad_norm:
+        parser.error(f"--trend-window: the gradient-norm trend is read by --solver hybrid or --grad-norm, not {solver}")
     if fields["damping_decay_epochs"] is not None and fields["target_damping"] is None:
         parser.error("--damping-decay-epochs: needs --target-damping (the value to decay to)")
     return fields

@@ -80,6 +80,8 @@ def _config(*argv: str, script: Any = train_script) -> RunConfig:
         (["--label-smoothing", "0.1"], {"label_smoothing": 0.1}),
         (["--kl-clip", "0"], {"kl_clip": None}),
         (["--adaptive", "1", "2", "3"], {"adaptive": (1, 2, 3)}),
+        (["--trend-window", "4"], {"trend_window": 4}),
+        (["--solver", "kfac", "--grad-norm", "--log-dir", "x", "--trend-window", "4"], {"trend_window": 4}),
         (["--max-steps", "3", "--epochs", "2", "--batch-size", "64"], {"max_steps": 3, "epochs": 2, "batch_size": 64}),
         (["--backend", "gloo", "--seed", "4", "--data-seed", "5"], {"backend": "gloo", "seed": 4, "data_seed": 5}),
         (["--warmup-epochs", "0", "--momentum", "0.5", "--weight-decay", "0"], {"warmup_epochs": 0, "momentum": 0.5}),
@@ -106,6 +108,8 @@ def test_each_flag_sets_its_field(argv: list[str], expected: dict[str, Any]) -> 
         (["--resume"], "--resume: needs --log-dir"),
         (["--solver", "kid", "--adaptive", "1", "2", "3"], "--adaptive sets the hybrid policy's windows"),
         (["--damping-decay-epochs", "3"], "needs --target-damping"),
+        (["--solver", "kfac", "--trend-window", "4"], "read by --solver hybrid or --grad-norm, not kfac"),
+        (["--solver", "none", "--trend-window", "4"], "--trend-window: hylo options"),
         (["--dataset", "cifar10"], "needs data_dir"),
         (["--model", "unet"], "invalid choice: 'unet'"),  # train.py offers the classifiers only
     ],
@@ -155,6 +159,16 @@ def test_target_damping_becomes_hylos_damping_schedule() -> None:
     try:
         damping = pre.config.damping
         assert callable(damping) and [damping(s) for s in (0, 2, 4, 9)] == pytest.approx([2.0, 1.0, 0.5, 0.5])
+    finally:
+        pre.remove()
+
+
+def test_trend_window_reaches_hylo() -> None:
+    cfg = RunConfig(model="mlp", solver="hybrid", trend_window=7)
+    pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
+    assert pre is not None
+    try:
+        assert pre.config.trend_window == 7
     finally:
         pre.remove()
 
@@ -268,6 +282,18 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path: Path) -> None:
         path.unlink()  # as if the process died after logging epoch 2 and before its checkpoint
     train(_mnist(run, epochs=2), resume=True)
     assert _without_times(_rows(run / "metrics.csv")) == expected
+
+
+def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(_mnist(run, epochs=1))
+    path = run / "checkpoint-0001.pt"
+    state = torch.load(path, weights_only=True)
+    del state["config"]["trend_window"]  # as written before --trend-window existed
+    torch.save(state, path)
+    with pytest.raises(RunError, match=r"trend_window 100 -> 5"):
+        train(_mnist(run, epochs=2, trend_window=5), resume=True)
+    assert [e.epoch for e in train(_mnist(run, epochs=2), resume=True).log] == [2]
 
 
 def test_a_log_dir_of_another_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
