@@ -335,6 +335,8 @@ def grad_norm(
             raise ValueError("pass decisions= (the decisions table) with a grad-norm DataFrame")
         decisions = load_table(data, "decisions", ("step", "layer", "critical"), "the 'grad-norm' figure")
     check_columns(decisions, ("step", "layer", "critical"), "the 'grad-norm' figure")
+    if "run" in decisions.columns:
+        decisions = decisions[decisions["run"] == frame["run"].iloc[0]]
     shown = _pick_layers(frame, layers, "grad-norm")
     last = int(frame["step"].max())
     with figure_style():

@@ -243,6 +243,15 @@ def test_figures_accept_loaded_tables_too(study: Path) -> None:
     assert isinstance(analysis.grad_error(table), Figure)
     with pytest.raises(analysis.RunDataError, match="'rel_error'"):
         analysis.grad_error(table.drop(columns=["rel_error"]))
+    # Decisions of several runs: the figure shades the grad-norm run's own.
+    norms = analysis.load_table(study / "studies-s0", "grad_norm")
+    both = analysis.load_table([study / "hybrid-p2", study / "studies-s0"], "decisions")
+    mine = analysis.load_table(study / "studies-s0", "decisions")
+    spans = [
+        [a.get_bbox().x0 for a in figure.findobj(lambda a: "/critical/" in str(a.get_gid()))]
+        for figure in (analysis.grad_norm(norms, decisions=both), analysis.grad_norm(norms, decisions=mine))
+    ]
+    assert spans[0] == spans[1]
     with pytest.raises(ValueError, match="decisions="):
         analysis.grad_norm(analysis.load_table(study / "studies-s0", "grad_norm"))
 
