@@ -148,20 +148,27 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
 
 
 def read_runs(paths: Iterable[str | Path | Run], labels: Sequence[str] | None = None) -> list[Run]:
-    """:func:`read_run` over several directories (``labels``, if given, one per directory)."""
+    """:func:`read_run` over several directories (``labels``, if given, one per directory).
+
+    Without ``labels``, runs that share a default label but not a configuration get the options
+    that differ appended (see :func:`_distinguish`); a :class:`Run` passed in is kept as it is.
+    """
     items = list(paths)
     if labels is not None and len(labels) != len(items):
         raise ValueError(f"{len(labels)} labels for {len(items)} run directories")
     runs = []
+    fresh = []  # runs read here with default labels (a Run passed in keeps its label)
     for k, item in enumerate(items):
         if isinstance(item, Run):
             runs.append(item)
         else:
             runs.append(read_run(item, None if labels is None else labels[k]))
+            if labels is None:
+                fresh.append(k)
     if not runs:
         raise RunDataError("no run directories given")
-    if labels is None:
-        runs = _distinguish(runs)
+    for k, run in zip(fresh, _distinguish([runs[k] for k in fresh]), strict=True):
+        runs[k] = run
     return runs
 
 

@@ -91,6 +91,12 @@ def test_labels_group_seeds_and_name_the_options_that_differ(study: Path) -> Non
     assert "batch_size=256" in labels[3] and "P=2" in labels[3]
     assert [run.seed for run in runs] == [0, 1, 0, 0]
     assert analysis.read_runs([study / "sgd-s0"], labels=["mine"])[0].label == "mine"
+    # Labels given by the user group runs as they say, also once the figure reads them again.
+    grouped = analysis.read_runs([study / "sgd-s0", study / "hybrid-s1"], labels=["both", "both"])
+    figure = analysis.accuracy(grouped)
+    line = _line(figure, "accuracy/epoch/both")
+    sgd, hybrid = (_csv(study / name / "metrics.csv")["test_acc"] for name in ("sgd-s0", "hybrid-s1"))
+    assert np.allclose(line.get_ydata(), 100 * (sgd.to_numpy() + hybrid.to_numpy()) / 2)
 
 
 def test_accuracy_plots_the_mean_and_range_over_seeds(study: Path, tmp_path: Path) -> None:
