@@ -11,12 +11,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from matplotlib.figure import Figure
 
 from analysis.figures import FIGURES, FigureSpec
-from analysis.runs import Run, RunDataError, read_runs
+from analysis.runs import Run, RunDataError, read_runs, table_files
 from analysis.style import FORMATS, save_figure
 
 
@@ -57,14 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Parsed arguments that are not options of the figure function.
+_NOT_FIGURE_OPTIONS = frozenset({"figure", "runs", "output", "labels"})
+
+
 def _add_options(spec: FigureSpec, sub: argparse.ArgumentParser) -> None:
+    """The figure's options; each ``dest`` is the keyword of the figure function it sets."""
     if spec.name == "accuracy":
         sub.add_argument("--metric", help="metrics.csv column to plot (default test_acc, else test_dsc)")
         sub.add_argument(
             "--labels", nargs="+", help="one legend label per run directory (runs sharing a label are seeds)"
         )
     elif spec.name == "timing":
-        sub.add_argument("--keep-first", action="store_true", help="include each run's first update step (warm-up)")
+        sub.add_argument(
+            "--keep-first",
+            dest="skip_first",
+            action="store_false",
+            help="include each run's first update step (warm-up)",
+        )
     elif spec.name == "layer-dims":
         sub.add_argument("--step", type=int, help="update step to show (default: the last)")
     elif spec.name == "rank":
@@ -78,25 +87,13 @@ def _add_options(spec: FigureSpec, sub: argparse.ArgumentParser) -> None:
 
 
 def _draw(spec: FigureSpec, runs: list[Run], args: argparse.Namespace) -> Figure:
-    options: dict[str, Any] = {}
-    if spec.name == "accuracy":
-        options["metric"] = args.metric
-    elif spec.name == "timing":
-        options["skip_first"] = not args.keep_first
-    elif spec.name == "layer-dims":
-        options["step"] = args.step
-    elif spec.name == "rank":
-        options.update(level=args.level, relative=args.relative)
-    elif spec.name in ("grad-norm", "grad-error"):
-        options.update(layers=args.layers, columns=args.columns)
-        if spec.name == "grad-error":
-            options["per_layer"] = args.per_layer or args.layers is not None
+    options = {name: value for name, value in vars(args).items() if name not in _NOT_FIGURE_OPTIONS}
     return spec.draw(runs, **options)
 
 
 def has_files(run: Run, spec: FigureSpec) -> bool:
-    """Whether ``run``'s directory holds every file ``spec`` reads."""
-    return all(any(run.path.glob(pattern)) for pattern in spec.files)
+    """Whether ``run``'s directory holds every table ``spec`` reads."""
+    return all(table_files(run, table) for table in spec.tables)
 
 
 def draw_all(runs: Sequence[Run], directory: Path, formats: Sequence[str] = ("pdf", "png")) -> dict[str, str]:

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from analysis.runs import Run, RunDataError, check_columns, layer_order, load_table, require_rows
+from analysis.runs import TABLES, Run, RunDataError, check_columns, layer_order, load_table, require_rows
 from analysis.style import (
     COMMUNICATION_HATCH,
     COMMUNICATION_PHASES,
@@ -400,12 +400,14 @@ def critical_windows(decisions: pd.DataFrame, layer: str, last_step: int) -> lis
 def grad_error(data: Data, per_layer: bool = False, layers: Sequence[str] | None = None, columns: int = 3) -> Figure:
     """Relative error of KID, KIS (and K-FAC, SNGD's surrogate) vs exact SNGD over training.
 
-    Aggregated: the mean over layers at each sampled update; ``per_layer``: one panel per layer.
+    Aggregated: the mean over layers at each sampled update; ``per_layer`` (implied by
+    ``layers``): one panel per layer.
     One line per method (the solver's colour) and rank ratio (line style). One run.
     Needs ``grad-error.csv``.
     """
     frame = _frame(data, "grad_error", ("run", "step", "layer", "method", "rank_ratio", "rel_error"), "grad-error")
     frame = _one_run(frame, "grad-error")
+    per_layer = per_layer or layers is not None
     ratios = sorted(float(r) for r in frame["rank_ratio"].dropna().unique())
     panels: list[tuple[str, pd.DataFrame]]
     if per_layer:
@@ -526,13 +528,18 @@ def _sequential(count: int) -> list[Any]:
 
 @dataclass(frozen=True)
 class FigureSpec:
-    """A figure the CLI draws: its function, the files it reads and how many runs it takes."""
+    """A figure the CLI draws: its function, the tables it reads and how many runs it takes."""
 
     name: str
     draw: Callable[..., Figure]
-    files: tuple[str, ...]
+    tables: tuple[str, ...]
     runs: str
     description: str
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files of :attr:`tables`, as messages and ``--help`` show them."""
+        return tuple(TABLES[table].shown_name for table in self.tables)
 
 
 #: Every figure by its CLI name.
@@ -542,41 +549,39 @@ FIGURES: dict[str, FigureSpec] = {
         FigureSpec(
             "accuracy",
             accuracy,
-            ("metrics.csv",),
+            ("metrics",),
             "one or more",
             "test metric vs epoch and wall time, mean ± range over seeds",
         ),
         FigureSpec(
             "timing",
             timing,
-            ("steps-r*.csv",),
+            ("steps",),
             "one or more",
             "time per update by phase per solver and world size; compute vs communication",
         ),
         FigureSpec(
             "layer-dims",
             layer_dims,
-            ("timing-r0.csv",),
+            ("timing",),
             "one or more",
             "per-layer d_a, d_g and rows kept, by the solver chosen",
         ),
-        FigureSpec(
-            "rank", rank, ("rank-analysis.csv",), "one or more", "numerical rank per layer and batch size (box plots)"
-        ),
+        FigureSpec("rank", rank, ("rank",), "one or more", "numerical rank per layer and batch size (box plots)"),
         FigureSpec(
             "grad-norm",
             grad_norm,
-            ("grad-norm.csv", "decisions.csv"),
+            ("grad_norm", "decisions"),
             "one",
             "per-layer gradient norm over training, critical windows shaded",
         ),
         FigureSpec(
-            "grad-error", grad_error, ("grad-error.csv",), "one", "KID / KIS / K-FAC error vs exact SNGD over training"
+            "grad-error", grad_error, ("grad_error",), "one", "KID / KIS / K-FAC error vs exact SNGD over training"
         ),
         FigureSpec(
             "solvers",
             solvers,
-            ("decisions.csv",),
+            ("decisions",),
             "one or more",
             "the solver of each layer at each update (heat-map strip)",
         ),

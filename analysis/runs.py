@@ -43,6 +43,11 @@ class Table:
         """Whether every rank writes its own file (``…-r{rank}.csv``)."""
         return "{rank}" in self.filename
 
+    @property
+    def shown_name(self) -> str:
+        """The file name as messages show it (``timing-r*.csv`` for per-rank files)."""
+        return self.filename.format(rank="*")
+
 
 _PHASE_MS = ("capture_ms", "reduce_ms", "gather_ms", "solve_ms", "broadcast_ms", "precondition_ms")
 
@@ -232,12 +237,12 @@ def load_table(
     if isinstance(runs, (str, Path, Run)):
         runs = [runs]
     needed = tuple(table.columns if columns is None else columns)
+    # The run columns are added below unless the file has its own (a layer's solver).
+    added = (*RUN_COLUMNS, "rank")
     frames = []
     for run in read_runs(runs):
         for rank, path in _files(run, table, purpose):
             frame = _read_csv(path)
-            # The run columns are added below unless the file has its own (a layer's solver).
-            added = (*RUN_COLUMNS, "rank")
             missing = [c for c in needed if c not in frame.columns and (c not in added or c in table.columns)]
             if missing:
                 raise RunDataError(
@@ -285,21 +290,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _files(run: Run, table: Table, purpose: str) -> list[tuple[int | None, Path]]:
+def table_files(run: Run, name: str) -> list[tuple[int | None, Path]]:
+    """The files of table ``name`` in ``run``'s directory, as (rank or None, path); empty if none."""
+    table = TABLES[name]
     if not table.per_rank:
         path = run.path / table.filename
-        if not path.exists():
-            raise RunDataError(f"{run.path}: no {table.filename} (written by {table.written_by}){_needs(purpose)}")
-        return [(None, path)]
+        return [(None, path)] if path.exists() else []
     pattern = re.compile(re.escape(table.filename).replace(re.escape("{rank}"), r"(\d+)") + "$")
-    found = sorted(
+    return sorted(
         (int(match.group(1)), path) for path in run.path.iterdir() if (match := pattern.match(path.name)) is not None
     )
+
+
+def _files(run: Run, table: Table, purpose: str) -> list[tuple[int | None, Path]]:
+    found = table_files(run, table.name)
     if not found:
-        raise RunDataError(
-            f"{run.path}: no {table.filename.format(rank='*')} (written by {table.written_by}){_needs(purpose)}"
-        )
-    return [(rank, path) for rank, path in found]
+        raise RunDataError(f"{run.path}: no {table.shown_name} (written by {table.written_by}){_needs(purpose)}")
+    return found
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
