@@ -297,15 +297,22 @@ class LayerBatch:
     rows: int
     kfac_rows: int
     kept: int
+    #: The loss scale of the step's backward passes (a GradScaler's): output gradients are divided by it.
+    grad_scale: float = 1.0
 
     @classmethod
     def collect(
-        cls, math: LayerMath, calls: Sequence[tuple[Tensor, Tensor]], rows_kept: Callable[[int], int]
+        cls,
+        math: LayerMath,
+        calls: Sequence[tuple[Tensor, Tensor]],
+        rows_kept: Callable[[int], int],
+        grad_scale: float = 1.0,
     ) -> LayerBatch:
-        """Count the rows of this step's (input, output gradient) calls."""
+        """Count the rows of this step's (input, output gradient) calls (none: a rank without rows)."""
         counts = [math.row_counts(x, gy) for x, gy in calls]
         rows = sum(c[0] for c in counts)
-        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), rows_kept(rows))
+        kept = rows_kept(rows) if rows else 0
+        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), kept, grad_scale)
 
     def shape(self, world_size: int) -> LayerShape:
         """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks."""
@@ -322,13 +329,34 @@ class LayerBatch:
             math.dtype.itemsize,
         )
 
+    @property
+    def _g_scale(self) -> float:
+        """What output gradients are multiplied by: n over the loss scale (docs/design.md, "Notation")."""
+        return float(self.rows) / self.grad_scale
+
     def kfac_factors(self) -> tuple[Tensor, Tensor]:
-        """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls."""
-        sums = [self.math.kfac_factors(x, gy, float(self.rows)) for x, gy in self.calls]
+        """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls; zeros without rows."""
+        math = self.math
+        if not self.calls or not self.rows:
+            device = math.weight.device
+            return (
+                torch.zeros(math.d_a, math.d_a, dtype=math.dtype, device=device),
+                torch.zeros(math.d_g, math.d_g, dtype=math.dtype, device=device),
+            )
+        sums = [math.kfac_factors(x, gy, self._g_scale) for x, gy in self.calls]
         a = torch.stack([s[0] for s in sums]).sum(0) / self.kfac_rows
         g = torch.stack([s[1] for s in sums]).sum(0) / self.rows
         return a, g
 
     def lowrank_rows(self) -> SampleRows:
-        """Per-sample gradients of all calls, output gradients scaled by the step's sample count."""
-        return concat_rows([self.math.lowrank_rows(x, gy, float(self.rows)) for x, gy in self.calls])
+        """Per-sample gradients of all calls, output gradients scaled by the step's sample count (none: 0 rows)."""
+        math = self.math
+        if not self.calls or not self.rows:
+            device = math.weight.device
+            if math.dense_rows:
+                return DenseRows(torch.zeros(0, math.d_g, math.d_a, dtype=math.dtype, device=device))
+            return FactoredRows(
+                torch.zeros(0, math.d_a, dtype=math.dtype, device=device),
+                torch.zeros(0, math.d_g, dtype=math.dtype, device=device),
+            )
+        return concat_rows([math.lowrank_rows(x, gy, self._g_scale) for x, gy in self.calls])

@@ -37,52 +37,48 @@ def _grouped(mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]) -> li
 
 
 def _cholesky_with_ladder(mat: Tensor) -> Tensor:
-    """Cholesky factor of one SPD matrix: jitter ladder in float64, error if all fail."""
+    """Cholesky factor of one SPD matrix: jitter ladder in float64.
+
+    If every rung fails (a non-finite matrix, or one far from positive definite) the factor is
+    all NaN: the caller's state is then non-finite, which the update stage rejects (the layer
+    keeps its previous state) instead of an exception ending the run.
+    """
     m64 = mat.to(torch.float64)
     m64 = 0.5 * (m64 + m64.mT)
-    scale = float(m64.diagonal().abs().mean().clamp_min(1e-30))
+    scale = m64.diagonal().abs().mean().clamp_min(1e-30)
     eye = torch.eye(m64.shape[-1], dtype=m64.dtype, device=m64.device)
-    for jitter in JITTER_LADDER:
-        factor, info = torch.linalg.cholesky_ex(m64 + jitter * scale * eye)
-        if int(info) == 0:
-            return factor
-    raise torch.linalg.LinAlgError(
-        f"matrix of size {mat.shape[-1]} is not positive definite even with jitter "
-        f"{JITTER_LADDER[-1]:g}·mean(diag); is the input finite?"
-    )
+    if torch.isfinite(scale):
+        for jitter in JITTER_LADDER:
+            factor, info = torch.linalg.cholesky_ex(m64 + (jitter * scale) * eye)
+            if int(info) == 0:
+                return factor
+    return torch.full_like(m64, float("nan"))
+
+
+def _factors_with_ladder(stack: Tensor) -> Tensor:
+    """Lower Cholesky factors of a stack of matrices, failed ones redone with the ladder (NaN if hopeless)."""
+    sym = 0.5 * (stack + stack.mT)
+    lower, info = torch.linalg.cholesky_ex(sym)
+    for k in torch.nonzero(info).flatten().tolist():
+        lower[k] = _cholesky_with_ladder(sym[k]).to(stack.dtype)
+    return lower
 
 
 def spd_inverse_many(mats: Sequence[Tensor]) -> list[Tensor]:
     """Inverses of symmetric positive definite matrices via Cholesky.
 
-    Each group of equal shapes is factored in one batched call in its own dtype;
-    matrices whose factorisation fails are retried one by one in float64 with a
-    jitter ladder. The result keeps each input's dtype. One host sync per group.
+    Each group of equal shapes is factored in one batched call in its own dtype; factors that
+    fail are redone one by one in float64 with a jitter ladder before the batched inverse, so
+    a singular or non-finite matrix never raises: it gets a (finite) regularised inverse or,
+    when the ladder fails too, a NaN one. The result keeps each input's dtype. One host sync
+    per group.
     """
-
-    def solve(stack: Tensor) -> list[Tensor]:
-        sym = 0.5 * (stack + stack.mT)
-        factor, info = torch.linalg.cholesky_ex(sym)
-        inverse = torch.cholesky_inverse(factor)
-        failed = torch.nonzero(info).flatten().tolist()
-        for k in failed:
-            inverse[k] = torch.cholesky_inverse(_cholesky_with_ladder(sym[k])).to(stack.dtype)
-        return [inverse]
-
-    return [r[0] for r in _grouped(mats, solve)]
+    return [r[0] for r in _grouped(mats, lambda stack: [torch.cholesky_inverse(_factors_with_ladder(stack))])]
 
 
 def cholesky_many(mats: Sequence[Tensor]) -> list[Tensor]:
-    """Lower Cholesky factors of SPD matrices, batched by shape, with the float64 ladder."""
-
-    def factor(stack: Tensor) -> list[Tensor]:
-        sym = 0.5 * (stack + stack.mT)
-        lower, info = torch.linalg.cholesky_ex(sym)
-        for k in torch.nonzero(info).flatten().tolist():
-            lower[k] = _cholesky_with_ladder(sym[k]).to(stack.dtype)
-        return [lower]
-
-    return [r[0] for r in _grouped(mats, factor)]
+    """Lower Cholesky factors of SPD matrices, batched by shape, with the float64 ladder (NaN if hopeless)."""
+    return [r[0] for r in _grouped(mats, lambda stack: [_factors_with_ladder(stack)])]
 
 
 def _eigh_qr(mat: Tensor) -> tuple[Tensor, Tensor]:

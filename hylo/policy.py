@@ -123,11 +123,28 @@ class GradNormTrend:
         """EMA of each layer's squared gradient norm (on device); None before the first ``observe``."""
         return None if self.moments is None else self.moments[1]
 
-    def observe(self, norms: Tensor) -> None:
-        """Fold this step's per-layer gradient norms into the EMAs (on device)."""
+    def observe(self, norms: Tensor, present: Tensor | None = None) -> None:
+        """Fold this step's per-layer gradient norms into the EMAs (on device).
+
+        Layers not ``present`` (no gradient this step) keep their EMAs as they were.
+        """
         norms = norms.detach().to(torch.float64)
         moments = torch.stack((norms, norms * norms))
-        self.moments = moments if self.moments is None else torch.lerp(self.moments, moments, 1.0 - self.decay)
+        if self.moments is None:
+            self.moments = moments
+            return
+        blended = torch.lerp(self.moments, moments, 1.0 - self.decay)
+        self.moments = blended if present is None else torch.where(present, blended, self.moments)
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """Everything ``observe`` and ``sample`` change (cheap: no tensor copies), for :meth:`restore`."""
+        return (self.moments, deque(self.history), list(self.critical), list(self.last_trend), list(self.last_noise))
+
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        """Go back to a :meth:`snapshot` (a step that failed leaves the trend as it was)."""
+        moments, history, critical, last_trend, last_noise = snapshot
+        self.moments, self.history = moments, deque(history)
+        self.critical, self.last_trend, self.last_noise = list(critical), list(last_trend), list(last_noise)
 
     def sample(self, step: int) -> tuple[list[float], list[float | None], list[bool]]:
         """EMA values, relative change over the window, and critical flags at ``step``."""

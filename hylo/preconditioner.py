@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
-from hylo.layers import LayerBatch
+from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import CONTROL, Payload
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
 from hylo.profiling import DISABLED, Stopwatch
@@ -30,7 +30,7 @@ from hylo.registry import RegisteredLayer, register_layers
 from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
 from hylo.stage import UpdateStage
-from hylo.studies import StudyRunner
+from hylo.studies import ErrorRecord, RankRecord, StudyRunner
 from hylo.version import __version__
 
 STATE_FORMAT = 1
@@ -53,6 +53,54 @@ class LayerInfo:
     owner: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepValues:
+    """A step's hyperparameters, evaluated and checked before anything changes."""
+
+    damping: float
+    factor_decay: float
+    kl_clip: float | None
+    lr: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreement:
+    """What every rank agreed on at a step: all gradients finite, layers with a gradient, layers with rows."""
+
+    finite: bool
+    present: list[bool]
+    rows: list[bool]
+
+
+@dataclasses.dataclass
+class _Study:
+    """The studies' records of one update and the bytes they sent."""
+
+    rank: list[RankRecord]
+    errors: list[ErrorRecord]
+    traffic: dict[str, int]
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """Everything a step computed; stored on the preconditioner only once the whole step succeeded."""
+
+    kind: str
+    needs_update: bool
+    norms: Tensor | None = None
+    worked: list[RegisteredLayer] = dataclasses.field(default_factory=list)
+    batches: list[LayerBatch] = dataclasses.field(default_factory=list)
+    decisions: list[Decision] = dataclasses.field(default_factory=list)
+    states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
+    owners: dict[str, int] = dataclasses.field(default_factory=dict)
+    written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    study: _Study | None = None
+
+    def state_of(self, layer: RegisteredLayer) -> HeldState | None:
+        """The layer's state after this step: the new one if the step made one, else its current one."""
+        return self.states.get(layer.name, layer.state)
+
+
 class HyLoPreconditioner:
     """Drop-in natural-gradient preconditioner: call ``step()`` between backward and ``optimizer.step()``.
 
@@ -66,6 +114,10 @@ class HyLoPreconditioner:
         config: a :class:`HyLoConfig`; keyword options override its fields.
         communicator: collectives between ranks; default: torch.distributed's default group
             when initialised with more than one rank, else a 1-rank stand-in.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: captured output
+            gradients are divided by its scale, and steps whose gradients it found non-finite
+            are skipped without a warning. Call ``step()`` after ``scaler.unscale_(optimizer)``
+            and before ``scaler.step(optimizer)``.
         **options: any :class:`HyLoConfig` field, e.g. ``damping=1e-3``, ``update_freq=20``.
     """
 
@@ -75,8 +127,12 @@ class HyLoPreconditioner:
         *,
         config: HyLoConfig | None = None,
         communicator: Communicator | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         **options: Any,
     ) -> None:
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self._grad_scaler = grad_scaler
         self.config = dataclasses.replace(config or HyLoConfig(), **options)
         self.comm = communicator if communicator is not None else default_communicator(self.config.bucket_cap_mb)
         self.steps = 0
@@ -118,6 +174,13 @@ class HyLoPreconditioner:
         if not self._layers:
             raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
         self._updates = 0
+        self._index = {layer.name: i for i, layer in enumerate(self._layers)}
+        self._layer_named = {layer.name: layer for layer in self._layers}
+        # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
+        self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self._layers)
+        self._warned_no_rows: set[str] = set()
+        # per layer: steps whose preconditioned gradient overflowed (reported at the next update)
+        self._fallbacks = torch.zeros(len(self._layers), dtype=torch.long)
         self._watch = DISABLED
         self._recorder: Recorder | None = None
         self._studies: StudyRunner | None = None
@@ -184,73 +247,248 @@ class HyLoPreconditioner:
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> None:
-        """Precondition the gradients of all registered layers in place."""
+        """Precondition the gradients of all registered layers in place.
+
+        A step applies whole or not at all: if it raises, the step count, every layer's state and
+        the gradients are as they were (docs/design.md, "Reliability").
+        """
         if self._removed:
             raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
         step = self.steps
         watch = self._watch
         watch.start()
         traffic = dict(self.comm.bytes_by_tag) if self._recorder is not None else {}
-        grads = self._gradients()
-        is_update, refreshing = self._cadence()
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g.to(layer.math.dtype)) for layer, g in zip(self._layers, grads, strict=True)]
-        ).to(torch.float64)
-        kind = "apply"
-        worked: list[RegisteredLayer] = []
-        batches: list[LayerBatch] = []
-        study_traffic: dict[str, int] = {}
         try:
-            if not self._all_finite(norms, is_update or bool(refreshing)):
-                kind = "skipped"
-                bad = [layer.name for layer, g in zip(self._layers, grads, strict=True) if not torch.isfinite(g).all()]
-                warnings.warn(
-                    f"step {step}: non-finite gradients in {bad or 'another rank'}; gradients left "
-                    "unpreconditioned and stored factors untouched",
-                    stacklevel=2,
-                )
-                self._needs_update = self._needs_update or is_update
-                watch.lap("check")
-                return
-            self._policy.trend.observe(norms)
+            values = self._resolve(step)
+            is_update, refreshing = self._cadence()
+            grads = self._gradients()
+            capturing = [is_update or layer.name in refreshing for layer in self._layers]
+            norms, finite = self._norms(grads)
+            agreed = self._agree(step, grads, capturing, finite)
             watch.lap("check")
-            if is_update:
-                kind, worked = "update", self._layers
-                batches = self._batches(step, worked)
-                watch.lap("capture", [layer.name for layer in worked])
-                self._update(step, batches, self._decide(step, batches))
-                self._updates += 1
-            elif refreshing:
-                kind, worked = "refresh", [layer for layer in self._layers if layer.name in refreshing]
-                batches = self._batches(step, worked)
-                watch.lap("capture", [layer.name for layer in worked])
-                self._refresh(step, worked, batches)
-            study_traffic = self._run_studies(step, batches, grads) if kind == "update" else {}
-            written = self._precondition(grads, step)
-            if self._recorder is not None and self._recorder.norms is not None:
-                self._record_norms(step, norms, written)
+            generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
+            try:
+                outcome = self._run(step, values, grads, norms, agreed, is_update, bool(refreshing))
+            except BaseException:
+                self._generator.set_state(generator)
+                self._policy.trend.restore(trend)
+                raise
+        except BaseException:
+            watch.finish()  # nothing of a failed step is recorded
+            raise
         finally:
             for layer in self._layers:
                 layer.capture.clear()
-            if self._recorder is not None:
-                self._record(step, kind, worked, batches, traffic, study_traffic)
-            self.steps += 1
+        self._commit(step, outcome, grads, traffic)
 
-    def _record(
+    def _resolve(self, step: int) -> _StepValues:
+        """Every hyperparameter of this step, evaluated (and checked) before anything changes."""
+        config = self.config
+        return _StepValues(
+            damping=resolve("damping", config.damping, step),
+            factor_decay=resolve("factor_decay", config.factor_decay, step),
+            kl_clip=None if config.kl_clip is None else resolve("kl_clip", config.kl_clip, step),
+            lr=None if config.lr is None or config.kl_clip is None else resolve("lr", config.lr, step),
+        )
+
+    def _gradients(self) -> list[Tensor | None]:
+        """Each layer's ∇W, or None when it has no gradient since the previous ``step()``.
+
+        A gradient is new when backward created or modified it after the previous step wrote
+        (or left) it: the same tensor at the same version counter means no backward reached the
+        layer (conditional computation), or that ``step()`` is being called twice.
+        """
+        grads: list[Tensor | None] = []
+        for layer, seen in zip(self._layers, self._seen, strict=True):
+            weight_grad = layer.math.weight.grad
+            if weight_grad is None or (
+                seen is not None and seen[0]() is weight_grad and seen[1] == weight_grad._version
+            ):
+                grads.append(None)
+            else:
+                grads.append(layer.math.grad_matrix())
+        return grads
+
+    def _norms(self, grads: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+        """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every present gradient is finite.
+
+        The common path is one norm per layer in the layer's working dtype; only when one of them
+        is not finite are those layers re-measured in a form that cannot overflow (the largest
+        entry, then the norm of the gradient divided by it), so a huge finite gradient is never
+        mistaken for a non-finite one. No host synchronisation here.
+        """
+        device = self._layers[0].math.weight.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        norms = torch.stack(
+            [
+                zero if g is None else torch.linalg.vector_norm(g.to(layer.math.dtype)).to(torch.float64)
+                for layer, g in zip(self._layers, grads, strict=True)
+            ]
+        )
+        return norms, torch.isfinite(norms).all()
+
+    def _agree(self, step: int, grads: list[Tensor | None], capturing: list[bool], finite: Tensor) -> _Agreement:
+        """This step's finiteness, layers present and layers with captured rows, identical on every rank.
+
+        One host synchronisation; with P > 1 ranks, one all-reduce of a few flags, every step: the
+        decision to skip or to update is then the same on every rank (docs/design.md, "Reliability").
+        Usage errors (no gradient at all, ``step()`` twice without a backward) raise on every rank.
+        """
+        layers = self._layers
+        present = [g is not None for g in grads]
+        rows = [
+            c and p and any(x.numel() for x, _ in layer.capture.calls())
+            for layer, c, p in zip(layers, capturing, present, strict=True)
+        ]
+        usable = any(present)
+        if self.comm.world_size > 1:
+            device = layers[0].math.weight.device
+            host = torch.tensor([usable, *present, *(not r for r in rows)], dtype=torch.bool, device=device)
+            flags = self.comm.all_true(torch.cat([finite.reshape(1), host])).tolist()
+            all_finite, all_usable = flags[0], flags[1]
+            present = flags[2 : 2 + len(layers)]
+            rows = [not none for none in flags[2 + len(layers) :]]
+        else:
+            all_finite, all_usable = bool(finite.item()) if usable else True, usable
+        if not all_usable:
+            raise RuntimeError(self._no_gradient_message(step, grads, usable))
+        if not all_finite:
+            all_finite = self._recheck(grads)
+        return _Agreement(bool(all_finite), present, rows)
+
+    def _no_gradient_message(self, step: int, grads: list[Tensor | None], usable: bool) -> str:
+        if usable:
+            return f"step {step}: another rank has no gradient for any registered layer; every rank stops here"
+        stale = [layer.name for layer in self._layers if layer.math.weight.grad is not None]
+        names = [layer.name for layer in self._layers]
+        if stale:
+            return (
+                f"step {step}: no gradient has changed since the previous step() (layers {stale[:4]}): "
+                "step() was called twice without a loss.backward() in between"
+            )
+        return f"step {step}: no registered layer has a gradient ({names[:4]}): call step() after loss.backward()"
+
+    def _recheck(self, grads: list[Tensor | None]) -> bool:
+        """After a non-finite norm: whether the gradients are finite, by a test that cannot overflow."""
+        checks = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads if g is not None]
+        local = torch.isfinite(torch.stack(checks)).all()
+        if self.comm.world_size > 1:
+            local = self.comm.all_true(local.reshape(1))[0]
+        return bool(local.item())
+
+    def _run(
         self,
         step: int,
-        kind: str,
-        worked: list[RegisteredLayer],
-        batches: list[LayerBatch],
-        before: dict[str, int],
-        study: dict[str, int],
-    ) -> None:
+        values: _StepValues,
+        grads: list[Tensor | None],
+        norms: Tensor,
+        agreed: _Agreement,
+        is_update: bool,
+        refreshing: bool,
+    ) -> _Outcome:
+        """Everything a step computes, nothing stored on the preconditioner yet (see :meth:`_commit`)."""
+        watch = self._watch
+        if not agreed.finite:
+            self._warn_non_finite(step, grads)
+            return _Outcome("skipped", needs_update=self._needs_update or is_update)
+        present = agreed.present
+        self._policy.trend.observe(norms, torch.tensor(present, device=norms.device))
+        outcome = _Outcome("apply", needs_update=self._needs_update, norms=norms)
+        if is_update or refreshing:
+            capturing = [
+                p and (is_update or layer.name in self._cadence()[1])
+                for layer, p in zip(self._layers, present, strict=True)
+            ]
+            self._warn_no_rows(
+                step, [layer for layer, c, r in zip(self._layers, capturing, agreed.rows, strict=True) if c and not r]
+            )
+            worked = [layer for layer, c, r in zip(self._layers, capturing, agreed.rows, strict=True) if c and r]
+            outcome.worked, outcome.batches = worked, self._batches(worked)
+            watch.lap("capture", [layer.name for layer in worked])
+            if is_update:
+                outcome.kind = "update"
+                self._update(step, values, outcome)
+                outcome.study = self._run_studies(step, values, outcome, grads)
+            elif worked:
+                outcome.kind = "refresh"
+                self._refresh(values, outcome)
+        ready = [
+            (layer, g)
+            for layer, g, p in zip(self._layers, grads, present, strict=True)
+            if p and g is not None and outcome.state_of(layer) is not None
+        ]
+        outcome.written = self._precondition(ready, outcome, values)
+        return outcome
+
+    def _commit(self, step: int, outcome: _Outcome, grads: list[Tensor | None], traffic: dict[str, int]) -> None:
+        """Store what a successful step computed, write the gradients back and record the step."""
+        for layer in self._layers:
+            if layer.name in outcome.states:
+                layer.state = outcome.states[layer.name]
+                layer.owner = outcome.owners.get(layer.name, layer.owner)
+        for decision in outcome.decisions:
+            self._layer_named[decision.layer].solver = decision.solver
+        self.decision_log.extend(outcome.decisions)
+        if outcome.kind == "update":
+            self._updates += 1
+            self._report_fallbacks(step)
+        self._needs_update = outcome.needs_update
+        for layer in self._layers:
+            if layer.name in outcome.written:
+                layer.math.set_grad_matrix(outcome.written[layer.name])
+            weight_grad = layer.math.weight.grad
+            self._seen[self._index[layer.name]] = (
+                None if weight_grad is None else (weakref.ref(weight_grad), weight_grad._version)
+            )
+        self._watch.lap("precondition")
+        self.steps = step + 1
+        if self._recorder is not None:
+            self._recorder.record_decisions(outcome.decisions)
+            if outcome.study is not None:
+                self._recorder.record_rank(step, outcome.study.rank)
+                self._recorder.record_errors(step, outcome.study.errors)
+            if self._recorder.norms is not None and outcome.norms is not None:
+                self._record_norms(step, outcome.norms, outcome.written)
+            self._record(step, outcome, traffic)
+
+    def _warn_non_finite(self, step: int, grads: list[Tensor | None]) -> None:
+        """Say which local layers hold non-finite gradients (silent when a GradScaler expects it)."""
+        if self._grad_scaler is not None and self._grad_scaler.is_enabled():
+            return  # the scaler found infs too: it skips the optimizer step and backs off
+        bad = [
+            layer.name
+            for layer, g in zip(self._layers, grads, strict=True)
+            if g is not None and not bool(torch.isfinite(g).all())
+        ]
+        where = f"in {bad}" if bad else "on another rank"
+        if bad and self.comm.world_size > 1:
+            where += f" on rank {self.comm.rank}"
+        warnings.warn(
+            f"step {step}: non-finite gradients {where}; gradients left unpreconditioned and stored state untouched",
+            stacklevel=5,
+        )
+
+    def _warn_no_rows(self, step: int, layers: list[RegisteredLayer]) -> None:
+        """Warn once per layer that has a gradient but whose hooks captured nothing at an update."""
+        new = [layer.name for layer in layers if layer.name not in self._warned_no_rows]
+        if not new:
+            return
+        self._warned_no_rows.update(new)
+        warnings.warn(
+            f"step {step}: layers {new} have gradients but their hooks captured no rows (is the module "
+            "called in train mode, with autograd enabled, through its own forward?); they keep their "
+            "previous state (unpreconditioned until they have one). Warned once per layer.",
+            stacklevel=5,
+        )
+
+    def _record(self, step: int, outcome: _Outcome, before: dict[str, int]) -> None:
         """Write this step's timing rows (flushing every file after an update)."""
         assert self._recorder is not None
         times = self._watch.finish()
+        study = outcome.study.traffic if outcome.study is not None else {}
         sent = {tag: n - before.get(tag, 0) - study.get(tag, 0) for tag, n in self.comm.bytes_by_tag.items()}
-        self._recorder.record_step(step, kind, times, sum(sent.values()))
-        if kind in ("update", "refresh"):
+        self._recorder.record_step(step, outcome.kind, times, sum(sent.values()))
+        if outcome.kind in ("update", "refresh"):
             self._recorder.record_layers(
                 step,
                 [
@@ -264,7 +502,7 @@ class HyLoPreconditioner:
                         sent.get(layer.name, 0),
                         layer.state.nbytes() if layer.state is not None else 0,
                     )
-                    for layer, batch in zip(worked, batches, strict=True)
+                    for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
                 ],
                 times,
             )
@@ -281,137 +519,151 @@ class HyLoPreconditioner:
         assert trend.ema is not None
         self._recorder.norms.add(step, torch.stack((norms, trend.ema, after)), trend.last_trend, trend.critical)
 
-    def _run_studies(self, step: int, batches: list[LayerBatch], grads: list[Tensor]) -> dict[str, int]:
-        """The rank and gradient-error studies when this update is sampled; returns their traffic by tag."""
-        if self._studies is None or self._recorder is None:
-            return {}
-        index = self._updates - 1
+    def _run_studies(
+        self, step: int, values: _StepValues, outcome: _Outcome, grads: list[Tensor | None]
+    ) -> _Study | None:
+        """The rank and gradient-error studies when this update is sampled, with their traffic by tag."""
+        if self._studies is None or self._recorder is None or not outcome.worked:
+            return None
+        index = self._updates
         rank = "rank" in self.config.studies and index % self.config.rank_every == 0
         grad_error = "grad_error" in self.config.studies and index % self.config.grad_error_every == 0
         if not (rank or grad_error):
-            return {}
+            return None
         before = dict(self.comm.bytes_by_tag)
-        names = [layer.name for layer in self._layers]
-        context = dataclasses.replace(self._context(step, seed=0), watch=DISABLED)  # timed as one "study" lap
-        rank_records, error_records = self._studies.run(step, names, batches, grads, context, rank, grad_error)
-        self._recorder.record_rank(step, rank_records)
-        self._recorder.record_errors(step, error_records)
+        names = [layer.name for layer in outcome.worked]
+        worked_grads = [g for name in names if (g := grads[self._index[name]]) is not None]
+        context = dataclasses.replace(self._context(values, seed=0), watch=DISABLED)  # timed as one "study" lap
+        rank_records, error_records = self._studies.run(
+            step, names, outcome.batches, worked_grads, context, rank, grad_error
+        )
         self._watch.lap("study")
-        return {tag: n - before.get(tag, 0) for tag, n in self.comm.bytes_by_tag.items()}
+        traffic = {tag: n - before.get(tag, 0) for tag, n in self.comm.bytes_by_tag.items()}
+        return _Study(rank_records, error_records, traffic)
 
-    def _gradients(self) -> list[Tensor]:
-        grads = []
-        for layer in self._layers:
-            grad = layer.math.grad_matrix()
-            if grad is None:
-                raise RuntimeError(
-                    f"layer {layer.name!r} has no gradient: call step() after loss.backward() "
-                    "(and do not pass hylo layers that take no part in the loss)"
-                )
-            grads.append(grad)
-        return grads
-
-    def _all_finite(self, norms: Tensor, is_update: bool) -> bool:
-        """One host sync: are all gradients finite (on every rank, on update steps)?"""
-        finite = torch.isfinite(norms).all()
-        if is_update and self.comm.world_size > 1:
-            finite = self.comm.all_true(finite.reshape(1))[0]
-        return bool(finite.item())
-
-    def _batches(self, step: int, layers: list[RegisteredLayer]) -> list[LayerBatch]:
-        """The captured calls of ``layers`` at this step, counted once."""
-        calls = [layer.capture.calls() for layer in layers]
-        missing = [layer.name for layer, c in zip(layers, calls, strict=True) if not c]
-        if missing:
-            raise RuntimeError(
-                f"step {step} captures curvature but the hooks of {missing} never fired: run the "
-                "forward in train mode with autograd enabled, through the module itself, before step()"
-            )
+    def _batches(self, layers: list[RegisteredLayer]) -> list[LayerBatch]:
+        """The captured calls of ``layers`` at this step, counted once (empty where only other ranks have rows)."""
+        grad_scale = 1.0
+        if self._grad_scaler is not None and self._grad_scaler.is_enabled():
+            grad_scale = float(self._grad_scaler.get_scale())
         return [
-            LayerBatch.collect(layer.math, c, self.config.rows_kept) for layer, c in zip(layers, calls, strict=True)
+            LayerBatch.collect(layer.math, layer.capture.calls(), self.config.rows_kept, grad_scale) for layer in layers
         ]
 
-    def _context(self, step: int, seed: int) -> UpdateContext:
-        """The per-update values the solver families read, evaluated at ``step``."""
+    def _context(self, values: _StepValues, seed: int) -> UpdateContext:
+        """The per-update values the solver families read."""
         return UpdateContext(
             rank=self.comm.rank,
-            damping=resolve("damping", self.config.damping, step),
-            factor_decay=resolve("factor_decay", self.config.factor_decay, step),
+            damping=values.damping,
+            factor_decay=values.factor_decay,
             seed=seed,
             kis_estimator=self.config.kis_estimator,
             watch=self._watch,
         )
 
-    def _refresh(self, step: int, layers: list[RegisteredLayer], batches: list[LayerBatch]) -> None:
+    def _refresh(self, values: _StepValues, outcome: _Outcome) -> None:
         """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
-        context = self._context(step, seed=0)  # no draws: a refresh keeps the KIS generator's sequence
+        context = self._context(values, seed=0)  # no draws: a refresh keeps the KIS generator's sequence
         jobs = [
             UpdateJob(layer.name, layer.solver, batch, layer.state)
-            for layer, batch in zip(layers, batches, strict=True)
+            for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
         ]
         result = self._stage.refresh(jobs, context)
         if result.rejected:
             warnings.warn(
-                f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=3
+                f"step {self.steps}: non-finite factors for {result.rejected}; keeping their previous ones",
+                stacklevel=5,
             )
-        for layer in layers:
-            if layer.name not in result.rejected:
-                layer.state = result.states[layer.name]
+        outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
-    def _decide(self, step: int, batches: list[LayerBatch]) -> list[LayerSolver]:
-        """Choose every layer's solver for this update; identical on all ranks."""
+    def _decide(self, step: int, outcome: _Outcome) -> list[LayerSolver]:
+        """Choose the solver of every layer this update works on; identical on all ranks."""
         freq = resolve("update_freq", self.config.update_freq, step)
         world = self.comm.world_size
-        decisions = self._policy.decide(step, [batch.shape(world) for batch in batches], freq, world)
+        batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
+        shapes = [
+            batch_of[layer.name].shape(world)
+            if layer.name in batch_of
+            else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world)
+            for layer in self._layers
+        ]
+        decisions = self._policy.decide(step, shapes, freq, world)
         if world > 1 and self._policy.dynamic:
             key = (CONTROL, "decisions")
             device = self._layers[0].math.weight.device
             encoded = self.comm.broadcast(Payload({key: encode_decisions(decisions, device)}), src=0)[key]
             decisions = decode_decisions(encoded, step, [layer.name for layer in self._layers])
-        for layer, decision in zip(self._layers, decisions, strict=True):
-            layer.solver = decision.solver
-        self.decision_log.extend(decisions)
-        if self._recorder is not None:
-            self._recorder.record_decisions(decisions)
+        outcome.decisions = [decision for decision in decisions if decision.layer in batch_of]
         self._watch.lap("decide")
-        return [decision.solver for decision in decisions]
+        return [decision.solver for decision in outcome.decisions]
 
-    def _update(self, step: int, batches: list[LayerBatch], solvers: list[LayerSolver]) -> None:
-        """Run the update stage and store the new states (non-finite ones rejected)."""
-        context = self._context(step, seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)))
+    def _update(self, step: int, values: _StepValues, outcome: _Outcome) -> None:
+        """Run the update stage on the layers with rows; their new states (non-finite ones rejected) go to ``outcome``."""
+        solvers = self._decide(step, outcome)
+        context = self._context(values, seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)))
         jobs = [
             UpdateJob(layer.name, solver, batch, layer.state)
-            for layer, batch, solver in zip(self._layers, batches, solvers, strict=True)
+            for layer, batch, solver in zip(outcome.worked, outcome.batches, solvers, strict=True)
         ]
+        outcome.needs_update = False
+        if not jobs:
+            return
         result = self._stage.update(jobs, context)
         if result.rejected:
             warnings.warn(
-                f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=3
+                f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state",
+                stacklevel=5,
             )
-        self._needs_update = bool(result.rejected)
-        for layer in self._layers:
-            if layer.name not in result.rejected:
-                layer.state = result.states[layer.name]
-                layer.owner = result.owners[layer.name]
+        outcome.needs_update = bool(result.rejected)
+        for job in jobs:
+            if job.name not in result.rejected:
+                outcome.states[job.name] = result.states[job.name]
+                outcome.owners[job.name] = result.owners[job.name]
 
-    def _precondition(self, grads: list[Tensor], step: int) -> dict[str, Tensor]:
-        """Apply every layer's state (with kl_clip scaling), write the gradients back and return them by layer."""
+    def _precondition(
+        self, ready: list[tuple[RegisteredLayer, Tensor]], outcome: _Outcome, values: _StepValues
+    ) -> dict[str, Tensor]:
+        """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back.
+
+        A layer whose result is not finite although its gradient is (an overflow in the solve's
+        arithmetic) keeps its raw gradient this step; such fallbacks are counted without a host
+        sync and reported at the next update.
+        """
         watch = self._watch
-        triples = self._stage.precondition(self._layers, grads, watch)
-        scale: Tensor | None = None
-        if triples and self.config.kl_clip is not None:
-            kl_clip = resolve("kl_clip", self.config.kl_clip, step)
-            assert self.config.lr is not None
-            lr = resolve("lr", self.config.lr, step)
-            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in triples]).sum().abs() * lr**2
-            scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-            watch.lap("precondition", [layer.name for layer, _, _ in triples])
-        written: dict[str, Tensor] = {}
-        for layer, _, v in triples:
-            written[layer.name] = v if scale is None else v * scale.to(v.dtype)
-            layer.math.set_grad_matrix(written[layer.name])
-            watch.lap("precondition", layer.name)
-        return written
+        if not ready:
+            return {}
+        items = [
+            (layer.name, outcome.state_of(layer), outcome.owners.get(layer.name, layer.owner), grad)
+            for layer, grad in ready
+        ]
+        results = self._stage.precondition(items, watch)  # type: ignore[arg-type]
+        sums = torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready])
+        ok = torch.isfinite(sums)
+        self._fallbacks = self._fallbacks.to(ok.device)
+        self._fallbacks[[self._index[layer.name] for layer, _ in ready]] += (~ok).long()
+        triples = [
+            (layer, grad, torch.where(ok[i], results[layer.name], grad.to(results[layer.name].dtype)))
+            for i, (layer, grad) in enumerate(ready)
+        ]
+        if values.kl_clip is not None:
+            assert values.lr is not None
+            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in triples]).sum().abs() * values.lr**2
+            scale = torch.where(vg > 0, torch.sqrt(values.kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+            triples = [(layer, g, v * scale.to(v.dtype)) for layer, g, v in triples]
+        watch.lap("precondition", [layer.name for layer, _, _ in triples])
+        return {layer.name: v for layer, _, v in triples}
+
+    def _report_fallbacks(self, step: int) -> None:
+        """Warn (at an update, where the host syncs anyway) about layers that fell back to their raw gradient."""
+        counts = self._fallbacks.tolist()
+        if any(counts):
+            self._fallbacks.zero_()
+            listed = {layer.name: c for layer, c in zip(self._layers, counts, strict=True) if c}
+            warnings.warn(
+                f"step {step}: the preconditioned gradient of {listed} (layer: steps) was not finite although "
+                "the gradient was; those steps used the raw gradient. Raise damping?",
+                stacklevel=5,
+            )
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:

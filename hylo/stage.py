@@ -29,7 +29,6 @@ from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.payload import Payload
 from hylo.profiling import DISABLED, Stopwatch
-from hylo.registry import RegisteredLayer
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
@@ -173,24 +172,26 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, layers: Sequence[RegisteredLayer], grads: Sequence[Tensor], watch: Stopwatch = DISABLED
-    ) -> list[tuple[RegisteredLayer, Tensor, Tensor]]:
-        """(layer, ∇W, V̂) for every layer that has a state; owners broadcast under "gradient"."""
-        ready = [(layer, grad) for layer, grad in zip(layers, grads, strict=True) if layer.state is not None]
+        self, items: Sequence[tuple[str, HeldState, int, Tensor]], watch: Stopwatch = DISABLED
+    ) -> dict[str, Tensor]:
+        """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient".
+
+        Every rank must pass the same layers in the same order (the preconditioner agrees on them).
+        """
         results: dict[str, Tensor] = {}
-        for layer, grad in ready:
-            if isinstance(layer.state, LayerState):
-                results[layer.name] = layer.state.precondition(grad)
-                watch.lap("precondition", layer.name)
+        for name, state, _, grad in items:
+            if isinstance(state, LayerState):
+                results[name] = state.precondition(grad)
+                watch.lap("precondition", name)
         if self.strategy == "gradient" and self.comm.world_size > 1:
             for src in range(self.comm.world_size):
-                owned = [(layer.name, grad) for layer, grad in ready if layer.owner == src]
+                owned = [(name, grad) for name, _, owner, grad in items if owner == src]
                 payload = Payload({(name, "grad"): results.get(name, torch.empty_like(grad)) for name, grad in owned})
                 received = self.comm.broadcast(payload, src)
                 results.update((name, received[(name, "grad")]) for name, _ in owned)
                 names = [name for name, _ in owned]
                 watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
-        return [(layer, grad, results[layer.name]) for layer, grad in ready]
+        return results
 
 
 def _payload_bytes(payload: Payload, layers: Sequence[str]) -> list[int]:

@@ -127,18 +127,29 @@ def test_step_before_backward_names_the_layer() -> None:
 
 
 @pytest.mark.parametrize("solver", ["kfac", "sngd"])
-def test_update_step_without_capture_names_the_layer(solver: str) -> None:
+def test_update_step_without_capture_warns_once_and_keeps_the_layer_as_it_was(solver: str) -> None:
+    """A layer with a gradient but no captured rows (run under no_grad here) keeps its state, warned once."""
     model = mlp()
     pre = HyLoPreconditioner(model, solver=solver, update_freq=1)
-    x, y = batch(0)
-    with torch.no_grad():
-        hidden = model.act(model.fc1(x))
-    F.cross_entropy(model.fc2(hidden), y).backward()
-    model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
-    model.fc1.bias.grad = torch.ones_like(model.fc1.bias)
-    with pytest.raises(RuntimeError, match="fc1") as info:
-        pre.step()
-    assert "fc2" not in str(info.value)
+    for step in range(2):
+        model.zero_grad()
+        x, y = batch(step)
+        with torch.no_grad():
+            hidden = model.act(model.fc1(x))
+        F.cross_entropy(model.fc2(hidden), y).backward()
+        model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
+        model.fc1.bias.grad = torch.ones_like(model.fc1.bias)
+        raw = grads(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre.step()
+        messages = [str(w.message) for w in caught]
+        assert len([m for m in messages if "captured no rows" in m]) == (1 if step == 0 else 0)
+        if step == 0:
+            assert "fc1" in messages[0] and "fc2" not in messages[0]
+        assert_same_tensors(grads(model)[:2], raw[:2])  # fc1: no state, gradient as it was
+        assert pre._layers[0].state is None and pre._layers[1].state is not None
+        assert not torch.equal(model.fc2.weight.grad, raw[2])
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
