@@ -21,7 +21,7 @@ from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import CONTROL, Payload
-from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
+from hylo.policy import GradNormTrend, SolverPolicy, decode_decisions, encode_decisions
 from hylo.profiling import DISABLED, Stopwatch
 from hylo.recorder import LayerTiming, Recorder
 from hylo.recording import run_info
@@ -33,10 +33,96 @@ from hylo.stage import UpdateStage
 from hylo.studies import ErrorRecord, RankRecord, StudyRunner
 from hylo.version import __version__
 
-STATE_FORMAT = 1
+#: Format of the ``state_dict`` written now (2: adds ``hylo_version``).
+STATE_FORMAT = 2
+#: Formats ``load_state_dict`` reads.
+READ_FORMATS = (1, 2)
+#: Keys every ``state_dict`` holds (``format`` aside); the others have defaults.
+_REQUIRED_KEYS = ("steps", "needs_update", "generator", "layers")
 #: Decisions kept in ``decision_log`` (oldest dropped first).
 DECISION_LOG_SIZE = 100_000
 _RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
+
+
+def _is_index(value: object) -> bool:
+    """An int ≥ 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_real(value: object) -> bool:
+    """An int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
+    """``ValueError`` naming the first non-finite tensor (a solved state is always finite)."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: state_dict tensor {key!r} is not finite")
+
+
+def _checked_header(state_dict: object) -> Mapping[str, Any]:
+    """``state_dict`` if its format and top-level entries are valid, else ``ValueError``."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"a hylo state_dict is a mapping, got {type(state_dict).__name__}")
+    if "format" not in state_dict:
+        raise ValueError("not a hylo state_dict: it lacks the key 'format'")
+    fmt, version = state_dict["format"], state_dict.get("hylo_version")
+    if not _is_index(fmt) or fmt not in READ_FORMATS:
+        saved_by = f" (saved by hylo {version})" if isinstance(version, str) else ""
+        raise ValueError(
+            f"state_dict has format {fmt!r}{saved_by}; hylo {__version__} reads formats "
+            f"{', '.join(map(str, READ_FORMATS))}: the file may come from a newer hylo"
+        )
+    required = (*_REQUIRED_KEYS, "hylo_version") if fmt >= 2 else _REQUIRED_KEYS
+    for key in required:
+        if key not in state_dict:
+            raise ValueError(f"state_dict (format {fmt}) lacks the key {key!r}")
+    if "hylo_version" in state_dict and not isinstance(version, str):
+        raise ValueError(f"state_dict's hylo_version is not a string: {version!r}")
+    if not _is_index(state_dict["steps"]):
+        raise ValueError(f"state_dict's steps must be an int >= 0, got {state_dict['steps']!r}")
+    if not _is_index(state_dict.get("updates", 0)):
+        raise ValueError(f"state_dict's updates must be an int >= 0, got {state_dict['updates']!r}")
+    if not isinstance(state_dict["needs_update"], bool):
+        raise ValueError(f"state_dict's needs_update must be a bool, got {state_dict['needs_update']!r}")
+    if not isinstance(state_dict["generator"], Tensor):
+        raise ValueError(f"state_dict's generator must be a tensor, got {type(state_dict['generator']).__name__}")
+    layers = state_dict["layers"]
+    if not isinstance(layers, Mapping) or not all(isinstance(name, str) for name in layers):
+        raise ValueError("state_dict's layers must be a mapping from layer names to entries")
+    if not isinstance(state_dict.get("config", {}), Mapping):
+        raise ValueError("state_dict's config must be a mapping")
+    rank, world = state_dict.get("rank", 0), state_dict.get("world_size", 1)
+    if not (_is_index(rank) and _is_index(world) and rank < world):
+        raise ValueError(f"state_dict's rank {rank!r} and world_size {world!r} are not a rank of a world")
+    return state_dict
+
+
+def _checked_trend(state: object, current: GradNormTrend, n: int, device: torch.device) -> GradNormTrend:
+    """A new trend like ``current`` loaded from ``state`` and checked against ``n`` layers (else ``ValueError``)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state_dict's trend is not a mapping: {type(state).__name__}")
+    trend = type(current)(n, current.decay, current.window, current.enter, current.exit, current.z)
+    try:
+        trend.load_state_dict(dict(state), device)
+    except Exception as err:  # noqa: BLE001 - any failure to read it means the entry is invalid
+        raise ValueError(f"state_dict's trend is invalid: {type(err).__name__}: {err}") from err
+    problems = []
+    if trend.moments is not None and (tuple(trend.moments.shape) != (2, n) or not trend.moments.isfinite().all()):
+        problems.append(f"EMAs of shape {tuple(trend.moments.shape)} (expected {n} finite values each)")
+    if len(trend.critical) != n or not all(isinstance(c, bool) for c in trend.critical):
+        problems.append(f"critical flags {trend.critical!r}")
+    for key, values in (("last_trend", trend.last_trend), ("last_noise", trend.last_noise)):
+        if len(values) != n or not all(v is None or _is_real(v) for v in values):
+            problems.append(f"{key} {values!r}")
+    for entry in trend.history:
+        if any(len(values) != n or not all(_is_real(v) for v in values) for values in entry[1:]):
+            problems.append(f"history entry of step {entry[0]}")
+            break
+    if problems:
+        raise ValueError(f"state_dict's trend does not fit {n} layers: {'; '.join(problems)}")
+    return trend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,12 +823,13 @@ class HyLoPreconditioner:
             }
             if isinstance(layer.state, RemoteState):
                 entry["remote"] = True  # solved on layer.owner: only what the next update builds on is here
-                entry["carried"] = dict(layer.state.carried())
+                entry["carried"] = {k: v.detach().clone() for k, v in layer.state.carried().items()}
             elif layer.state is not None:
                 entry.update(layer.state.to_dict())
             layers[layer.name] = entry
         return {
             "format": STATE_FORMAT,
+            "hylo_version": __version__,
             "steps": self.steps,
             "needs_update": self._needs_update,
             "generator": self._generator.get_state(),
@@ -755,72 +842,115 @@ class HyLoPreconditioner:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a ``state_dict``; raises ``ValueError`` (changing nothing) if it does not fit this model."""
-        if state_dict.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a hylo state_dict of format {STATE_FORMAT} (got format {state_dict.get('format')!r})"
-            )
-        saved = state_dict["layers"]
+        """Restore a ``state_dict``, possibly saved at another world size or rank.
+
+        Everything is checked before anything changes: a state that does not fit raises
+        ``ValueError`` and leaves this preconditioner as it was. Full layer states load
+        anywhere; a ``remote`` entry (``strategy="gradient"``) is exact only on the rank that
+        saved it, in a world of the same size — elsewhere the layer is recomputed at the next
+        step (keeping what it carries, e.g. K-FAC's running factors). An owner outside this
+        world is reset to 0 (the next update assigns owners anew).
+        """
+        sd = _checked_header(state_dict)
+        world, rank = self.comm.world_size, self.comm.rank
+        saved = sd["layers"]
         names = [layer.name for layer in self._layers]
-        missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+        missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names), key=str)
         if missing or unexpected:
             raise ValueError(f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}")
-        restored = {layer.name: self._restore(layer, saved[layer.name]) for layer in self._layers}
-        config = dict(state_dict.get("config", {}))
+        own_file = (sd.get("rank"), sd.get("world_size")) == (rank, world) and self.config.strategy == "gradient"
+        restored = {layer.name: self._restore(layer, saved[layer.name], own_file) for layer in self._layers}
+
+        config = sd.get("config", {})
         if config.get("solver", self.config.solver) != self.config.solver:
             raise ValueError(
                 f"state_dict was made with solver={config['solver']!r}, this preconditioner uses {self.config.solver!r}"
             )
+        overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
+        try:
+            new_config = dataclasses.replace(self.config, **overrides)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"state_dict's config does not apply: {err}") from err
         generator = torch.Generator()
         try:
-            generator.set_state(state_dict["generator"])
-        except (KeyError, TypeError, RuntimeError) as err:
+            generator.set_state(sd["generator"])
+        except (TypeError, RuntimeError, ValueError) as err:
             raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
-        overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
-        self.config = dataclasses.replace(self.config, **overrides)
-        self._policy.config = self.config
-        # A remote layer is exact only in the file its own rank saved, in a world of the same size.
-        own_file = (state_dict.get("rank"), state_dict.get("world_size")) == (self.comm.rank, self.comm.world_size)
-        missing_state = False
+        trend = None
+        if "trend" in sd:
+            trend = _checked_trend(
+                sd["trend"], self._policy.trend, len(self._layers), self._layers[0].math.weight.device
+            )
+
+        # ---- everything fits: apply (nothing below raises)
+        self.config = new_config
+        self._policy.config = new_config
+        recompute = False
         for layer in self._layers:
-            entry = saved[layer.name]
-            layer.solver, layer.state = restored[layer.name]
-            layer.owner = int(entry.get("owner", 0))
-            if entry.get("remote") and not (isinstance(layer.state, RemoteState) and own_file):
-                layer.state, missing_state = None, True  # the owner's state is not on its rank: recompute
-        self.steps = int(state_dict["steps"])
-        self._updates = int(state_dict.get("updates", 0))
-        self._needs_update = bool(state_dict["needs_update"]) or missing_state
-        self._agree_after_load = self.comm.world_size > 1
+            layer.solver, layer.state, layer.owner, missing_state = restored[layer.name]
+            recompute = recompute or missing_state
+        self.steps = sd["steps"]
+        self._updates = sd.get("updates", 0)
+        self._needs_update = sd["needs_update"] or recompute
+        self._agree_after_load = world > 1
         self._capture_cache = (-1, False, frozenset())
         self._generator = generator
-        if "trend" in state_dict:
-            self._policy.trend.load_state_dict(state_dict["trend"], self._layers[0].math.weight.device)
+        if trend is not None:
+            self._policy.trend = trend
 
-    def _restore(self, layer: RegisteredLayer, entry: Mapping[str, Any]) -> tuple[SolverName, HeldState | None]:
-        """A saved layer entry checked against ``layer``: its solver and state (``ValueError`` if it does not fit)."""
-        m = layer.math
+    def _restore(
+        self, layer: RegisteredLayer, entry: Any, own_file: bool
+    ) -> tuple[SolverName, HeldState | None, int, bool]:
+        """A saved layer entry checked against ``layer``: (solver, state, owner, must recompute).
+
+        ``own_file``: saved by this rank in a world of this size under ``"gradient"``, so a
+        remote entry is exactly what this rank held. ``ValueError`` if the entry does not fit.
+        """
+        m, where = layer.math, f"layer {layer.name!r}"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: state_dict entry is not a mapping but {type(entry).__name__}")
+        for key in ("d_a", "d_g", "solver"):
+            if key not in entry:
+                raise ValueError(f"{where}: state_dict entry lacks {key!r}")
+        if not (_is_index(entry["d_a"]) and _is_index(entry["d_g"])):
+            raise ValueError(f"{where}: state_dict has non-integer shape (d_g={entry['d_g']!r}, d_a={entry['d_a']!r})")
         if (entry["d_a"], entry["d_g"]) != (m.d_a, m.d_g):
             raise ValueError(
-                f"layer {layer.name!r}: state_dict has shape (d_g={entry['d_g']}, d_a={entry['d_a']}), "
+                f"{where}: state_dict has shape (d_g={entry['d_g']}, d_a={entry['d_a']}), "
                 f"model has (d_g={m.d_g}, d_a={m.d_a})"
             )
         solver = entry["solver"]
-        if solver not in SOLVER_NAMES:
-            raise ValueError(f"layer {layer.name!r}: state_dict names an unknown solver {solver!r}")
-        if entry.get("remote"):
+        if not isinstance(solver, str) or solver not in SOLVER_NAMES:
+            raise ValueError(f"{where}: state_dict names an unknown solver {solver!r}")
+        owner = entry.get("owner", 0)
+        if not _is_index(owner):
+            raise ValueError(f"{where}: state_dict's owner {owner!r} is not a rank")
+        remote = entry.get("remote", False)
+        if not isinstance(remote, bool):
+            raise ValueError(f"{where}: state_dict's remote mark {remote!r} is not a bool")
+        in_world = owner < self.comm.world_size
+        if remote:
             carried = entry.get("carried")
-            if carried is None or int(entry.get("owner", 0)) == self.comm.rank:
-                return solver, None
-            if not (isinstance(carried, Mapping) and all(isinstance(t, Tensor) for t in carried.values())):
-                raise ValueError(f"layer {layer.name!r}: state_dict's carried tensors are not a dict of tensors")
-            moved = {str(k): t.to(m.weight.device) for k, t in carried.items()}
-            return solver, RemoteState(family_of(solver).name, moved)
+            if carried is not None and not (
+                isinstance(carried, Mapping) and all(isinstance(t, Tensor) for t in carried.values())
+            ):
+                raise ValueError(f"{where}: state_dict's carried tensors are not a dict of tensors")
+            moved = {str(k): t.to(m.weight.device) for k, t in (carried or {}).items()}
+            _check_finite(where, moved)
+            try:
+                state = RemoteState(family_of(solver).name, moved)
+            except ValueError:  # "hybrid": nothing was solved for it
+                return solver, None, owner if in_world else 0, True
+            exact = own_file and carried is not None and in_world and owner != self.comm.rank
+            # elsewhere the owner's state is not on its rank: recompute, building on what the layer carries
+            return solver, state if exact or moved else None, owner if in_world else 0, not exact
         if "tensors" not in entry:
-            return solver, None
+            return solver, None, owner if in_world else 0, False
         try:
-            return solver, family_of(solver).state_from_dict(entry, m.d_a, m.d_g, m.weight.device)
+            full = family_of(solver).state_from_dict(entry, m.d_a, m.d_g, m.weight.device)
         except KeyError as err:
-            raise ValueError(f"layer {layer.name!r}: state_dict entry lacks {err}") from err
-        except ValueError as err:
-            raise ValueError(f"layer {layer.name!r}: {err}") from err
+            raise ValueError(f"{where}: state_dict entry lacks {err}") from err
+        except (ValueError, TypeError, AttributeError, RuntimeError) as err:
+            raise ValueError(f"{where}: {err}") from err
+        _check_finite(where, full.tensors())
+        return solver, full, owner if in_world else 0, False
