@@ -37,6 +37,8 @@ from hylo.version import __version__
 STATE_FORMAT = 2
 #: Formats ``load_state_dict`` reads.
 READ_FORMATS = (1, 2)
+#: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
+UNSOLVED = -1
 #: Keys every ``state_dict`` holds (``format`` aside); the others have defaults.
 _REQUIRED_KEYS = ("steps", "needs_update", "generator", "layers")
 #: Decisions kept in ``decision_log`` (oldest dropped first).
@@ -135,7 +137,8 @@ class LayerInfo:
     d_g: int
     bias: bool
     solver: SolverName
-    #: The rank that solved the layer's current state (0 before the first update).
+    #: The rank that solved the layer's current state (0 before the first update; -1 while only its
+    #: carried statistics are held, after a checkpoint from another world size, until the next update).
     owner: int
 
 
@@ -501,10 +504,18 @@ class HyLoPreconditioner:
         ready = [
             (layer, g)
             for layer, g, p in zip(self._layers, grads, present, strict=True)
-            if p and g is not None and outcome.state_of(layer) is not None
+            if p and g is not None and self._solved(layer, outcome)
         ]
         outcome.written = self._precondition(ready, outcome, values)
         return outcome
+
+    def _solved(self, layer: RegisteredLayer, outcome: _Outcome) -> bool:
+        """Whether the layer's state after this step can precondition: solved here, or by its owner under "gradient"."""
+        state = outcome.state_of(layer)
+        if isinstance(state, RemoteState):
+            owner = outcome.owners.get(layer.name, layer.owner)
+            return self.config.strategy == "gradient" and self.comm.world_size > 1 and owner != UNSOLVED
+        return state is not None
 
     def _commit(self, step: int, outcome: _Outcome, grads: list[Tensor | None], traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
@@ -923,12 +934,12 @@ class HyLoPreconditioner:
         if not isinstance(solver, str) or solver not in SOLVER_NAMES:
             raise ValueError(f"{where}: state_dict names an unknown solver {solver!r}")
         owner = entry.get("owner", 0)
-        if not _is_index(owner):
+        if not (_is_index(owner) or owner == UNSOLVED):
             raise ValueError(f"{where}: state_dict's owner {owner!r} is not a rank")
         remote = entry.get("remote", False)
         if not isinstance(remote, bool):
             raise ValueError(f"{where}: state_dict's remote mark {remote!r} is not a bool")
-        in_world = owner < self.comm.world_size
+        in_world = 0 <= owner < self.comm.world_size
         if remote:
             carried = entry.get("carried")
             if carried is not None and not (
@@ -942,8 +953,10 @@ class HyLoPreconditioner:
             except ValueError:  # "hybrid": nothing was solved for it
                 return solver, None, owner if in_world else 0, True
             exact = own_file and carried is not None and in_world and owner != self.comm.rank
+            if exact:
+                return solver, state, owner, False
             # elsewhere the owner's state is not on its rank: recompute, building on what the layer carries
-            return solver, state if exact or moved else None, owner if in_world else 0, not exact
+            return solver, state if moved else None, UNSOLVED, True
         if "tensors" not in entry:
             return solver, None, owner if in_world else 0, False
         try:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 import hylo
 from hylo import HyLoPreconditioner
-from hylo.preconditioner import READ_FORMATS, STATE_FORMAT
+from hylo.preconditioner import READ_FORMATS, STATE_FORMAT, UNSOLVED
 from hylo.solvers import LayerState, RemoteState
 from tests.kit.checks import assert_same_tensors, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
@@ -104,7 +104,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "entry-without-solver": (_layer("fc2", "solver"), "solver"),
     "entry-d_a-str": (_set(("layers", "fc2", "d_a"), "7"), "fc2"),
     "entry-unknown-solver": (_set(("layers", "fc2", "solver"), "adam"), "solver"),
-    "entry-owner-negative": (_set(("layers", "fc2", "owner"), -1), "owner"),
+    "entry-owner-negative": (_set(("layers", "fc2", "owner"), -2), "owner"),
     "entry-tensors-not-tensors": (_set(("layers", "fc2", "tensors"), {"a": [1.0]}), "fc2"),
     "entry-nan-tensor": (_nan_tensor, "finite"),
     "entry-carried-not-tensors": (
@@ -239,7 +239,7 @@ def test_owner_outside_the_world_is_reset(solver: str) -> None:
 
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "negative-control-without-carried"])
 def test_remote_entry_of_another_rank_is_recomputed_from_its_carried_factors(carry: bool) -> None:
-    """A remote K-FAC entry (owner 3 of 4) loaded in one process: owner 0, and the next step (2, off the
+    """A remote K-FAC entry (owner 3 of 4) loaded in one process: no owner yet, and the next step (2, off the
     cadence) recomputes, blending the carried running factors — as a run that updates at step 2 does."""
     options = {"solver": "kfac", "damping": 0.1, "factor_decay": 0.5}
     model = mlp(0)  # run() without an optimizer: the weights stay as they are
@@ -257,7 +257,7 @@ def test_remote_entry_of_another_rank_is_recomputed_from_its_carried_factors(car
     pre2 = HyLoPreconditioner(model2, update_freq=3, **options)
     pre2.load_state_dict(saved)
     fc2 = pre2._layers[1]
-    assert fc2.owner == 0 and pre2._needs_update
+    assert fc2.owner == UNSOLVED and pre2._needs_update
     assert isinstance(fc2.state, RemoteState) if carry else fc2.state is None
     run(model2, pre2, [2])
     assert [d.step for d in pre2.decision_log] == [2, 2]
@@ -357,7 +357,9 @@ def test_state_saved_at_one_world_size_loads_at_another(
     assert [s for s, u in oracle["updated"].items() if u] == ([0, 3, 4, 6] if recomputes else [0, 3, 6])
     for rank, result in enumerate(second):
         assert result["finite"]
-        assert all(0 <= owner < loaded_at for owner in result["owners"])
+        # a recomputed layer has no owner until its first update; the others are owned inside the new world
+        for name, owner in zip(checkpoint["hylo"]["layers"], result["owners"], strict=True):
+            assert owner == UNSOLVED if name in remote else 0 <= owner < loaded_at, (name, owner)
         assert result["updated"] == {s: oracle["updated"][s] for s in range(SAVE_AT, STEPS)}, rank
         for step in range(SAVE_AT, STEPS):
             assert rel_err(result["raw"][step], oracle["raw"][step]) < 1e-10, (rank, step)
