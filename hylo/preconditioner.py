@@ -159,6 +159,8 @@ class _Agreement:
     finite: bool
     present: list[bool]
     rows: list[bool]
+    #: Each layer's ‖∇W‖ in float64 (0 where absent), re-measured without overflow where needed.
+    norms: Tensor
 
 
 @dataclasses.dataclass
@@ -353,11 +355,11 @@ class HyLoPreconditioner:
             grads = self._gradients()
             capturing = [is_update or layer.name in refreshing for layer in self._layers]
             norms, finite = self._norms(grads)
-            agreed = self._agree(step, grads, capturing, finite)
+            agreed = self._agree(step, grads, capturing, norms, finite)
             watch.lap("check")
             generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
             try:
-                outcome = self._run(step, values, grads, norms, agreed, is_update, bool(refreshing))
+                outcome = self._run(step, values, grads, agreed, is_update, bool(refreshing))
             except BaseException:
                 self._generator.set_state(generator)
                 self._policy.trend.restore(trend)
@@ -416,7 +418,9 @@ class HyLoPreconditioner:
         )
         return norms, torch.isfinite(norms).all()
 
-    def _agree(self, step: int, grads: list[Tensor | None], capturing: list[bool], finite: Tensor) -> _Agreement:
+    def _agree(
+        self, step: int, grads: list[Tensor | None], capturing: list[bool], norms: Tensor, finite: Tensor
+    ) -> _Agreement:
         """This step's finiteness, layers present and layers with captured rows, identical on every rank.
 
         One host synchronisation; with P > 1 ranks, one all-reduce of a few flags, every step: the
@@ -432,45 +436,57 @@ class HyLoPreconditioner:
         usable = any(present)
         if self.comm.world_size > 1:
             device = layers[0].math.weight.device
-            host = torch.tensor([usable, *present, *(not r for r in rows)], dtype=torch.bool, device=device)
-            flags = self.comm.all_true(torch.cat([finite.reshape(1), host])).tolist()
+            local = torch.tensor([usable, *present, *(not r for r in rows)], dtype=torch.bool, device=device)
+            flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
             all_finite, all_usable = flags[0], flags[1]
             present = flags[2 : 2 + len(layers)]
             rows = [not none for none in flags[2 + len(layers) :]]
         else:
             all_finite, all_usable = bool(finite.item()) if usable else True, usable
         if not all_usable:
-            raise RuntimeError(self._no_gradient_message(step, grads, usable))
-        if not all_finite:
-            all_finite = self._recheck(grads)
-        return _Agreement(bool(all_finite), present, rows)
+            raise RuntimeError(self._no_gradient_message(step, usable))
+        if not all_finite:  # rare: re-measure in a form that cannot overflow, then agree again
+            norms, all_finite = self._safe_norms(grads)
+        return _Agreement(bool(all_finite), present, rows, norms)
 
-    def _no_gradient_message(self, step: int, grads: list[Tensor | None], usable: bool) -> str:
+    def _no_gradient_message(self, step: int, usable: bool) -> str:
         if usable:
             return f"step {step}: another rank has no gradient for any registered layer; every rank stops here"
         stale = [layer.name for layer in self._layers if layer.math.weight.grad is not None]
-        names = [layer.name for layer in self._layers]
         if stale:
             return (
                 f"step {step}: no gradient has changed since the previous step() (layers {stale[:4]}): "
                 "step() was called twice without a loss.backward() in between"
             )
+        names = [layer.name for layer in self._layers]
         return f"step {step}: no registered layer has a gradient ({names[:4]}): call step() after loss.backward()"
 
-    def _recheck(self, grads: list[Tensor | None]) -> bool:
-        """After a non-finite norm: whether the gradients are finite, by a test that cannot overflow."""
-        checks = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads if g is not None]
-        local = torch.isfinite(torch.stack(checks)).all()
+    def _safe_norms(self, grads: list[Tensor | None]) -> tuple[Tensor, bool]:
+        """Norms (float64) and finiteness of every gradient from its largest entry m and ‖∇W/m‖·m, which
+        cannot overflow before the final product; agreed over ranks (one more collective, on this path only)."""
+        device = self._layers[0].math.weight.device
+        norms, finite = [], []
+        for g in grads:
+            if g is None:
+                norms.append(torch.zeros((), dtype=torch.float64, device=device))
+                finite.append(torch.ones((), dtype=torch.bool, device=device))
+                continue
+            largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
+            ok = torch.isfinite(largest)
+            tiny = torch.finfo(torch.float64).tiny
+            scaled = torch.linalg.vector_norm(g.to(torch.float64) / largest.clamp_min(tiny))
+            norms.append(torch.where(ok, scaled * largest, largest))
+            finite.append(ok)
+        agreed = torch.stack(finite).all()
         if self.comm.world_size > 1:
-            local = self.comm.all_true(local.reshape(1))[0]
-        return bool(local.item())
+            agreed = self.comm.all_true(agreed.reshape(1))[0]
+        return torch.stack(norms), bool(agreed.item())
 
     def _run(
         self,
         step: int,
         values: _StepValues,
         grads: list[Tensor | None],
-        norms: Tensor,
         agreed: _Agreement,
         is_update: bool,
         refreshing: bool,
@@ -481,6 +497,7 @@ class HyLoPreconditioner:
             self._warn_non_finite(step, grads)
             return _Outcome("skipped", needs_update=self._needs_update or is_update)
         present = agreed.present
+        norms = agreed.norms
         self._policy.trend.observe(norms, torch.tensor(present, device=norms.device))
         outcome = _Outcome("apply", needs_update=self._needs_update, norms=norms)
         if is_update or refreshing:

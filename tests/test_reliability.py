@@ -1,0 +1,480 @@
+"""Reliability (docs/design.md, "Reliability"): what ``step()`` does with hostile input, one regression test per defect.
+
+- Singular or non-finite SMW matrices never raise: the jitter ladder, else the layer keeps its state.
+- Huge but finite gradients are finite; non-finite ones are named, on the rank that has them.
+- ``step()`` twice without a backward raises on update and non-update steps alike, changing nothing.
+- A step that raises changes nothing (step count, states, gradients, generator, trend).
+- Conditional computation: layers without a gradient are skipped, layers without rows keep their state.
+- ``torch.amp.GradScaler``: captured output gradients are unscaled; a step the scaler rejects is skipped.
+- With P ranks, every step's skip/update decision is agreed (a NaN on one rank between updates).
+
+The oracles are dense solves on the model's true per-sample gradients (tests/kit/reference.py) or a
+second, unperturbed run of the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo import HyLoPreconditioner
+from hylo.numerics import cholesky_many, spd_inverse_many
+from hylo.solvers import LayerState
+from tests.kit.checks import assert_same_tensors, grad_matrix, grads, rel_err, state_snapshot
+from tests.kit.harness import run_distributed
+from tests.kit.models import backward, batch, mlp, run
+from tests.kit.reference import dense_natural_gradient, per_sample_matrices
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SOLVERS = ("kfac", "sngd", "kid", "kis")
+
+
+def _step_quietly(pre: HyLoPreconditioner) -> list[str]:
+    """``pre.step()``, returning the messages of the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre.step()
+    return [str(w.message) for w in caught]
+
+
+# --------------------------------------------------------------------------- 1. solves never raise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_singular_matrix_gets_a_regularised_inverse_and_leaves_its_group_alone(dtype: torch.dtype) -> None:
+    """The reported repro (rank one; Cholesky fails) batched with a healthy matrix of the same shape."""
+    singular = torch.ones(4, 4, dtype=dtype) + 1e-12 * torch.eye(4, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 4, generator=gen, dtype=dtype)
+    healthy = base @ base.mT + torch.eye(4, dtype=dtype)
+    inverses = spd_inverse_many([singular, healthy])
+    assert torch.isfinite(inverses[0]).all() and torch.equal(inverses[0], inverses[0].mT)
+    torch.testing.assert_close(inverses[1], torch.linalg.inv(healthy))
+    exact = torch.ones(4, 4, dtype=torch.float64)  # singular in any precision: only the ladder factors it
+    (regularised,) = spd_inverse_many([exact])
+    # a generalised inverse on the range of the matrix (M X M = M), to the ladder's first jitter
+    torch.testing.assert_close(exact @ regularised @ exact, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_matrix_gives_a_nan_inverse_and_factor_instead_of_raising(bad: float) -> None:
+    broken = torch.full((3, 3), bad)
+    inverse, identity = spd_inverse_many([broken, torch.eye(3)])
+    assert torch.isnan(inverse).all()
+    torch.testing.assert_close(identity, torch.eye(3))
+    (factor,) = cholesky_many([broken])
+    assert torch.isnan(factor).all()
+
+
+def _duplicated_rows_model() -> tuple[nn.Module, Tensor, Tensor]:
+    """Linear(20, 32)-ReLU-Linear(32, 4) and 64 rows drawn with replacement from 16 (the reported repro)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(20, 32), act=nn.ReLU(), fc2=nn.Linear(32, 4)))
+    gen = torch.Generator().manual_seed(1)
+    pool_x, pool_y = torch.randn(16, 20, generator=gen), torch.randn(16, 4, generator=gen)
+    index = torch.randint(0, 16, (64,), generator=gen)
+    return model, pool_x[index], pool_y[index]
+
+
+@pytest.mark.parametrize(
+    ("solver", "options"), [("sngd", {}), ("kid", {"rank_ratio": 0.5}), ("kis", {"rank_ratio": 0.25})]
+)
+@pytest.mark.parametrize("damping", [0.01, 0.1])
+def test_duplicated_rows_with_a_sum_loss_never_raise(solver: str, options: dict[str, Any], damping: float) -> None:
+    """float32, 64 rows with duplicates, mse with reduction="sum" (the reported repro; KIS also draws
+    duplicates): the SMW matrix is singular in float32. Every step succeeds with finite states and
+    gradients, and the layers are updated (not rejected)."""
+    model, x, y = _duplicated_rows_model()
+    pre = HyLoPreconditioner(model, solver=solver, damping=damping, update_freq=1, **options)
+    for _ in range(3):
+        before = [layer.state for layer in pre._layers]
+        model.zero_grad()
+        F.mse_loss(model(x), y, reduction="sum").backward()
+        assert not _step_quietly(pre)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        for layer, old in zip(pre._layers, before, strict=True):
+            assert isinstance(layer.state, LayerState) and layer.state is not old
+            assert all(torch.isfinite(t).all() for t in layer.state.tensors().values())
+
+
+# --------------------------------------------------------------------------- 2. non-finite curvature
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_overflowing_curvature_keeps_the_previous_state(solver: str) -> None:
+    """Inputs ×1e20 in float32: gradients stay finite, the kernel and factors overflow. Every layer whose
+    curvature is not finite keeps its previous state (a warning names it); the output is finite."""
+    model = mlp(dtype=torch.float32)
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=1, damping=0.1, rank_ratio=0.5)
+    x, y = batch(0)
+    F.cross_entropy(model(x.float()), y).backward()
+    pre.step()
+    states = {layer.name: layer.state for layer in pre._layers}
+    model.zero_grad()
+    x, y = batch(1)
+    F.cross_entropy(model(x.float() * 1e20), y).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    messages = _step_quietly(pre)
+    assert any("non-finite curvature" in m and "fc1" in m for m in messages), messages
+    assert pre._layers[0].state is states["fc1"]
+    assert pre._needs_update
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.zero_grad()
+    x, y = batch(2)
+    F.cross_entropy(model(x.float()), y).backward()
+    assert not _step_quietly(pre)
+    assert pre._layers[0].state is not states["fc1"] and not pre._needs_update
+
+
+# --------------------------------------------------------------------------- 6. finiteness that cannot overflow
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_huge_finite_gradients_are_preconditioned_not_skipped(solver: str) -> None:
+    """Gradients ×1e25 (float32 norm overflows): not 'non-finite'; the stored state is applied."""
+    model = mlp(dtype=torch.float32)
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=1.0)
+    model.zero_grad()
+    F.cross_entropy(model(batch(0)[0].float()), batch(0)[1]).backward()
+    pre.step()
+    model.zero_grad()
+    F.cross_entropy(model(batch(1)[0].float()), batch(1)[1]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.mul_(1e25)
+    raw = [layer.math.grad_matrix().clone() for layer in pre._layers]
+    assert not torch.isfinite(torch.linalg.vector_norm(raw[0]))  # the old check's overflow
+    messages = _step_quietly(pre)
+    assert not messages
+    for layer, g in zip(pre._layers, raw, strict=True):
+        assert isinstance(layer.state, LayerState)
+        expected = layer.state.precondition(g)
+        assert torch.isfinite(expected).all()
+        torch.testing.assert_close(layer.math.grad_matrix(), expected, rtol=0, atol=0)
+    assert pre._policy.trend.ema is not None and torch.isfinite(pre._policy.trend.ema).all()
+
+
+def test_non_finite_warning_names_the_local_layer() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=1)
+    model.zero_grad()
+    backward(model, 0)
+    model.fc2.bias.grad[0] = float("nan")
+    (message,) = _step_quietly(pre)
+    assert "['fc2']" in message and "another rank" not in message and "rank 0" not in message
+
+
+# --------------------------------------------------------------------------- 7. step() twice
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize("second_at", [0, 1], ids=["update-step", "between-updates"])
+def test_step_twice_without_backward_raises_and_changes_nothing(solver: str, second_at: int) -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=2)
+    run(model, pre, range(second_at + 1))
+    snapshot, raw, steps = state_snapshot(pre), grads(model), pre.steps
+    with pytest.raises(RuntimeError, match="twice"):
+        pre.step()
+    assert pre.steps == steps
+    assert_same_tensors(state_snapshot(pre), snapshot)
+    assert_same_tensors(grads(model), raw)
+    # a backward that accumulates into the same tensors counts as new (zero_grad(set_to_none=False))
+    model.zero_grad(set_to_none=False)
+    backward(model, 5)
+    pre.step()
+    assert pre.steps == steps + 1
+
+
+# --------------------------------------------------------------------------- 8. atomic steps
+def _lr_nan_for_kl_clip(fail: bool) -> dict[str, Any]:
+    """The reported repro: an lr callable returning NaN (read by kl_clip) at step 3."""
+    return {"solver": "kfac", "kl_clip": 1e-3, "lr": _once(3, 0.1, float("nan") if fail else None)}
+
+
+def _damping_nan_at_update(fail: bool) -> dict[str, Any]:
+    return {"solver": "sngd", "damping": _once(2, 0.5, float("nan") if fail else None)}
+
+
+def _solver_fn_raises_at_update(fail: bool) -> dict[str, Any]:
+    failed: list[int] = []
+
+    def choose(name: str, step: int, stats: Any) -> str:
+        if fail and step == 2 and not failed:
+            failed.append(step)
+            raise ValueError("solver_fn refused")
+        return "kid" if step % 4 == 0 else "kis"
+
+    return {"solver": "hybrid", "solver_fn": choose, "rank_ratio": 0.5}
+
+
+def _once(at: int, good: float, bad: float | None) -> Callable[[int], float]:
+    """A hyperparameter callable that returns ``bad`` (if any) the first time it sees step ``at``."""
+    failed: list[int] = []
+
+    def value(step: int) -> float:
+        if bad is not None and step == at and not failed:
+            failed.append(step)
+            return bad
+        return good
+
+    return value
+
+
+@pytest.mark.parametrize(
+    ("make", "fail_at"),
+    [(_lr_nan_for_kl_clip, 3), (_damping_nan_at_update, 2), (_solver_fn_raises_at_update, 2)],
+    ids=["lr-nan-for-kl-clip", "damping-nan-at-update", "solver-fn-raises-at-update"],
+)
+def test_failed_step_changes_nothing_and_the_run_continues_identically(
+    make: Callable[[bool], dict[str, Any]], fail_at: int
+) -> None:
+    """The failing step leaves every state, the step count, the gradients, the KIS generator and the
+    trend as they were; retrying it gives exactly what a run that never failed gives."""
+    model, twin = mlp(), mlp()
+    pre = HyLoPreconditioner(model, update_freq=2, **make(True))
+    reference = HyLoPreconditioner(twin, update_freq=2, **make(False))
+    run(model, pre, range(fail_at))
+    model.zero_grad()
+    backward(model, fail_at)
+    trend = pre._policy.trend
+    before = (state_snapshot(pre), grads(model), pre.steps, pre._generator.get_state(), trend.snapshot())
+    with pytest.raises(ValueError):
+        pre.step()
+    assert pre.steps == before[2]
+    assert_same_tensors(state_snapshot(pre), before[0])
+    assert_same_tensors(grads(model), before[1])
+    assert torch.equal(pre._generator.get_state(), before[3])
+    assert trend.moments is before[4][0] and list(trend.history) == list(before[4][1])
+    assert (trend.critical, trend.last_trend) == (before[4][2], before[4][3])
+    # retry (a fresh forward/backward, since a failed step drops its captures), then go on
+    run(model, pre, range(fail_at, fail_at + 4))
+    run(twin, reference, range(fail_at + 4))
+    assert_same_tensors(grads(model), grads(twin))
+    assert_same_tensors(state_snapshot(pre), state_snapshot(reference))
+    assert [(d.step, d.layer, d.solver) for d in pre.decision_log] == [
+        (d.step, d.layer, d.solver) for d in reference.decision_log
+    ]
+
+
+# --------------------------------------------------------------------------- 5. conditional computation
+class Branchy(nn.Module):
+    """trunk → one of two branches (chosen per call) → head, float64."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Linear(4, 6, dtype=torch.float64)
+        self.a = nn.Linear(6, 6, dtype=torch.float64)
+        self.b = nn.Linear(6, 6, dtype=torch.float64)
+        self.head = nn.Linear(6, 3, dtype=torch.float64)
+
+    def forward(self, x: Tensor, branch: str = "a") -> Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(torch.tanh(getattr(self, branch)(h)))
+
+
+def _branch_of(step: int) -> str:
+    return "a" if step % 3 != 2 else "b"
+
+
+def test_layers_without_gradient_are_skipped_and_the_others_match_a_run_without_them() -> None:
+    """SNGD updating every step keeps no memory, so on every step each used layer must get exactly what a
+    fresh preconditioner that skips the unused branch gives; the unused branch keeps its gradient (None)
+    and its state."""
+    model = Branchy()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=0.1)
+    for step in range(6):
+        branch = _branch_of(step)
+        unused = "b" if branch == "a" else "a"
+        oracle_model = copy.deepcopy(model)
+        oracle = HyLoPreconditioner(oracle_model, solver="sngd", update_freq=1, damping=0.1, skip_layers=[unused])
+        held = pre._layers[[layer.name for layer in pre._layers].index(unused)].state
+        for net in (model, oracle_model):
+            net.zero_grad(set_to_none=True)
+            x, y = batch(step)
+            F.cross_entropy(net(x, branch), y).backward()
+        assert not _step_quietly(pre)
+        oracle.step()
+        assert getattr(model, unused).weight.grad is None
+        assert pre._layers[[layer.name for layer in pre._layers].index(unused)].state is held
+        for name in ("trunk", branch, "head"):
+            torch.testing.assert_close(
+                grad_matrix(getattr(model, name)), grad_matrix(getattr(oracle_model, name)), rtol=1e-10, atol=0
+            )
+
+
+def test_layer_absent_at_an_update_keeps_its_state_and_applies_it_later() -> None:
+    model = Branchy()
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=2, damping=0.1)
+    b = pre._layers[2]
+    assert b.name == "b"
+    steps = [("b", 0), ("a", 1), ("a", 2), ("b", 3)]  # b is absent at the update step 2
+    for branch, step in steps:
+        model.zero_grad(set_to_none=True)
+        x, y = batch(step)
+        F.cross_entropy(model(x, branch), y).backward()
+        held = b.state
+        raw = grad_matrix(model.b) if branch == "b" else None
+        pre.step()
+        if step == 2:
+            assert b.state is held and pre._layers[1].state is not None
+        if step == 3:  # between updates: b's state from step 0 applied to its fresh gradient
+            assert isinstance(held, LayerState) and raw is not None
+            torch.testing.assert_close(grad_matrix(model.b), held.precondition(raw), rtol=1e-12, atol=0)
+
+
+def test_layer_frozen_after_attaching_is_left_alone() -> None:
+    model = Branchy()
+    pre = HyLoPreconditioner(model, solver="kis", update_freq=1, rank_ratio=0.5)
+    model.b.requires_grad_(False)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(step)
+        F.cross_entropy(model(x, "b"), y).backward()
+        assert not _step_quietly(pre)
+        assert model.b.weight.grad is None and pre._layers[2].state is None
+
+
+# --------------------------------------------------------------------------- 3. GradScaler
+def _scaled_run(solver: str, scaler: torch.amp.GradScaler | None, tell: bool) -> list[list[Tensor]]:
+    """Five steps of float32 SGD + hylo with the loss scaled by ``scaler`` (told to hylo if ``tell``)."""
+    model = mlp(dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pre = HyLoPreconditioner(
+        model, solver=solver, update_freq=2, damping=0.05, kl_clip=1e-2, lr=0.05, grad_scaler=scaler if tell else None
+    )
+    out = []
+    for step in range(5):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x.float()), y)
+        if scaler is None:
+            loss.backward()
+            pre.step()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            pre.step()
+            scaler.step(opt)
+            scaler.update()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kid"])
+def test_grad_scaler_gives_the_unscaled_result(solver: str) -> None:
+    """A GradScaler starting at 2¹⁶ and doubling every step: with ``grad_scaler=`` the preconditioned
+    gradients are those of the unscaled run; without it the curvature is S² too large (the defect)."""
+
+    def scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+
+    plain = _scaled_run(solver, None, tell=False)
+    told = _scaled_run(solver, scaler(), tell=True)
+    for a, b in zip(plain, told, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=2e-4, atol=1e-7)
+    if solver != "kid":  # KID keeps one row of 8 here: the S² only rescales that one direction
+        untold = _scaled_run(solver, scaler(), tell=False)
+        assert rel_err(untold[0][0], plain[0][0]) > 0.5
+
+
+def test_grad_scaler_step_with_infs_is_skipped_quietly() -> None:
+    model = mlp(dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=1, grad_scaler=scaler)
+    x, y = batch(0)
+    scaler.scale(F.cross_entropy(model(x.float()), y)).backward()
+    scaler.unscale_(opt)
+    pre.step()
+    scaler.step(opt)
+    scaler.update()
+    snapshot, weights = state_snapshot(pre), [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x.float()), y) * float("inf")).backward()
+    scaler.unscale_(opt)
+    assert not _step_quietly(pre)  # the scaler expects such steps: no warning
+    assert_same_tensors(state_snapshot(pre), snapshot)
+    scaler.step(opt)
+    scaler.update()
+    assert_same_tensors([p.detach() for p in model.parameters()], weights)  # the scaler skipped the step
+    assert scaler.get_scale() == 2.0**15 and pre._needs_update
+
+
+def test_grad_scaler_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match="grad_scaler"):
+        HyLoPreconditioner(mlp(), grad_scaler=object())  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- 4. per-step agreement (2 ranks)
+def _nan_on_one_rank(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """Each rank trains its own batches (no DDP); rank 1 has a NaN gradient at step 1, between updates."""
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=2, damping=0.1, strategy=strategy)
+    messages: dict[int, list[str]] = {}
+    unchanged: dict[int, bool] = {}
+    for step in range(4):
+        model.zero_grad()
+        backward(model, 10 * step + rank)
+        if step == 1 and rank == 1:
+            model.fc1.weight.grad[0, 0] = float("nan")
+        raw = grads(model)
+        messages[step] = _step_quietly(pre)
+        unchanged[step] = all(
+            torch.equal(a, b) or (torch.isnan(a).any() and torch.equal(a.isnan(), b.isnan()))
+            for a, b in zip(grads(model), raw, strict=True)
+        )
+    return {"messages": messages, "unchanged": unchanged, "steps": pre.steps, "updates": pre._updates}
+
+
+@pytest.mark.parametrize("strategy", ["inverse", "gradient"])
+def test_nan_on_one_rank_between_updates_is_skipped_on_every_rank(strategy: str) -> None:
+    """The reported hang (``"gradient"``: the clean rank waited in the per-step broadcast) and divergence
+    (``"inverse"``): now both ranks skip step 1, name the culprit, and go on in step."""
+    out = run_distributed(_nan_on_one_rank, 2, strategy, timeout=60)
+    for rank, result in enumerate(out):
+        assert result["unchanged"][1] and not any(result["unchanged"][s] for s in (0, 2, 3))
+        assert (result["steps"], result["updates"]) == (4, 2)
+        (message,) = result["messages"][1]
+        assert ("['fc1'] on rank 1" in message) if rank == 1 else ("another rank" in message)
+        assert not any(result["messages"][s] for s in (0, 2, 3))
+
+
+def _rows_on_one_rank(rank: int, world: int, xs: Tensor, ys: Tensor) -> dict[str, Tensor]:
+    """DDP; rank 0 runs branch a and rank 1 branch b, so each branch has rows on one rank only."""
+    net = nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    pre = HyLoPreconditioner(net, solver="sngd", update_freq=1, damping=0.1)
+    F.cross_entropy(net(xs[rank], "ab"[rank]), ys[rank]).backward()
+    raw = {name: grad_matrix(getattr(net.module, name)) for name in ("a", "b")}
+    pre.step()
+    return {**{f"raw_{k}": v for k, v in raw.items()}, **{k: grad_matrix(getattr(net.module, k)) for k in ("a", "b")}}
+
+
+class _OneBranch(nn.Module):
+    def __init__(self, model: Branchy, branch: str) -> None:
+        super().__init__()
+        self.model, self.branch = model, branch
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x, self.branch)
+
+
+def test_layer_with_rows_on_one_rank_only_is_solved_from_that_ranks_rows() -> None:
+    """Branch a has rows on rank 0 only: its SNGD state is built from rank 0's per-sample gradients
+    (B = rank 0's rows), applied to DDP's averaged gradient — the dense oracle on true per-sample gradients."""
+    gen = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (2, 6), generator=gen)
+    out = run_distributed(_rows_on_one_rank, 2, xs, ys, timeout=60)
+    for owner, branch in enumerate("ab"):
+        model = Branchy()
+        layer = getattr(model, branch)
+        per_sample = per_sample_matrices(
+            _OneBranch(model, branch), {branch: layer}, xs[owner], lambda o, y=ys[owner]: F.cross_entropy(o, y)
+        )[branch]
+        for result in out:
+            expected = dense_natural_gradient(per_sample, result[f"raw_{branch}"], 0.1)
+            torch.testing.assert_close(result[branch], expected, rtol=1e-8, atol=1e-12)
