@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,12 +13,32 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 
+class _GraphToken:
+    """Held only by a call's output-gradient hook: it dies with the call's autograd graph."""
+
+
+def _dead() -> _GraphToken | None:
+    return None
+
+
 @dataclass
 class Record:
-    """One forward call of a layer: its input and (after backward) its output gradient."""
+    """One forward call of a layer: its input and (after backward) its output gradient.
+
+    ``graph`` returns None once the call's autograd graph is freed: if backward has not run
+    by then (``grad_output`` is None), it never will.
+    """
 
     inputs: Tensor
     grad_output: Tensor | None = None
+    graph: Callable[[], _GraphToken | None] = field(default=_dead, repr=False)
+    #: Made while autograd ran a backward (a checkpointed forward's recomputation).
+    in_backward: bool = False
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the call's graph was freed without its backward running."""
+        return self.grad_output is None and self.graph() is None
 
 
 class LayerCapture:
@@ -26,11 +48,20 @@ class LayerCapture:
     follows the layer (e.g. ``ReLU(inplace=True)``) modifies the output, so it receives
     the gradient with respect to the layer's own output. Nothing is stored unless
     ``should_capture()`` is true, the module is training and autograd is recording.
+
+    A call whose graph is freed before its backward ran (e.g. evaluation in train mode with
+    autograd on, at a capture step) is dropped at the next call, with one warning per layer;
+    calls still awaiting their backward and calls whose backward ran are kept (gradient
+    accumulation, a layer applied many times in one forward). While a call's graph is alive,
+    its stored input shares memory with the input autograd saved, so pending calls cost nothing
+    beyond their graphs.
     """
 
-    def __init__(self, module: nn.Module, should_capture: Callable[[], bool]) -> None:
+    def __init__(self, module: nn.Module, should_capture: Callable[[], bool], name: str = "") -> None:
         self.records: list[Record] = []
+        self.name = name or type(module).__name__
         self._should_capture = should_capture
+        self._warned = False
         self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
@@ -38,14 +69,34 @@ class LayerCapture:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
+        self._drop_abandoned()
         x = args[0] if args else kwargs["input"]
-        record = Record(x.detach())
+        token = _GraphToken()
+        record = Record(x.detach(), graph=weakref.ref(token), in_backward=_in_backward())
         self.records.append(record)
 
-        def grad_hook(grad: Tensor) -> None:
+        def grad_hook(grad: Tensor, token: _GraphToken = token) -> None:
             record.grad_output = grad.detach()
 
         output.register_hook(grad_hook)
+
+    def _drop_abandoned(self) -> None:
+        """Forget calls whose backward can no longer run; warn the first time for this layer."""
+        kept: list[Record] = []
+        dropped: list[Record] = []
+        for record in self.records:
+            (dropped if record.abandoned else kept).append(record)
+        if not dropped:
+            return
+        self.records = kept
+        if not self._warned and not all(r.in_backward for r in dropped):
+            self._warned = True
+            warnings.warn(
+                f"hylo layer {self.name!r}: a forward call at a capture step was discarded without "
+                "backward (its graph was freed); hylo dropped its captured input. Run evaluation under "
+                "torch.no_grad() or model.eval() so that hylo does not capture it",
+                stacklevel=2,
+            )
 
     def calls(self) -> list[tuple[Tensor, Tensor]]:
         """(input, output gradient) of each forward call whose backward has run."""
@@ -61,3 +112,8 @@ class LayerCapture:
             self._handle.remove()
             self._handle = None
         self.clear()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (e.g. recomputing a checkpointed forward)."""
+    return torch._C._current_graph_task_id() != -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -36,8 +37,13 @@ Hyper = float | Callable[[int], float]
 IntHyper = int | Callable[[int], int]
 
 
+def _is_bool(x: object) -> bool:
+    """Python, NumPy and 0-dim torch booleans: never a number here."""
+    return isinstance(x, bool) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
+
+
 def _positive(x: float) -> bool:
-    return x > 0 and math.isfinite(x)
+    return not _is_bool(x) and x > 0 and math.isfinite(x)
 
 
 def _is_number(x: object) -> bool:
@@ -48,7 +54,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "damping": (_positive, "a finite number > 0"),
     "update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
     "factor_update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
-    "factor_decay": (lambda x: 0.0 <= x < 1.0, "in [0, 1)"),
+    "factor_decay": (lambda x: not _is_bool(x) and 0.0 <= x < 1.0, "a number in [0, 1)"),
     "kl_clip": (_positive, "a finite number > 0 (or None to disable)"),
     "lr": (_positive, "a finite number > 0"),
 }
@@ -210,6 +216,9 @@ class HyLoConfig:
             raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio!r}")
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
             raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
+        if isinstance(self.seed, bool) or not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
 
         if self.conv_rows not in CONV_ROWS:
             raise ValueError(f"conv_rows must be one of {CONV_ROWS}, got {self.conv_rows!r}")

@@ -35,12 +35,38 @@ class LayerMath(ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        #: The layer's name in messages (the registry sets the module's name in the model).
+        self.name = type(module).__name__
         weight = module.weight
         assert isinstance(weight, Tensor)
-        self.weight: Tensor = weight
-        self.bias: Tensor | None = module.bias if isinstance(module.bias, Tensor) else None
+        bias = module.bias if isinstance(module.bias, Tensor) else None
+        self._shapes = (tuple(weight.shape), None if bias is None else tuple(bias.shape))
         self.d_g = int(weight.shape[0])
-        self.d_a = int(weight[0].numel()) + (1 if self.bias is not None else 0)
+        self.d_a = int(weight[0].numel()) + (1 if bias is not None else 0)
+
+    @property
+    def weight(self) -> Tensor:
+        """The module's current weight (read on every access: replacing the Parameter is followed)."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The module's current bias, or None."""
+        bias = self.module.bias
+        return bias if isinstance(bias, Tensor) else None
+
+    def _check_shapes(self) -> None:
+        """Raise ``ValueError`` if the weight or bias no longer has its shape at registration."""
+        bias = self.bias
+        now = (tuple(self.weight.shape), None if bias is None else tuple(bias.shape))
+        if now != self._shapes:
+            raise ValueError(
+                f"layer {self.name!r}: weight/bias shapes are now {now[0]}/{now[1]}, registered as "
+                f"{self._shapes[0]}/{self._shapes[1]}; hylo's factor sizes are fixed at registration: "
+                "create a new HyLoPreconditioner after changing a layer's shape"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,24 +98,27 @@ class LayerMath(ABC):
 
     def grad_matrix(self) -> Tensor | None:
         """∇W as a (d_g, d_a) matrix, bias last, or None when backward has not run."""
-        if self.weight.grad is None:
+        self._check_shapes()
+        weight, bias = self.weight, self.bias
+        if weight.grad is None:
             return None
-        grad = self.weight.grad.reshape(self.d_g, -1)
-        if self.bias is not None:
-            bias_grad = self.bias.grad
+        grad = weight.grad.reshape(self.d_g, -1)
+        if bias is not None:
+            bias_grad = bias.grad
             if bias_grad is None:
-                bias_grad = torch.zeros_like(self.bias)
+                bias_grad = torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
     def set_grad_matrix(self, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix back into the parameters' ``.grad`` in place."""
-        weight_grad = self.weight.grad
+        self._check_shapes()
+        weight_grad, bias = self.weight.grad, self.bias
         assert weight_grad is not None
-        n_weight = self.d_a - (1 if self.bias is not None else 0)
+        n_weight = self.d_a - (1 if bias is not None else 0)
         weight_grad.copy_(matrix[:, :n_weight].reshape(weight_grad.shape))
-        if self.bias is not None and self.bias.grad is not None:
-            self.bias.grad.copy_(matrix[:, n_weight].reshape(self.bias.grad.shape))
+        if bias is not None and bias.grad is not None:
+            bias.grad.copy_(matrix[:, n_weight].reshape(bias.grad.shape))
 
 
 class LinearMath(LayerMath):

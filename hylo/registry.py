@@ -7,7 +7,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from hylo.capture import LayerCapture
 from hylo.config import SolverName
@@ -62,6 +66,71 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _snake(name: str) -> str:
+    """``_WeightNorm`` → ``weight_norm``: a parametrization's class name as the summary shows it."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
+
+
+def _parametrizations(module: nn.Module) -> nn.ModuleDict:
+    """The ``parametrizations`` container of a parametrized module."""
+    container = module.parametrizations
+    assert isinstance(container, nn.ModuleDict)
+    return container
+
+
+def _parametrized_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s weight or bias is not the leaf Parameter hylo writes to, or None if it is.
+
+    Covers ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal``, ...), the old hooks ``torch.nn.utils.weight_norm``/``spectral_norm`` and any
+    other weight or bias computed from other tensors.
+    """
+    for attr in ("weight", "bias"):
+        kinds: list[str] = []
+        if parametrize.is_parametrized(module, attr):
+            kinds = [_snake(type(p).__name__) for p in _parametrizations(module)[attr].children()]
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm) and hook.name == attr:
+                kinds.append("weight_norm")
+            elif isinstance(hook, SpectralNorm) and hook.name == attr:
+                kinds.append("spectral_norm")
+        if kinds:
+            return (
+                f"{attr} is parametrized ({', '.join(kinds)}): its gradient belongs to the parametrization's parameters"
+            )
+        value = getattr(module, attr, None)
+        if isinstance(value, Tensor) and not is_lazy(value) and not value.is_leaf:
+            return f"{attr} is computed from other tensors (not a leaf Parameter): hylo cannot write its gradient"
+    return None
+
+
+def _internal_modules(model: nn.Module) -> set[int]:
+    """Ids of modules used only inside another: a MultiheadAttention's projections, parametrizations."""
+    inner: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            inner.update(id(sub) for sub in module.modules() if sub is not module)
+        if parametrize.is_parametrized(module):
+            inner.update(id(sub) for sub in _parametrizations(module).modules())
+    return inner
+
+
+def _check_lazy(model: nn.Module, skip: Callable[[str, nn.Module], bool], inner: set[int]) -> None:
+    """Raise ``ValueError`` naming the non-skipped layers whose parameters are still uninitialized."""
+    lazy = [
+        name or "<root>"
+        for name, module in model.named_modules()
+        if id(module) not in inner
+        and any(is_lazy(p) for p in module.parameters(recurse=False))
+        and not skip(name, module)
+    ]
+    if lazy:
+        raise ValueError(
+            f"layers {lazy} have uninitialized (lazy) parameters: run one forward pass of the model "
+            "(a dry run on a batch) before creating the HyLoPreconditioner"
+        )
+
+
 def register_layers(
     model: nn.Module,
     skip_layers: tuple[str, ...],
@@ -74,28 +143,38 @@ def register_layers(
     ``should_capture(name)`` says whether layer ``name`` captures at the current step.
     """
     skip = _matcher(skip_layers)
+    model = _unwrap(model)
+    inner = _internal_modules(model)
+    _check_lazy(model, skip, inner)
     result = Registration()
-    functional_prefixes: list[str] = []
-    for name, module in _unwrap(model).named_modules():
-        if any(name.startswith(prefix) for prefix in functional_prefixes):
-            continue
-        if isinstance(module, nn.MultiheadAttention):
-            functional_prefixes.append(name + ".")
-            result.unsupported.append((name, "MultiheadAttention uses its projections functionally"))
-            continue
-        own_params = list(module.parameters(recurse=False))
-        if not own_params:
-            continue
-        if skip(name, module):
-            result.skipped.append((name, "skip_layers"))
-            continue
-        math = supported_math(module, conv_rows)
-        if math is None:
-            result.unsupported.append((name, unsupported_reason(module)))
-            continue
-        if not math.weight.requires_grad:
-            result.skipped.append((name, "weight does not require grad"))
-            continue
-        capture = LayerCapture(module, functools.partial(should_capture, name))
-        result.layers.append(RegisteredLayer(name, math, capture, initial_solver(name)))
+    try:
+        for name, module in model.named_modules():
+            if id(module) in inner:
+                continue
+            if isinstance(module, nn.MultiheadAttention):
+                result.unsupported.append((name, "MultiheadAttention uses its projections functionally"))
+                continue
+            parametrized = _parametrized_reason(module)
+            if parametrized is None and next(module.parameters(recurse=False), None) is None:
+                continue
+            if skip(name, module):
+                result.skipped.append((name, "skip_layers"))
+                continue
+            if parametrized is not None:
+                result.unsupported.append((name, parametrized))
+                continue
+            math = supported_math(module, conv_rows)
+            if math is None:
+                result.unsupported.append((name, unsupported_reason(module)))
+                continue
+            math.name = name
+            if not math.weight.requires_grad:
+                result.skipped.append((name, "weight does not require grad"))
+                continue
+            capture = LayerCapture(module, functools.partial(should_capture, name), name)
+            result.layers.append(RegisteredLayer(name, math, capture, initial_solver(name)))
+    except BaseException:
+        for layer in result.layers:  # leave no hooks behind
+            layer.capture.remove()
+        raise
     return result

@@ -1,0 +1,311 @@
+"""Which layers hylo registers and how it follows them (hylo/registry.py, hylo/capture.py, LayerMath).
+
+MultiheadAttention's projections (root or nested), parametrized and lazy modules, parameters
+replaced after attaching, captured calls whose backward never runs, and the checks of
+boolean hyperparameters and ``seed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import checkpoint
+
+from hylo import HyLoConfig, HyLoPreconditioner
+from hylo.config import resolve
+from hylo.registry import register_layers
+from tests.kit.checks import DT
+from tests.kit.models import backward, batch, mlp
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _names(pre: HyLoPreconditioner) -> list[str]:
+    return [layer.name for layer in pre._layers]
+
+
+# --------------------------------------------------------------------------- MultiheadAttention
+def test_multihead_attention_at_the_root_registers_nothing() -> None:
+    mha = nn.MultiheadAttention(8, 2, dtype=DT)
+    found = register_layers(mha, (), lambda name: True, lambda name: "sngd")
+    assert found.layers == []
+    assert [name for name, _ in found.unsupported] == [""]
+    with pytest.warns(UserWarning, match="MultiheadAttention"), pytest.raises(ValueError, match="no layer"):
+        HyLoPreconditioner(mha)
+    assert not mha.out_proj._forward_hooks
+
+
+class _Attention(nn.Module):
+    """A MultiheadAttention whose ``out_proj`` is also reachable under another name, listed first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mha = nn.MultiheadAttention(8, 2, dtype=DT)
+        self.alias = mha.out_proj
+        self.attn = mha
+        self.attn_proj = nn.Linear(8, 8, dtype=DT)  # a sibling whose name starts with "attn"
+        self.head = nn.Linear(8, 3, dtype=DT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(torch.tanh(self.attn_proj(h)).mean(dim=0))
+
+
+def test_multihead_attention_projection_is_never_registered_when_nested() -> None:
+    model = _Attention()
+    with pytest.warns(UserWarning, match="MultiheadAttention"):
+        pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    assert _names(pre) == ["attn_proj", "head"]
+    x = torch.randn(5, 4, 8, dtype=DT)
+    F.cross_entropy(model(x), torch.tensor([0, 1, 2, 0])).backward()
+    raw = model.attn.out_proj.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.attn.out_proj.weight.grad, raw)
+
+
+# --------------------------------------------------------------------------- parametrized modules
+def _old_weight_norm(module: nn.Linear) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.utils.weight_norm(module)
+
+
+def _old_spectral_norm(module: nn.Linear) -> nn.Module:
+    return nn.utils.spectral_norm(module)
+
+
+PARAMETRIZE: dict[str, Callable[[nn.Linear], nn.Module]] = {
+    "weight_norm": parametrizations.weight_norm,
+    "spectral_norm": parametrizations.spectral_norm,
+    "orthogonal": parametrizations.orthogonal,
+    "old weight_norm": _old_weight_norm,
+    "old spectral_norm": _old_spectral_norm,
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", list(PARAMETRIZE))
+def test_parametrized_layer_is_left_alone_and_the_model_trains(kind: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(4, 6, dtype=DT),
+            act=nn.Tanh(),
+            mid=PARAMETRIZE[kind](nn.Linear(6, 6, bias=bias, dtype=DT)),
+            act2=nn.Tanh(),
+            fc2=nn.Linear(6, 3, dtype=DT),
+        )
+    )
+    with pytest.warns(UserWarning, match="parametrized"):
+        pre = HyLoPreconditioner(model, solver="sngd", update_freq=2, damping=0.1)
+    assert _names(pre) == ["fc1", "fc2"]
+    summary = pre.summary()
+    reason = kind.removeprefix("old ")
+    assert f"mid (weight is parametrized ({reason})" in summary
+    assert "parametrizations" not in summary  # the parametrization's own modules are not listed
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        backward(model, step)
+        raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+        pre.step()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, raw[n]) == n.startswith("mid."), n
+        optimizer.step()
+
+
+def test_parametrized_bias_is_left_alone() -> None:
+    class Positive(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.exp()
+
+    model = mlp()
+    torch.nn.utils.parametrize.register_parametrization(model.fc1, "bias", Positive())
+    with pytest.warns(UserWarning, match="bias is parametrized"):
+        pre = HyLoPreconditioner(model, solver="sngd")
+    assert _names(pre) == ["fc2"]
+    assert "fc1 (bias is parametrized (positive)" in pre.summary()
+
+
+def test_skip_layers_takes_precedence_over_parametrized() -> None:
+    model = mlp()
+    parametrizations.weight_norm(model.fc1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = HyLoPreconditioner(model, solver="sngd", skip_layers=("fc1",))
+    assert _names(pre) == ["fc2"]
+    assert "fc1 (skip_layers)" in pre.summary()
+
+
+# --------------------------------------------------------------------------- lazy modules
+def _lazy_model(conv: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if conv:
+        first: nn.Module = nn.LazyConv2d(4, 3, dtype=DT)
+        return nn.Sequential(
+            OrderedDict(first=first, act=nn.Tanh(), flat=nn.Flatten(), last=nn.Linear(16, 3, dtype=DT))
+        )
+    first = nn.LazyLinear(6, dtype=DT)
+    return nn.Sequential(OrderedDict(first=first, act=nn.Tanh(), last=nn.Linear(6, 3, dtype=DT)))
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_lazy_layer_needs_a_dry_run(conv: bool) -> None:
+    model = _lazy_model(conv)
+    x = torch.randn(8, 2, 4, 4, dtype=DT) if conv else torch.randn(8, 4, dtype=DT)
+    with pytest.raises(ValueError, match=r"'first'.*forward pass.*dry run") as info:
+        HyLoPreconditioner(model, solver="sngd")
+    assert "last" not in str(info.value)
+    assert not model.last._forward_hooks  # nothing left attached
+    with torch.no_grad():
+        model(x)  # the dry run
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    assert _names(pre) == ["first", "last"]
+    F.cross_entropy(model(x), torch.arange(8) % 3).backward()
+    raw = model.first.weight.grad.clone()
+    pre.step()
+    assert not torch.allclose(model.first.weight.grad, raw)
+
+
+def test_skipped_lazy_layer_does_not_raise() -> None:
+    model = _lazy_model(conv=False)
+    pre = HyLoPreconditioner(model, solver="sngd", skip_layers=("first",))
+    assert _names(pre) == ["last"]
+
+
+# --------------------------------------------------------------------------- replaced parameters
+@pytest.mark.parametrize("which", ["weight", "bias", "both"])
+def test_replaced_parameter_is_the_one_preconditioned(which: str) -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=0.1)
+    backward(model, 0)
+    pre.step()
+    old = {n: getattr(model.fc1, n) for n in ("weight", "bias")}
+    old_grads = {n: p.grad.clone() for n, p in old.items()}
+
+    gen = torch.Generator().manual_seed(7)
+    for name in ("weight", "bias") if which == "both" else (which,):
+        setattr(model.fc1, name, nn.Parameter(torch.randn(old[name].shape, generator=gen, dtype=DT)))
+    reference = copy.deepcopy(model)
+    reference_pre = HyLoPreconditioner(reference, solver="sngd", update_freq=1, damping=0.1)
+
+    for m, p in ((model, pre), (reference, reference_pre)):
+        m.zero_grad()
+        backward(m, 1)
+        p.step()
+    for name in ("weight", "bias"):
+        new = getattr(model.fc1, name)
+        torch.testing.assert_close(new.grad, getattr(reference.fc1, name).grad, rtol=1e-12, atol=0)
+        if new is not old[name]:
+            assert torch.equal(old[name].grad, old_grads[name])  # the old parameter is untouched
+    assert pre._layers[0].math.weight is model.fc1.weight
+
+
+def test_replaced_parameter_of_another_shape_raises_naming_both_shapes() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd")
+    model.fc2.weight = nn.Parameter(torch.randn(2, 6, dtype=DT))
+    model.fc2.bias = nn.Parameter(torch.zeros(2, dtype=DT))
+    x, _ = batch(0)
+    model(x).square().sum().backward()
+    with pytest.raises(ValueError, match=r"'fc2'.*\(2, 6\).*\(3, 6\)"):
+        pre.step()
+
+
+# --------------------------------------------------------------------------- boolean hyperparameters, seed
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"damping": True}, "damping"),
+        ({"damping": False}, "damping"),
+        ({"damping": np.bool_(True)}, "damping"),
+        ({"factor_decay": False}, "factor_decay"),
+        ({"factor_decay": True}, "factor_decay"),
+        ({"kl_clip": True, "lr": 0.1}, "kl_clip"),
+        ({"kl_clip": 1e-3, "lr": True}, "lr"),
+        ({"seed": True}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "3"}, "seed"),
+        ({"seed": None}, "seed"),
+    ],
+)
+def test_bool_hyperparameters_and_bad_seeds_raise(options: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoPreconditioner(mlp(), **options)
+
+
+@pytest.mark.parametrize("name", ["damping", "factor_decay", "kl_clip", "lr"])
+def test_callable_returning_a_bool_raises(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"{name}.*step 3"):
+        resolve(name, lambda step: True, 3)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, np.int64(5)])
+def test_valid_seeds_are_plain_ints(seed: int) -> None:
+    config = HyLoConfig(seed=seed)
+    assert type(config.seed) is int and config.seed == seed
+
+
+# --------------------------------------------------------------------------- pending captures
+def test_forwards_without_backward_are_dropped_with_one_warning_per_layer() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=0.1)
+    x, _ = batch(0)
+    with pytest.warns(UserWarning, match="no_grad") as record:
+        for _ in range(50):  # "evaluation" in train mode with autograd on, at a capture step
+            model(x).argmax(dim=1)
+    for layer in pre._layers:
+        assert len(layer.capture.records) <= 2, layer.name
+        assert sum(f"'{layer.name}'" in str(w.message) for w in record) == 1, layer.name
+
+    reference = copy.deepcopy(model)
+    reference_pre = HyLoPreconditioner(reference, solver="sngd", update_freq=1, damping=0.1)
+    for m, p in ((model, pre), (reference, reference_pre)):
+        backward(m, 1)
+        p.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+def test_gradient_accumulation_and_repeated_calls_keep_every_call() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for micro in range(20):
+            backward(model, micro, n=2)
+        assert [len(layer.capture.calls()) for layer in pre._layers] == [20, 20]
+        pre.step()
+
+        model.zero_grad()
+        x, _ = batch(0, n=2)
+        hidden = [model.fc1(x + i) for i in range(20)]  # 20 calls awaiting one backward
+        model.fc2(torch.tanh(torch.stack(hidden).mean(dim=0))).sum().backward()
+        assert len(pre._layers[0].capture.calls()) == 20
+        pre.step()
+
+
+def test_checkpointed_recomputation_does_not_warn() -> None:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
+    x, y = batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            F.cross_entropy(checkpoint(model, x, use_reentrant=False), y).backward()
+        assert all(len(layer.capture.calls()) == 3 for layer in pre._layers)
+        pre.step()
