@@ -115,5 +115,10 @@ class LayerCapture:
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward pass (e.g. recomputing a checkpointed forward)."""
-    return torch._C._current_graph_task_id() != -1
+    """Whether autograd is running a backward pass (e.g. recomputing a checkpointed forward).
+
+    Read from a private torch function; if a torch release drops it, every call counts as a
+    plain forward (the only effect: a checkpointed recomputation may warn once).
+    """
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
