@@ -478,3 +478,50 @@ def test_layer_with_rows_on_one_rank_only_is_solved_from_that_ranks_rows() -> No
         for result in out:
             expected = dense_natural_gradient(per_sample, result[f"raw_{branch}"], 0.1)
             torch.testing.assert_close(result[branch], expected, rtol=1e-8, atol=1e-12)
+
+
+def _curvature_overflow_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """strategy="gradient", no DDP: at the update step 2, rank 1's inputs are ×1e20 (float32)."""
+    model = mlp(dtype=torch.float32)
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=2, damping=0.1, strategy="gradient")
+    kept = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = batch(10 * step + rank)
+        scale = 1e20 if (step == 2 and rank == 1) else 1.0
+        F.cross_entropy(model(x.float() * scale), y).backward()
+        before = [layer.state for layer in pre._layers]
+        messages = _step_quietly(pre)
+        kept.append([layer.state is old for layer, old in zip(pre._layers, before, strict=True)])
+        if step == 2:
+            assert any("non-finite curvature" in m for m in messages), messages
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    return {"kept": kept, "owners": [info.owner for info in pre.layer_info()]}
+
+
+def test_curvature_overflow_on_one_rank_is_rejected_on_every_rank() -> None:
+    out = run_distributed(_curvature_overflow_on_one_rank, 2, timeout=60)
+    for result in out:
+        # fc1's gathered kernel overflows (fc2 sees tanh outputs): rejected at step 2 on both ranks
+        assert result["kept"][2] == [True, False]
+        assert result["kept"][3] == [False, False]  # retried at step 3
+    assert out[0]["owners"] == out[1]["owners"]
+
+
+def _misuse_on_one_rank(rank: int, world: int) -> str:
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=2)
+    run(model, pre, [rank])
+    if rank == 0:  # rank 0 does a real step; rank 1 calls step() again without a backward
+        model.zero_grad()
+        backward(model, 5)
+    try:
+        pre.step()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_misuse_on_one_rank_raises_on_every_rank() -> None:
+    out = run_distributed(_misuse_on_one_rank, 2, timeout=60)
+    assert "another rank" in out[0] and "twice" in out[1], out
