@@ -21,110 +21,22 @@ from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import CONTROL, Payload
-from hylo.policy import GradNormTrend, SolverPolicy, decode_decisions, encode_decisions
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
 from hylo.profiling import DISABLED, Stopwatch
 from hylo.recorder import LayerTiming, Recorder
 from hylo.recording import run_info
 from hylo.records import Decision
-from hylo.registry import RegisteredLayer, register_layers
+from hylo.registry import UNSOLVED, RegisteredLayer, register_layers
 from hylo.solvers import HeldState, LayerSolver, RemoteState, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
 from hylo.stage import UpdateStage
+from hylo.statedict import STATE_FORMAT, check_finite, checked_header, checked_trend, is_index
 from hylo.studies import ErrorRecord, RankRecord, StudyRunner
 from hylo.version import __version__
 
-#: Format of the ``state_dict`` written now (2: adds ``hylo_version``).
-STATE_FORMAT = 2
-#: Formats ``load_state_dict`` reads.
-READ_FORMATS = (1, 2)
-#: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
-UNSOLVED = -1
-#: Keys every ``state_dict`` holds (``format`` aside); the others have defaults.
-_REQUIRED_KEYS = ("steps", "needs_update", "generator", "layers")
 #: Decisions kept in ``decision_log`` (oldest dropped first).
 DECISION_LOG_SIZE = 100_000
 _RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
-
-
-def _is_index(value: object) -> bool:
-    """An int ≥ 0 (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_real(value: object) -> bool:
-    """An int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
-    """``ValueError`` naming the first non-finite tensor (a solved state is always finite)."""
-    for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{where}: state_dict tensor {key!r} is not finite")
-
-
-def _checked_header(state_dict: object) -> Mapping[str, Any]:
-    """``state_dict`` if its format and top-level entries are valid, else ``ValueError``."""
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"a hylo state_dict is a mapping, got {type(state_dict).__name__}")
-    if "format" not in state_dict:
-        raise ValueError("not a hylo state_dict: it lacks the key 'format'")
-    fmt, version = state_dict["format"], state_dict.get("hylo_version")
-    if not _is_index(fmt) or fmt not in READ_FORMATS:
-        saved_by = f" (saved by hylo {version})" if isinstance(version, str) else ""
-        raise ValueError(
-            f"state_dict has format {fmt!r}{saved_by}; hylo {__version__} reads formats "
-            f"{', '.join(map(str, READ_FORMATS))}: the file may come from a newer hylo"
-        )
-    required = (*_REQUIRED_KEYS, "hylo_version") if fmt >= 2 else _REQUIRED_KEYS
-    for key in required:
-        if key not in state_dict:
-            raise ValueError(f"state_dict (format {fmt}) lacks the key {key!r}")
-    if "hylo_version" in state_dict and not isinstance(version, str):
-        raise ValueError(f"state_dict's hylo_version is not a string: {version!r}")
-    if not _is_index(state_dict["steps"]):
-        raise ValueError(f"state_dict's steps must be an int >= 0, got {state_dict['steps']!r}")
-    if not _is_index(state_dict.get("updates", 0)):
-        raise ValueError(f"state_dict's updates must be an int >= 0, got {state_dict['updates']!r}")
-    if not isinstance(state_dict["needs_update"], bool):
-        raise ValueError(f"state_dict's needs_update must be a bool, got {state_dict['needs_update']!r}")
-    if not isinstance(state_dict["generator"], Tensor):
-        raise ValueError(f"state_dict's generator must be a tensor, got {type(state_dict['generator']).__name__}")
-    layers = state_dict["layers"]
-    if not isinstance(layers, Mapping) or not all(isinstance(name, str) for name in layers):
-        raise ValueError("state_dict's layers must be a mapping from layer names to entries")
-    if not isinstance(state_dict.get("config", {}), Mapping):
-        raise ValueError("state_dict's config must be a mapping")
-    rank, world = state_dict.get("rank", 0), state_dict.get("world_size", 1)
-    if not (_is_index(rank) and _is_index(world) and rank < world):
-        raise ValueError(f"state_dict's rank {rank!r} and world_size {world!r} are not a rank of a world")
-    return state_dict
-
-
-def _checked_trend(state: object, current: GradNormTrend, n: int, device: torch.device) -> GradNormTrend:
-    """A new trend like ``current`` loaded from ``state`` and checked against ``n`` layers (else ``ValueError``)."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"state_dict's trend is not a mapping: {type(state).__name__}")
-    trend = type(current)(n, current.decay, current.window, current.enter, current.exit, current.z)
-    try:
-        trend.load_state_dict(dict(state), device)
-    except Exception as err:  # noqa: BLE001 - any failure to read it means the entry is invalid
-        raise ValueError(f"state_dict's trend is invalid: {type(err).__name__}: {err}") from err
-    problems = []
-    if trend.moments is not None and (tuple(trend.moments.shape) != (2, n) or not trend.moments.isfinite().all()):
-        problems.append(f"EMAs of shape {tuple(trend.moments.shape)} (expected {n} finite values each)")
-    if len(trend.critical) != n or not all(isinstance(c, bool) for c in trend.critical):
-        problems.append(f"critical flags {trend.critical!r}")
-    for key, values in (("last_trend", trend.last_trend), ("last_noise", trend.last_noise)):
-        if len(values) != n or not all(v is None or _is_real(v) for v in values):
-            problems.append(f"{key} {values!r}")
-    for entry in trend.history:
-        if any(len(values) != n or not all(_is_real(v) for v in values) for values in entry[1:]):
-            problems.append(f"history entry of step {entry[0]}")
-            break
-    if problems:
-        raise ValueError(f"state_dict's trend does not fit {n} layers: {'; '.join(problems)}")
-    return trend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -879,7 +791,7 @@ class HyLoPreconditioner:
         step (keeping what it carries, e.g. K-FAC's running factors). An owner outside this
         world is reset to 0 (the next update assigns owners anew).
         """
-        sd = _checked_header(state_dict)
+        sd = checked_header(state_dict)
         world, rank = self.comm.world_size, self.comm.rank
         saved = sd["layers"]
         names = [layer.name for layer in self._layers]
@@ -906,7 +818,7 @@ class HyLoPreconditioner:
             raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
         trend = None
         if "trend" in sd:
-            trend = _checked_trend(
+            trend = checked_trend(
                 sd["trend"], self._policy.trend, len(self._layers), self._layers[0].math.weight.device
             )
 
@@ -940,7 +852,7 @@ class HyLoPreconditioner:
         for key in ("d_a", "d_g", "solver"):
             if key not in entry:
                 raise ValueError(f"{where}: state_dict entry lacks {key!r}")
-        if not (_is_index(entry["d_a"]) and _is_index(entry["d_g"])):
+        if not (is_index(entry["d_a"]) and is_index(entry["d_g"])):
             raise ValueError(f"{where}: state_dict has non-integer shape (d_g={entry['d_g']!r}, d_a={entry['d_a']!r})")
         if (entry["d_a"], entry["d_g"]) != (m.d_a, m.d_g):
             raise ValueError(
@@ -951,7 +863,7 @@ class HyLoPreconditioner:
         if not isinstance(solver, str) or solver not in SOLVER_NAMES:
             raise ValueError(f"{where}: state_dict names an unknown solver {solver!r}")
         owner = entry.get("owner", 0)
-        if not (_is_index(owner) or owner == UNSOLVED):
+        if not (is_index(owner) or owner == UNSOLVED):
             raise ValueError(f"{where}: state_dict's owner {owner!r} is not a rank")
         remote = entry.get("remote", False)
         if not isinstance(remote, bool):
@@ -964,7 +876,7 @@ class HyLoPreconditioner:
             ):
                 raise ValueError(f"{where}: state_dict's carried tensors are not a dict of tensors")
             moved = {str(k): t.to(m.weight.device) for k, t in (carried or {}).items()}
-            _check_finite(where, moved)
+            check_finite(where, moved)
             try:
                 state = RemoteState(family_of(solver).name, moved)
             except ValueError:  # "hybrid": nothing was solved for it
@@ -982,5 +894,5 @@ class HyLoPreconditioner:
             raise ValueError(f"{where}: state_dict entry lacks {err}") from err
         except (ValueError, TypeError, AttributeError, RuntimeError) as err:
             raise ValueError(f"{where}: {err}") from err
-        _check_finite(where, full.tensors())
+        check_finite(where, full.tensors())
         return solver, full, owner if in_world else 0, False

@@ -18,6 +18,9 @@ from hylo.config import SolverName
 from hylo.layers import ConvRows, LayerMath, supported_math, unsupported_reason
 from hylo.solvers import HeldState
 
+#: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
+UNSOLVED = -1
+
 
 @dataclass
 class RegisteredLayer:

@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 import hylo
 from hylo import HyLoPreconditioner
-from hylo.preconditioner import READ_FORMATS, STATE_FORMAT, UNSOLVED
+from hylo.registry import UNSOLVED
 from hylo.solvers import LayerState, RemoteState
+from hylo.statedict import READ_FORMATS, STATE_FORMAT
 from tests.kit.checks import assert_same_tensors, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
 from tests.kit.models import classifier_convnet, classifier_inputs, mlp, run
