@@ -315,10 +315,9 @@ class HyLoPreconditioner:
     def _norms(self, grads: list[Tensor | None]) -> tuple[Tensor, Tensor]:
         """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every present gradient is finite.
 
-        The common path is one norm per layer in the layer's working dtype; only when one of them
-        is not finite are those layers re-measured in a form that cannot overflow (the largest
-        entry, then the norm of the gradient divided by it), so a huge finite gradient is never
-        mistaken for a non-finite one. No host synchronisation here.
+        One norm per layer in the layer's working dtype, no host synchronisation. Such a norm can
+        overflow for a huge finite gradient: when one is not finite, :meth:`_safe_norms`
+        re-measures them all in a form that cannot.
         """
         device = self._layers[0].math.weight.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
