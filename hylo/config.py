@@ -46,7 +46,8 @@ def _positive(x: float) -> bool:
     return not _is_bool(x) and x > 0 and math.isfinite(x)
 
 
-def _is_number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """An int or float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -261,10 +262,10 @@ class HyLoConfig:
             if isinstance(self.grad_error_ratios, (str, float, int)):
                 raise ValueError(f"grad_error_ratios must be a sequence of ratios, got {self.grad_error_ratios!r}")
             ratios = tuple(self.grad_error_ratios)
-            if not ratios or not all(_is_number(r) and 0.0 < r <= 1.0 for r in ratios):
+            if not ratios or not all(is_number(r) and 0.0 < r <= 1.0 for r in ratios):
                 raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {self.grad_error_ratios!r}")
             object.__setattr__(self, "grad_error_ratios", ratios)
-        if not (_is_number(self.study_exact_rows_mb) and 0 <= self.study_exact_rows_mb < math.inf):
+        if not (is_number(self.study_exact_rows_mb) and 0 <= self.study_exact_rows_mb < math.inf):
             raise ValueError(f"study_exact_rows_mb must be a finite number >= 0, got {self.study_exact_rows_mb!r}")
 
     def _check_policy(self) -> None:
@@ -288,7 +289,7 @@ class HyLoConfig:
             object.__setattr__(self, "adaptive", window)
             if not (isinstance(self.iters_per_epoch, int) and self.iters_per_epoch >= 1):
                 raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
-        if self.trend_decay is not None and not (_is_number(self.trend_decay) and 0.0 <= self.trend_decay < 1.0):
+        if self.trend_decay is not None and not (is_number(self.trend_decay) and 0.0 <= self.trend_decay < 1.0):
             raise ValueError(
                 f"trend_decay must be in [0, 1) (or None: matched to trend_window), got {self.trend_decay!r}"
             )
@@ -299,7 +300,7 @@ class HyLoConfig:
                 f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
                 f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
             )
-        if not (_is_number(self.critical_noise) and 0.0 <= self.critical_noise < math.inf):
+        if not (is_number(self.critical_noise) and 0.0 <= self.critical_noise < math.inf):
             raise ValueError(f"critical_noise must be a finite number >= 0, got {self.critical_noise!r}")
 
     def override_for(self, layer: str) -> LayerSolver | None:

@@ -97,6 +97,8 @@ class _Outcome:
     states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
     owners: dict[str, int] = dataclasses.field(default_factory=dict)
     written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
+    fallbacks: tuple[list[int], Tensor] | None = None
     study: _Study | None = None
 
     def state_of(self, layer: RegisteredLayer) -> HeldState | None:
@@ -271,7 +273,7 @@ class HyLoPreconditioner:
             watch.lap("check")
             generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
             try:
-                outcome = self._run(step, values, grads, agreed, is_update, bool(refreshing))
+                outcome = self._run(step, values, grads, agreed, is_update, capturing)
             except BaseException:
                 self._generator.set_state(generator)
                 self._policy.trend.restore(trend)
@@ -400,7 +402,7 @@ class HyLoPreconditioner:
         grads: list[Tensor | None],
         agreed: _Agreement,
         is_update: bool,
-        refreshing: bool,
+        capturing: list[bool],
     ) -> _Outcome:
         """Everything a step computes, nothing stored on the preconditioner yet (see :meth:`_commit`)."""
         watch = self._watch
@@ -409,17 +411,14 @@ class HyLoPreconditioner:
             return _Outcome("skipped", needs_update=self._needs_update or is_update)
         present = agreed.present
         norms = agreed.norms
-        self._policy.trend.observe(norms, torch.tensor(present, device=norms.device))
+        self._policy.trend.observe(norms, None if all(present) else torch.tensor(present, device=norms.device))
         outcome = _Outcome("apply", needs_update=self._needs_update, norms=norms)
-        if is_update or refreshing:
-            capturing = [
-                p and (is_update or layer.name in self._cadence()[1])
-                for layer, p in zip(self._layers, present, strict=True)
-            ]
+        if any(capturing):
+            taking = [c and p for c, p in zip(capturing, present, strict=True)]
             self._warn_no_rows(
-                step, [layer for layer, c, r in zip(self._layers, capturing, agreed.rows, strict=True) if c and not r]
+                step, [layer for layer, t, r in zip(self._layers, taking, agreed.rows, strict=True) if t and not r]
             )
-            worked = [layer for layer, c, r in zip(self._layers, capturing, agreed.rows, strict=True) if c and r]
+            worked = [layer for layer, t, r in zip(self._layers, taking, agreed.rows, strict=True) if t and r]
             outcome.worked, outcome.batches = worked, self._batches(worked)
             watch.lap("capture", [layer.name for layer in worked])
             if is_update:
@@ -454,6 +453,10 @@ class HyLoPreconditioner:
         for decision in outcome.decisions:
             self._layer_named[decision.layer].solver = decision.solver
         self.decision_log.extend(outcome.decisions)
+        if outcome.fallbacks is not None:
+            indices, counts = outcome.fallbacks
+            self._fallbacks = self._fallbacks.to(counts.device)
+            self._fallbacks[indices] += counts
         if outcome.kind == "update":
             self._updates += 1
             self._report_fallbacks(step)
@@ -658,14 +661,14 @@ class HyLoPreconditioner:
         if not ready:
             return {}
         items = [
-            (layer.name, outcome.state_of(layer), outcome.owners.get(layer.name, layer.owner), grad)
+            (layer.name, state, outcome.owners.get(layer.name, layer.owner), grad)
             for layer, grad in ready
+            if (state := outcome.state_of(layer)) is not None
         ]
-        results = self._stage.precondition(items, watch)  # type: ignore[arg-type]
+        results = self._stage.precondition(items, watch)
         sums = torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready])
         ok = torch.isfinite(sums)
-        self._fallbacks = self._fallbacks.to(ok.device)
-        self._fallbacks[[self._index[layer.name] for layer, _ in ready]] += (~ok).long()
+        outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], (~ok).long())
         triples = [
             (layer, grad, torch.where(ok[i], results[layer.name], grad.to(results[layer.name].dtype)))
             for i, (layer, grad) in enumerate(ready)

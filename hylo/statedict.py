@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hylo.config import is_number
 from hylo.policy import GradNormTrend
 from hylo.version import __version__
 
@@ -26,11 +27,6 @@ REQUIRED_KEYS = ("steps", "needs_update", "generator", "layers")
 def is_index(value: object) -> bool:
     """An int ≥ 0 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def is_real(value: object) -> bool:
-    """An int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
@@ -93,10 +89,10 @@ def checked_trend(state: object, current: GradNormTrend, n: int, device: torch.d
     if len(trend.critical) != n or not all(isinstance(c, bool) for c in trend.critical):
         problems.append(f"critical flags {trend.critical!r}")
     for key, values in (("last_trend", trend.last_trend), ("last_noise", trend.last_noise)):
-        if len(values) != n or not all(v is None or is_real(v) for v in values):
+        if len(values) != n or not all(v is None or is_number(v) for v in values):
             problems.append(f"{key} {values!r}")
     for entry in trend.history:
-        if any(len(values) != n or not all(is_real(v) for v in values) for values in entry[1:]):
+        if any(len(values) != n or not all(is_number(v) for v in values) for values in entry[1:]):
             problems.append(f"history entry of step {entry[0]}")
             break
     if problems:
