@@ -57,28 +57,34 @@ class LayerCapture:
     beyond their graphs.
     """
 
-    def __init__(self, module: nn.Module, should_capture: Callable[[], bool], name: str = "") -> None:
+    def __init__(self, module: nn.Module | None, should_capture: Callable[[], bool], name: str = "") -> None:
         self.records: list[Record] = []
         self.name = name or type(module).__name__
         self._should_capture = should_capture
         self._warned = False
-        self._handle: RemovableHandle | None = module.register_forward_hook(self._forward_hook, with_kwargs=True)
+        # None: another hook feeds this capture through open() (an attention module's projections)
+        self._handle: RemovableHandle | None = (
+            None if module is None else module.register_forward_hook(self._forward_hook, with_kwargs=True)
+        )
+
+    def wants(self) -> bool:
+        """Whether this layer captures at the current step (the module's mode and autograd aside)."""
+        return self._should_capture()
 
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
         if not (module.training and torch.is_grad_enabled() and self._should_capture()):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        self._drop_abandoned()
         x = args[0] if args else kwargs["input"]
-        token = _GraphToken()
-        record = Record(x.detach(), graph=weakref.ref(token), in_backward=_in_backward())
+        watch_gradient(output, [(self.open(x), _whole)])
+
+    def open(self, x: Tensor) -> Record:
+        """Record one call with input ``x``; :func:`watch_gradient` on its output completes it."""
+        self._drop_abandoned()
+        record = Record(x.detach(), in_backward=_in_backward())
         self.records.append(record)
-
-        def grad_hook(grad: Tensor, token: _GraphToken = token) -> None:
-            record.grad_output = grad.detach()
-
-        output.register_hook(grad_hook)
+        return record
 
     def _drop_abandoned(self) -> None:
         """Forget calls whose backward can no longer run; warn the first time for this layer."""
@@ -112,6 +118,27 @@ class LayerCapture:
             self._handle.remove()
             self._handle = None
         self.clear()
+
+
+def _whole(grad: Tensor) -> Tensor:
+    return grad
+
+
+def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor], Tensor]]]) -> None:
+    """Hook ``output`` so that its gradient, through each record's selector, completes the records.
+
+    The hook alone holds the records' graph token: it dies with the output's autograd graph.
+    """
+    token = _GraphToken()
+    for record, _ in records:
+        record.graph = weakref.ref(token)
+
+    def grad_hook(grad: Tensor, token: _GraphToken = token) -> None:
+        detached = grad.detach()
+        for record, select in records:
+            record.grad_output = select(detached)
+
+    output.register_hook(grad_hook)
 
 
 def _in_backward() -> bool:

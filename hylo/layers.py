@@ -37,9 +37,7 @@ class LayerMath(ABC):
         self.module = module
         #: The layer's name in messages (the registry sets the module's name in the model).
         self.name = type(module).__name__
-        weight = module.weight
-        assert isinstance(weight, Tensor)
-        bias = module.bias if isinstance(module.bias, Tensor) else None
+        weight, bias = self.weight, self.bias
         self._shapes = (tuple(weight.shape), None if bias is None else tuple(bias.shape))
         self.d_g = int(weight.shape[0])
         self.d_a = int(weight[0].numel()) + (1 if bias is not None else 0)
@@ -96,15 +94,33 @@ class LayerMath(ABC):
         :meth:`row_counts`) summed over the step's calls.
         """
 
+    @property
+    def module_type(self) -> str:
+        """The layer's kind in summaries: the module's class name."""
+        return type(self.module).__name__
+
+    def grad_tensor(self) -> Tensor | None:
+        """The ``.grad`` whose identity and version tell that a backward reached the layer."""
+        return self.weight.grad
+
+    def _weight_grad(self) -> Tensor | None:
+        """The weight's gradient (written in place), or None."""
+        return self.weight.grad
+
+    def _bias_grad(self) -> Tensor | None:
+        """The bias's gradient (written in place), or None."""
+        bias = self.bias
+        return None if bias is None else bias.grad
+
     def grad_matrix(self) -> Tensor | None:
         """∇W as a (d_g, d_a) matrix, bias last, or None when backward has not run."""
         self._check_shapes()
-        weight, bias = self.weight, self.bias
-        if weight.grad is None:
+        weight_grad, bias = self._weight_grad(), self.bias
+        if weight_grad is None:
             return None
-        grad = weight.grad.reshape(self.d_g, -1)
+        grad = weight_grad.reshape(self.d_g, -1)
         if bias is not None:
-            bias_grad = bias.grad
+            bias_grad = self._bias_grad()
             if bias_grad is None:
                 bias_grad = torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
@@ -113,12 +129,12 @@ class LayerMath(ABC):
     def set_grad_matrix(self, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix back into the parameters' ``.grad`` in place."""
         self._check_shapes()
-        weight_grad, bias = self.weight.grad, self.bias
+        weight_grad, bias_grad = self._weight_grad(), self._bias_grad()
         assert weight_grad is not None
-        n_weight = self.d_a - (1 if bias is not None else 0)
+        n_weight = self.d_a - (1 if self.bias is not None else 0)
         weight_grad.copy_(matrix[:, :n_weight].reshape(weight_grad.shape))
-        if bias is not None and bias.grad is not None:
-            bias.grad.copy_(matrix[:, n_weight].reshape(bias.grad.shape))
+        if bias_grad is not None:
+            bias_grad.copy_(matrix[:, n_weight].reshape(bias_grad.shape))
 
 
 class LinearMath(LayerMath):

@@ -160,6 +160,7 @@ class HyLoPreconditioner:
         found = register_layers(
             model, self.config.skip_layers, should_capture, self.config.initial_solver, self.config.conv_rows
         )
+        self._registration = found
         self._layers: list[RegisteredLayer] = found.layers
         self._skipped = found.skipped
         self._unsupported = found.unsupported
@@ -305,7 +306,7 @@ class HyLoPreconditioner:
         """
         grads: list[Tensor | None] = []
         for layer, seen in zip(self._layers, self._seen, strict=True):
-            weight_grad = layer.math.weight.grad
+            weight_grad = layer.math.grad_tensor()
             if weight_grad is None or (
                 seen is not None and seen[0]() is weight_grad and seen[1] == weight_grad._version
             ):
@@ -365,7 +366,7 @@ class HyLoPreconditioner:
     def _no_gradient_message(self, step: int, usable: bool) -> str:
         if usable:
             return f"step {step}: another rank has no gradient for any registered layer; every rank stops here"
-        stale = [layer.name for layer in self._layers if layer.math.weight.grad is not None]
+        stale = [layer.name for layer in self._layers if layer.math.grad_tensor() is not None]
         if stale:
             return (
                 f"step {step}: no gradient has changed since the previous step() (layers {stale[:4]}): "
@@ -464,7 +465,8 @@ class HyLoPreconditioner:
         for layer in self._layers:
             if layer.name in outcome.written:
                 layer.math.set_grad_matrix(outcome.written[layer.name])
-            weight_grad = layer.math.weight.grad
+        for layer in self._layers:  # after every write: attention's q, k and v share one .grad
+            weight_grad = layer.math.grad_tensor()
             self._seen[self._index[layer.name]] = (
                 None if weight_grad is None else (weakref.ref(weight_grad), weight_grad._version)
             )
@@ -699,7 +701,7 @@ class HyLoPreconditioner:
         return [
             LayerInfo(
                 layer.name,
-                type(layer.math.module).__name__,
+                layer.math.module_type,
                 layer.math.d_a,
                 layer.math.d_g,
                 layer.math.bias is not None,
@@ -741,8 +743,7 @@ class HyLoPreconditioner:
     # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:
         """Detach every hook and close the profile files; the model trains as if hylo had never been attached."""
-        for layer in self._layers:
-            layer.capture.remove()
+        self._registration.remove()
         self._removed = True
         self.close()
 

@@ -13,6 +13,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from hylo.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.capture import LayerCapture
 from hylo.config import SolverName
 from hylo.layers import ConvRows, LayerMath, supported_math, unsupported_reason
@@ -40,11 +41,22 @@ class RegisteredLayer:
 
 @dataclass
 class Registration:
-    """Result of walking a model: registered layers and the modules left alone, with reasons."""
+    """Result of walking a model: registered layers and the modules left alone, with reasons.
+
+    ``taps`` are the hooks of attention modules whose projections are registered layers.
+    """
 
     layers: list[RegisteredLayer] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)
+    taps: list[AttentionTap] = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Detach every hook of the registered layers and attention modules."""
+        for tap in self.taps:
+            tap.remove()
+        for layer in self.layers:
+            layer.capture.remove()
 
 
 def _matcher(patterns: tuple[str, ...]) -> Callable[[str, nn.Module], bool]:
@@ -107,6 +119,60 @@ def _parametrized_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _register_attention(
+    name: str,
+    attention: nn.MultiheadAttention,
+    skip: Callable[[str, nn.Module], bool],
+    should_capture: Callable[[str], bool],
+    initial_solver: Callable[[str], SolverName],
+    result: Registration,
+) -> None:
+    """Register the q/k/v/out projections of one attention module as Linear layers (docs/design.md, "Attention")."""
+    if skip(name, attention):
+        result.skipped.append((name, "skip_layers"))
+        return
+    if parametrize.is_parametrized(attention) or parametrize.is_parametrized(attention.out_proj):
+        result.unsupported.append((name, "MultiheadAttention with parametrized projections"))
+        return
+    captures: dict[str, LayerCapture] = {}
+    for part in PROJECTIONS:
+        layer_name = projection_name(name, part)
+        math: LayerMath = OutProjectionMath(attention) if part == "out" else ProjectionMath(attention, part)
+        math.name = layer_name
+        if skip(layer_name, attention.out_proj if part == "out" else attention):
+            result.skipped.append((layer_name, "skip_layers"))
+            continue
+        if not math.weight.requires_grad:
+            result.skipped.append((layer_name, "weight does not require grad"))
+            continue
+        capture = LayerCapture(None, functools.partial(should_capture, layer_name), layer_name)
+        captures[part] = capture
+        result.layers.append(RegisteredLayer(layer_name, math, capture, initial_solver(layer_name)))
+    for extra in ("bias_k", "bias_v"):
+        if getattr(attention, extra, None) is not None:
+            result.skipped.append((f"{name}.{extra}" if name else extra, "a bias vector: stays with the optimizer"))
+    if captures:
+        result.taps.append(AttentionTap(attention, captures, name or "<root>"))
+
+
+_NORMALISATIONS = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def _stays_with_optimizer(module: nn.Module) -> str | None:
+    """Why a module's parameters are left to the optimizer by design (normalisation, vectors only), or None."""
+    if isinstance(module, _NORMALISATIONS):
+        return f"{type(module).__name__}: normalisation scales and biases stay with the optimizer"
+    if all(p.dim() <= 1 for p in module.parameters(recurse=False)):
+        return f"{type(module).__name__}: only vector parameters (scales, biases), which stay with the optimizer"
+    return None
+
+
 def _internal_modules(model: nn.Module) -> set[int]:
     """Ids of modules used only inside another: a MultiheadAttention's projections, parametrizations."""
     inner: set[int] = set()
@@ -155,7 +221,7 @@ def register_layers(
             if id(module) in inner:
                 continue
             if isinstance(module, nn.MultiheadAttention):
-                result.unsupported.append((name, "MultiheadAttention uses its projections functionally"))
+                _register_attention(name, module, skip, should_capture, initial_solver, result)
                 continue
             parametrized = _parametrized_reason(module)
             if parametrized is None and next(module.parameters(recurse=False), None) is None:
@@ -167,6 +233,10 @@ def register_layers(
                 result.unsupported.append((name, parametrized))
                 continue
             math = supported_math(module, conv_rows)
+            kept = None if math is not None else _stays_with_optimizer(module)
+            if kept is not None:
+                result.skipped.append((name, kept))
+                continue
             if math is None:
                 result.unsupported.append((name, unsupported_reason(module)))
                 continue
@@ -177,7 +247,6 @@ def register_layers(
             capture = LayerCapture(module, functools.partial(should_capture, name), name)
             result.layers.append(RegisteredLayer(name, math, capture, initial_solver(name)))
     except BaseException:
-        for layer in result.layers:  # leave no hooks behind
-            layer.capture.remove()
+        result.remove()  # leave no hooks behind
         raise
     return result

@@ -34,14 +34,14 @@ def _names(pre: HyLoPreconditioner) -> list[str]:
 
 
 # --------------------------------------------------------------------------- MultiheadAttention
-def test_multihead_attention_at_the_root_registers_nothing() -> None:
+def test_multihead_attention_at_the_root_registers_its_projections_once() -> None:
     mha = nn.MultiheadAttention(8, 2, dtype=DT)
     found = register_layers(mha, (), lambda name: True, lambda name: "sngd")
-    assert found.layers == []
-    assert [name for name, _ in found.unsupported] == [""]
-    with pytest.warns(UserWarning, match="MultiheadAttention"), pytest.raises(ValueError, match="no layer"):
-        HyLoPreconditioner(mha)
-    assert not mha.out_proj._forward_hooks
+    assert [layer.name for layer in found.layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
+    assert found.unsupported == [] and len(found.taps) == 1
+    assert not mha.out_proj._forward_hooks  # captured by the attention's tap, never by a hook of its own
+    found.remove()
+    assert not mha._forward_pre_hooks and not mha._forward_hooks
 
 
 class _Attention(nn.Module):
@@ -60,16 +60,17 @@ class _Attention(nn.Module):
         return self.head(torch.tanh(self.attn_proj(h)).mean(dim=0))
 
 
-def test_multihead_attention_projection_is_never_registered_when_nested() -> None:
+def test_multihead_attention_projection_is_registered_once_under_its_attention() -> None:
     model = _Attention()
-    with pytest.warns(UserWarning, match="MultiheadAttention"):
-        pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
-    assert _names(pre) == ["attn_proj", "head"]
+    pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=1e-3)
+    names = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "attn_proj", "head"]
+    assert _names(pre) == names
     x = torch.randn(5, 4, 8, dtype=DT)
     F.cross_entropy(model(x), torch.tensor([0, 1, 2, 0])).backward()
+    assert len(pre._layers[3].capture.calls()) == 1
     raw = model.attn.out_proj.weight.grad.clone()
     pre.step()
-    assert torch.equal(model.attn.out_proj.weight.grad, raw)
+    assert not torch.allclose(model.attn.out_proj.weight.grad, raw)
 
 
 # --------------------------------------------------------------------------- parametrized modules

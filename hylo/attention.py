@@ -1,0 +1,248 @@
+"""``nn.MultiheadAttention``'s projections preconditioned as the Linear layers they are.
+
+docs/design.md, "Attention". The module applies its q/k/v and output projections functionally
+(``F.multi_head_attention_forward``), so no module hook sees them. On capture steps only, a
+forward pre-hook enters a torch-function mode that takes over that one call: it applies the
+projections itself with ``F.linear`` (hooking their outputs like any captured layer) and hands
+the projected tensors to ``F.multi_head_attention_forward`` with identity projections, so masks,
+dropout, ``need_weights`` and every other option keep torch's own semantics. The model's class,
+forward and ``state_dict`` are untouched; between capture steps nothing runs at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from hylo.capture import LayerCapture, Record, watch_gradient
+from hylo.layers import LinearMath
+
+#: The input projections in their packing order, then the output projection.
+PROJECTIONS = ("q", "k", "v", "out")
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+def projection_name(attention_name: str, part: str) -> str:
+    """The registered name of one projection: ``<attention>.q_proj`` … ``<attention>.out_proj``."""
+    return f"{attention_name}.{part}_proj" if attention_name else f"{part}_proj"
+
+
+class ProjectionMath(LinearMath):
+    """One input projection (q, k or v) of an ``nn.MultiheadAttention``, as a Linear layer.
+
+    Its weight is rows ``[iE, (i+1)E)`` of the packed ``in_proj_weight`` (or its own
+    ``q/k/v_proj_weight`` when key and value dimensions differ), its bias the same rows of
+    ``in_proj_bias``; gradients are read from and written to those rows of the parameters'
+    ``.grad`` in place. (The output projection is the module's own ``out_proj`` Linear.)
+    """
+
+    def __init__(self, attention: nn.MultiheadAttention, part: str) -> None:
+        index = PROJECTIONS.index(part)
+        embed = attention.embed_dim
+        self.part = part
+        self._packed = attention.in_proj_weight is not None
+        self._weight_name = "in_proj_weight" if self._packed else f"{part}_proj_weight"
+        self._slice = slice(index * embed, (index + 1) * embed)
+        super().__init__(attention)
+
+    @property
+    def module_type(self) -> str:
+        """``MHA.q`` / ``MHA.k`` / ``MHA.v``."""
+        return f"MHA.{self.part}"
+
+    def _parameter(self) -> Tensor:
+        weight = getattr(self.module, self._weight_name)
+        assert isinstance(weight, Tensor)
+        return weight
+
+    @property
+    def weight(self) -> Tensor:
+        """The projection's (E, d_in) weight: a view of the module's parameter."""
+        weight = self._parameter()
+        return weight[self._slice] if self._packed else weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The projection's rows of ``in_proj_bias``, or None."""
+        bias = self.module.in_proj_bias
+        return bias[self._slice] if isinstance(bias, Tensor) else None
+
+    def grad_tensor(self) -> Tensor | None:
+        """The whole parameter's ``.grad`` (shared by q, k and v when packed)."""
+        return self._parameter().grad
+
+    def _weight_grad(self) -> Tensor | None:
+        grad = self._parameter().grad
+        if grad is None:
+            return None
+        return grad[self._slice] if self._packed else grad
+
+    def _bias_grad(self) -> Tensor | None:
+        bias = self.module.in_proj_bias
+        if not isinstance(bias, Tensor) or bias.grad is None:
+            return None
+        return bias.grad[self._slice]
+
+
+class OutProjectionMath(LinearMath):
+    """The output projection: the attention module's own ``out_proj`` Linear, captured by the tap."""
+
+    def __init__(self, attention: nn.MultiheadAttention) -> None:
+        super().__init__(attention.out_proj)
+
+    @property
+    def module_type(self) -> str:
+        """``MHA.out``."""
+        return "MHA.out"
+
+
+class AttentionTap:
+    """The capture hooks of one ``nn.MultiheadAttention``: its registered projections' inputs and output gradients.
+
+    ``captures`` maps ``"q"``, ``"k"``, ``"v"``, ``"out"`` to the captures of the registered
+    projections (a skipped projection is simply absent).
+    """
+
+    def __init__(self, attention: nn.MultiheadAttention, captures: dict[str, LayerCapture], name: str) -> None:
+        self.attention = attention
+        self.captures = captures
+        self.name = name
+        self._mode: _AttentionMode | None = None
+        self._warned = False
+        self._handles: list[RemovableHandle] = [
+            attention.register_forward_pre_hook(self._enter),
+            attention.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._mode is not None or not (module.training and torch.is_grad_enabled()):
+            return
+        wanted = {part: capture for part, capture in self.captures.items() if capture.wants()}
+        if wanted:
+            self._mode = _AttentionMode(self, wanted)
+            self._mode.__enter__()
+
+    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        if not mode.handled and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"hylo: the attention module {self.name!r} did not call F.multi_head_attention_forward "
+                "in this forward, so its projections were not captured (a custom forward or a torch "
+                "version hylo does not know); they keep their previous state",
+                stacklevel=2,
+            )
+
+    def remove(self) -> None:
+        """Detach the hooks (a forward in progress finishes without capturing)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def forward(self, call: inspect.BoundArguments, wanted: dict[str, LayerCapture]) -> Any:
+        """``F.multi_head_attention_forward`` with the projections applied (and captured) here."""
+        args = call.arguments
+        query, key, value = args["query"], args["key"], args["value"]
+        if args.get("static_k") is not None or args.get("static_v") is not None:
+            raise ValueError(f"hylo: attention {self.name!r} called with static_k/static_v, which hylo cannot capture")
+        attention = self.attention
+        embed = attention.embed_dim
+        # MultiheadAttention hands (L, N, E); with batch_first, rows are recorded in the user's (N, L) order
+        flip = attention.batch_first and query.dim() == 3
+        bias = args["in_proj_bias"]
+        biases: list[Tensor | None] = [None] * 3 if bias is None else list(bias.chunk(3))
+        if args.get("use_separate_proj_weight"):
+            weights = [args["q_proj_weight"], args["k_proj_weight"], args["v_proj_weight"]]
+        else:
+            weights = list(args["in_proj_weight"].chunk(3))
+        if query is key and key is value and not args.get("use_separate_proj_weight"):
+            packed = self._project(query, args["in_proj_weight"], bias, ("q", "k", "v"), wanted, flip)
+            q, k, v = packed.unflatten(-1, (3, embed)).unbind(-2)
+        else:
+            q = self._project(query, weights[0], biases[0], ("q",), wanted, flip)
+            k = self._project(key, weights[1], biases[1], ("k",), wanted, flip)
+            v = self._project(value, weights[2], biases[2], ("v",), wanted, flip)
+        out_weight, out_bias = args["out_proj_weight"], args["out_proj_bias"]
+        eye = torch.eye(embed, dtype=weights[0].dtype, device=weights[0].device)
+        args.update(
+            query=q,
+            key=k,
+            value=v,
+            in_proj_weight=None,
+            in_proj_bias=None,
+            use_separate_proj_weight=True,
+            q_proj_weight=eye,
+            k_proj_weight=eye,
+            v_proj_weight=eye,
+            out_proj_weight=eye,
+            out_proj_bias=None,
+        )
+        output, weights_out = F.multi_head_attention_forward(*call.args, **call.kwargs)
+        return self._project(output, out_weight, out_bias, ("out",), wanted, flip), weights_out
+
+    def _project(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        parts: tuple[str, ...],
+        wanted: dict[str, LayerCapture],
+        flip: bool,
+    ) -> Tensor:
+        """``F.linear(x, weight, bias)``, its input and output gradient recorded for the wanted parts."""
+        output = F.linear(x, weight, bias)
+        width = weight.shape[0] // len(parts)
+        selected = [(wanted[part], slice(i * width, (i + 1) * width)) for i, part in enumerate(parts) if part in wanted]
+        if not selected or not output.requires_grad:
+            return output
+        inputs = x.transpose(0, 1) if flip else x
+        records: list[tuple[Record, Callable[[Tensor], Tensor]]] = []
+        for capture, columns in selected:
+            select = _selector(columns if len(parts) > 1 else None, flip)
+            records.append((capture.open(inputs), select))
+        watch_gradient(output, records)
+        return output
+
+
+def _selector(columns: slice | None, flip: bool) -> Callable[[Tensor], Tensor]:
+    """The part of a projection's output gradient that belongs to one projection, in the user's order."""
+
+    def select(grad: Tensor) -> Tensor:
+        part = grad if columns is None else grad[..., columns]
+        return part.transpose(0, 1) if flip else part
+
+    return select
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Active during one capturing forward of one attention module: takes over its functional call."""
+
+    def __init__(self, tap: AttentionTap, wanted: dict[str, LayerCapture]) -> None:
+        super().__init__()
+        self.tap = tap
+        self.wanted = wanted
+        self.handled = False
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward and not self.handled:
+            self.handled = True
+            return self.tap.forward(_MHA_SIGNATURE.bind(*args, **kwargs), self.wanted)
+        return func(*args, **kwargs)

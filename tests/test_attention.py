@@ -1,0 +1,416 @@
+"""``nn.MultiheadAttention``'s projections preconditioned as Linear layers (hylo/attention.py).
+
+The oracle is the same attention written with four plain ``nn.Linear`` projections and an
+attention core written here from its definition (softmax(QKᵀ/√d + mask)·V per head): every
+solver must give the projections of both models the same preconditioned gradients, for
+packed and separate weights, ``batch_first`` either way, with and without bias, masks,
+``need_weights`` either way, cross-attention, ``add_bias_kv``/``add_zero_attn`` and unbatched
+inputs. Also: the stock forward is unchanged (outputs, attention weights), ``remove()``
+restores it, ``state_dict`` keys never change, checkpoints round-trip, and the projections of
+``nn.TransformerEncoderLayer``/``DecoderLayer`` are all captured with one row per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo import HyLoPreconditioner
+from tests.kit.checks import DT
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+E, HEADS, L, S, N = 8, 2, 5, 6, 3
+SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of building and calling the attention module."""
+
+    name: str
+    module: dict[str, Any] = field(default_factory=dict)
+    #: "self": query is key is value; "kv": key is value; "qkv": three different tensors.
+    inputs: str = "self"
+    call: dict[str, Any] = field(default_factory=dict)
+    batched: bool = True
+
+
+def _causal(length: int) -> Tensor:
+    return torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
+
+
+def _padding() -> Tensor:
+    mask = torch.zeros(N, S, dtype=torch.bool)
+    mask[0, -2:] = True
+    mask[2, -1] = True
+    return mask
+
+
+VARIANTS = [
+    Variant("packed-batch-first-causal", {"batch_first": True}, call={"attn_mask": _causal(L), "need_weights": False}),
+    Variant("packed-seq-first-weights", {}, call={"attn_mask": _causal(L), "need_weights": True}),
+    Variant(
+        "no-bias-is-causal", {"bias": False, "batch_first": True}, call={"attn_mask": _causal(L), "is_causal": True}
+    ),
+    Variant(
+        "cross-kv-padding",
+        {"batch_first": True},
+        inputs="kv",
+        call={"key_padding_mask": _padding(), "need_weights": True, "average_attn_weights": False},
+    ),
+    Variant(
+        "three-inputs-float-mask",
+        {},
+        inputs="qkv",
+        call={"attn_mask": torch.linspace(-1.0, 0.5, L * S, dtype=DT).reshape(L, S), "need_weights": False},
+    ),
+    Variant("separate-weights", {"kdim": 3, "vdim": 5, "batch_first": True}, inputs="qkv"),
+    Variant(
+        "bias-kv-zero-attn-padding",
+        {"add_bias_kv": True, "add_zero_attn": True},
+        inputs="kv",
+        call={"key_padding_mask": _padding()},
+    ),
+    Variant("unbatched", {"batch_first": True}, call={"attn_mask": _causal(L)}, batched=False),
+]
+
+
+def _explicit_core(
+    q: Tensor, k: Tensor, v: Tensor, bias_kv: tuple[Tensor, Tensor] | None, zero_attn: bool, **call: Any
+) -> Tensor:
+    """Multi-head attention on projected (N, L, E) / (N, S, E) tensors, from its definition."""
+    n, tgt, _ = q.shape
+    head = E // HEADS
+    if bias_kv is not None:
+        k = torch.cat([k, bias_kv[0].reshape(1, 1, E).expand(n, 1, E)], dim=1)
+        v = torch.cat([v, bias_kv[1].reshape(1, 1, E).expand(n, 1, E)], dim=1)
+    split = [t.reshape(n, t.shape[1], HEADS, head).transpose(1, 2) for t in (q, k, v)]  # (N, H, ·, d)
+    qh, kh, vh = split
+    if zero_attn:
+        kh = torch.cat([kh, kh.new_zeros(n, HEADS, 1, head)], dim=2)
+        vh = torch.cat([vh, vh.new_zeros(n, HEADS, 1, head)], dim=2)
+    scores = qh @ kh.transpose(-2, -1) / math.sqrt(head)  # (N, H, L, S')
+    mask = call.get("attn_mask")
+    if mask is not None:
+        mask = F.pad(mask, (0, scores.shape[-1] - mask.shape[-1]))
+        scores = scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    padding = call.get("key_padding_mask")
+    if padding is not None:
+        padding = F.pad(padding, (0, scores.shape[-1] - padding.shape[-1]))
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vh  # (N, H, L, d)
+    return out.transpose(1, 2).reshape(n, tgt, E)
+
+
+class ExplicitAttention(nn.Module):
+    """The same attention with plain nn.Linear projections (the oracle's model)."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        bias = mha.in_proj_bias is not None
+        self.q_proj = nn.Linear(E, E, bias=bias, dtype=DT)
+        self.k_proj = nn.Linear(mha.kdim, E, bias=bias, dtype=DT)
+        self.v_proj = nn.Linear(mha.vdim, E, bias=bias, dtype=DT)
+        self.out_proj = nn.Linear(E, E, bias=mha.out_proj.bias is not None, dtype=DT)
+        self.batch_first = mha.batch_first
+        self.bias_kv = None if mha.bias_k is None else (mha.bias_k.detach().clone(), mha.bias_v.detach().clone())
+        self.zero_attn = mha.add_zero_attn
+        with torch.no_grad():
+            for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+                proj.weight.copy_(
+                    mha.in_proj_weight[i * E : (i + 1) * E]
+                    if mha.in_proj_weight is not None
+                    else getattr(mha, f"{'qkv'[i]}_proj_weight")
+                )
+                if bias:
+                    proj.bias.copy_(mha.in_proj_bias[i * E : (i + 1) * E])
+            self.out_proj.weight.copy_(mha.out_proj.weight)
+            if self.out_proj.bias is not None:
+                self.out_proj.bias.copy_(mha.out_proj.bias)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, **call: Any) -> tuple[Tensor, None]:
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        unbatched = query.dim() == 2
+        if unbatched:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        elif not self.batch_first:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        call = {key_: value_ for key_, value_ in call.items() if key_ in ("attn_mask", "key_padding_mask")}
+        out = _explicit_core(q, k, v, self.bias_kv, self.zero_attn, **call)
+        if unbatched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return self.out_proj(out), None
+
+
+class Wrapper(nn.Module):
+    """attention → tanh → a Linear head; the loss is a fixed regression target."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+        self.head = nn.Linear(E, 2, dtype=DT)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, **call: Any) -> Tensor:
+        out, _ = self.attn(query, key, value, **call)
+        return self.head(torch.tanh(out))
+
+
+def _models(variant: Variant, seed: int = 0) -> tuple[Wrapper, Wrapper]:
+    torch.manual_seed(seed)
+    mha = nn.MultiheadAttention(E, HEADS, dtype=DT, **variant.module)
+    if mha.bias_k is not None:
+        with torch.no_grad():
+            mha.bias_k.normal_()
+            mha.bias_v.normal_()
+    with torch.no_grad():
+        if mha.in_proj_bias is not None:
+            mha.in_proj_bias.normal_(0, 0.1)
+    stock = Wrapper(mha)
+    explicit = Wrapper(ExplicitAttention(mha))
+    explicit.head.load_state_dict(stock.head.state_dict())
+    return stock, explicit
+
+
+def _inputs(variant: Variant, mha: nn.MultiheadAttention, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+
+    def make(length: int, dim: int) -> Tensor:
+        if not variant.batched:
+            return torch.randn(length, dim, generator=gen, dtype=DT)
+        shape = (N, length, dim) if mha.batch_first else (length, N, dim)
+        return torch.randn(*shape, generator=gen, dtype=DT)
+
+    query = make(L, E)
+    if variant.inputs == "self":
+        return query, query, query
+    key = make(S, mha.kdim)
+    if variant.inputs == "kv":
+        return query, key, key
+    return query, key, make(S, mha.vdim)
+
+
+def _backward(model: Wrapper, inputs: tuple[Tensor, Tensor, Tensor], call: dict[str, Any]) -> None:
+    model.zero_grad()
+    out = model(*inputs, **call)
+    target = torch.linspace(-1, 1, out.numel(), dtype=DT).reshape(out.shape)
+    F.mse_loss(out, target).backward()
+
+
+def _projection_grads(model: Wrapper) -> dict[str, Tensor]:
+    """Each projection's (weight | bias) gradient, by name, from either model."""
+    attn = model.attn
+    grads: dict[str, Tensor] = {}
+    if isinstance(attn, nn.MultiheadAttention):
+        for i, part in enumerate("qkv"):
+            if attn.in_proj_weight is not None:
+                weight = attn.in_proj_weight.grad[i * E : (i + 1) * E]
+            else:
+                weight = getattr(attn, f"{part}_proj_weight").grad
+            grads[part] = weight.clone()
+            if attn.in_proj_bias is not None:
+                grads[part + ".bias"] = attn.in_proj_bias.grad[i * E : (i + 1) * E].clone()
+    else:
+        for part in "qkv":
+            proj = getattr(attn, f"{part}_proj")
+            grads[part] = proj.weight.grad.clone()
+            if proj.bias is not None:
+                grads[part + ".bias"] = proj.bias.grad.clone()
+    grads["out"] = attn.out_proj.weight.grad.clone()
+    if attn.out_proj.bias is not None:
+        grads["out.bias"] = attn.out_proj.bias.grad.clone()
+    grads["head"] = model.head.weight.grad.clone()
+    return grads
+
+
+def _options(solver: str) -> dict[str, Any]:
+    return {"solver": solver, "update_freq": 2, "damping": 0.05, "rank_ratio": 0.5, "seed": 3}
+
+
+# --------------------------------------------------------------------------- the stock forward is unchanged
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
+    stock, _ = _models(variant)
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    inputs = _inputs(variant, mha, 0)
+    expected = nn.MultiheadAttention.forward(mha, *inputs, **variant.call)  # no hooks run
+    pre = HyLoPreconditioner(stock, solver="sngd", update_freq=1)
+    got = mha(*inputs, **variant.call)  # a capture step: hylo's projections
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-13, atol=1e-13)
+    assert (got[1] is None) == (expected[1] is None)
+    if got[1] is not None:
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-13, atol=1e-13)
+    assert all(not layer.capture.calls() for layer in pre._layers)  # no backward yet
+    stock.head(torch.tanh(got[0])).square().mean().backward()
+    rows = N * L if variant.batched else L
+    key_rows = rows // L * S if variant.inputs != "self" else rows
+    counts = {layer.name: sum(x.numel() // x.shape[-1] for x, _ in layer.capture.calls()) for layer in pre._layers}
+    assert counts == {
+        "attn.q_proj": rows,
+        "attn.k_proj": key_rows,
+        "attn.v_proj": key_rows,
+        "attn.out_proj": rows,
+        "head": rows,
+    }
+
+
+# --------------------------------------------------------------------------- equivalence with plain Linear projections
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_projections_are_preconditioned_as_plain_linear_layers(variant: Variant, solver: str) -> None:
+    stock, explicit = _models(variant)
+    pre_stock = HyLoPreconditioner(stock, **_options(solver))
+    pre_explicit = HyLoPreconditioner(explicit, **_options(solver))
+    assert [layer.name for layer in pre_stock._layers] == [layer.name for layer in pre_explicit._layers]
+    assert isinstance(stock.attn, nn.MultiheadAttention)
+    for step in range(3):  # an update, a step between updates, an update with running statistics
+        inputs = _inputs(variant, stock.attn, step)
+        _backward(stock, inputs, variant.call)
+        _backward(explicit, inputs, variant.call)
+        raw_stock, raw_explicit = _projection_grads(stock), _projection_grads(explicit)
+        for part, grad in raw_stock.items():
+            torch.testing.assert_close(grad, raw_explicit[part], rtol=1e-10, atol=1e-12)
+        pre_stock.step()
+        pre_explicit.step()
+        got, expected = _projection_grads(stock), _projection_grads(explicit)
+        for part, grad in got.items():
+            torch.testing.assert_close(grad, expected[part], rtol=1e-9, atol=1e-11, msg=f"{part} at step {step}")
+            if part != "head" or solver != "hybrid":
+                assert not torch.allclose(grad, raw_stock[part]), f"{part} was not preconditioned at step {step}"
+    assert [layer.solver for layer in pre_stock._layers] == [layer.solver for layer in pre_explicit._layers]
+
+
+# --------------------------------------------------------------------------- remove, state_dict, checkpoints
+def test_state_dict_keys_never_change_and_remove_restores_the_stock_forward() -> None:
+    variant = VARIANTS[0]
+    stock, _ = _models(variant)
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    keys = list(stock.state_dict())
+    hooks = (dict(mha._forward_pre_hooks), dict(mha._forward_hooks), dict(mha.out_proj._forward_hooks))
+    pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
+    assert type(mha) is nn.MultiheadAttention and "forward" not in vars(mha)
+    assert list(stock.state_dict()) == keys
+    _backward(stock, _inputs(variant, mha, 0), variant.call)
+    pre.step()
+    assert list(stock.state_dict()) == keys
+    pre.remove()
+    assert (dict(mha._forward_pre_hooks), dict(mha._forward_hooks), dict(mha.out_proj._forward_hooks)) == hooks
+    inputs = _inputs(variant, mha, 1)
+    _backward(stock, inputs, variant.call)
+    assert all(not layer.capture.records for layer in pre._layers)
+    raw = _projection_grads(stock)
+    fresh, _ = _models(variant)
+    fresh.load_state_dict(stock.state_dict())
+    _backward(fresh, inputs, variant.call)
+    for part, grad in _projection_grads(fresh).items():
+        assert torch.equal(grad, raw[part])
+
+
+def test_a_forward_that_raises_leaves_no_mode_behind() -> None:
+    variant = VARIANTS[0]
+    stock, _ = _models(variant)
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    HyLoPreconditioner(stock, solver="sngd", update_freq=1)
+    query = _inputs(variant, mha, 0)[0]
+    with pytest.raises((AssertionError, RuntimeError)):
+        mha(query, query[:, :, :3], query)  # wrong key width
+    assert not torch.overrides._get_current_function_mode_stack()
+    out, _ = mha(query, query, query)
+    assert out.shape == query.shape
+
+
+@pytest.mark.parametrize("solver", ("kfac", "sngd", "hybrid"))
+def test_checkpoint_round_trip_continues_like_an_uninterrupted_run(solver: str) -> None:
+    variant = VARIANTS[3]
+    a, _ = _models(variant)
+    b = copy.deepcopy(a)
+    pre_a = HyLoPreconditioner(a, **_options(solver))
+    pre_b = HyLoPreconditioner(b, **_options(solver))
+    assert isinstance(a.attn, nn.MultiheadAttention)
+    for step in range(2):
+        for model, pre in ((a, pre_a), (b, pre_b)):
+            _backward(model, _inputs(variant, a.attn, step), variant.call)
+            pre.step()
+    state = pre_b.state_dict()
+    assert {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"} <= set(state["layers"])
+    pre_b.remove()
+    resumed = HyLoPreconditioner(b, **_options(solver))
+    resumed.load_state_dict(state)
+    for step in range(2, 5):
+        for model, pre in ((a, pre_a), (b, resumed)):
+            _backward(model, _inputs(variant, a.attn, step), variant.call)
+            pre.step()
+        for part, grad in _projection_grads(a).items():
+            assert torch.equal(grad, _projection_grads(b)[part]), f"{part} at step {step}"
+
+
+# --------------------------------------------------------------------------- registration details
+def test_skip_layers_and_frozen_projections() -> None:
+    stock, _ = _models(VARIANTS[5])  # separate q/k/v weights
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    mha.k_proj_weight.requires_grad_(False)
+    pre = HyLoPreconditioner(stock, solver="sngd", skip_layers=("attn.v_proj",))
+    assert [layer.name for layer in pre._layers] == ["attn.q_proj", "attn.out_proj", "head"]
+    summary = pre.summary()
+    assert "attn.v_proj (skip_layers)" in summary and "attn.k_proj (weight does not require grad)" in summary
+    pre.remove()
+    pre = HyLoPreconditioner(stock, solver="sngd", skip_layers=("MultiheadAttention",))
+    assert [layer.name for layer in pre._layers] == ["head"]
+    assert not mha._forward_pre_hooks
+
+
+def test_bias_kv_stays_with_the_optimizer_and_is_listed() -> None:
+    stock, _ = _models(VARIANTS[6])
+    summary = HyLoPreconditioner(stock, solver="kfac").summary()
+    assert "attn.bias_k (a bias vector: stays with the optimizer)" in summary
+    assert "MHA.q" in summary and "MHA.out" in summary
+
+
+def test_root_attention_registers_its_projections() -> None:
+    mha = nn.MultiheadAttention(E, HEADS, dtype=DT)
+    pre = HyLoPreconditioner(mha, solver="sngd", update_freq=1)
+    assert [layer.name for layer in pre._layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+@pytest.mark.parametrize("layer_cls", (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+@pytest.mark.parametrize("solver", ("kfac", "kid", "hybrid"))
+def test_transformer_layers_capture_every_projection_with_one_row_per_token(
+    layer_cls: type[nn.Module], solver: str
+) -> None:
+    torch.manual_seed(0)
+    block = layer_cls(E, HEADS, dim_feedforward=16, dropout=0.0, batch_first=True, dtype=DT)
+    pre = HyLoPreconditioner(block, solver=solver, update_freq=1, damping=1e-3)
+    attentions = ["self_attn"] + (["multihead_attn"] if layer_cls is nn.TransformerDecoderLayer else [])
+    expected = [f"{a}.{p}_proj" for a in attentions for p in ("q", "k", "v", "out")] + ["linear1", "linear2"]
+    assert sorted(layer.name for layer in pre._layers) == sorted(expected)
+    x = torch.randn(N, L, E, dtype=DT)
+    args = (x,) if layer_cls is nn.TransformerEncoderLayer else (x, torch.randn(N, S, E, dtype=DT))
+    out = block(
+        *args, **({"src_mask": _causal(L)} if layer_cls is nn.TransformerEncoderLayer else {"tgt_mask": _causal(L)})
+    )
+    (out * torch.randn(out.shape, dtype=DT)).sum().backward()  # (LayerNorm makes the mean square constant)
+    for layer in pre._layers:
+        calls = layer.capture.calls()
+        assert len(calls) == 1, layer.name
+        rows = calls[0][0].numel() // calls[0][0].shape[-1]
+        memory = layer.name.startswith("multihead_attn.") and layer.name[15] in "kv"
+        assert rows == N * (S if memory else L), layer.name
+    raw = {name: p.grad.clone() for name, p in block.named_parameters()}
+    pre.step()
+    for name, p in block.named_parameters():
+        assert torch.isfinite(p.grad).all()
+        if name.endswith("in_proj_weight") or name.endswith("out_proj.weight"):
+            assert (p.grad - raw[name]).norm() > 1e-3 * raw[name].norm(), name
