@@ -56,6 +56,10 @@ class SampleRows(ABC):
         """K_ij = ⟨U_i, U_j⟩ (m × m)."""
 
     @abstractmethod
+    def kernel_columns(self, index: Tensor) -> Tensor:
+        """Columns ``index`` of the kernel (m × |index|), without forming the kernel."""
+
+    @abstractmethod
     def sq_norms(self) -> Tensor:
         """‖U_i‖²_F, the kernel's diagonal, without forming the kernel."""
 
@@ -114,6 +118,10 @@ class FactoredRows(SampleRows):
     def kernel(self) -> Tensor:
         """(A Aᵀ) ∘ (G Gᵀ)."""
         return sample_kernel(self.a, self.g)
+
+    def kernel_columns(self, index: Tensor) -> Tensor:
+        """Columns ``index`` of the kernel, (A A_Jᵀ) ∘ (G G_Jᵀ): n·|J|·(d_a + d_g), no n×n matrix."""
+        return (self.a @ self.a.index_select(0, index).mT) * (self.g @ self.g.index_select(0, index).mT)
 
     def sq_norms(self) -> Tensor:
         """‖a_i‖² ‖g_i‖²."""
@@ -177,6 +185,11 @@ class DenseRows(SampleRows):
         """U Uᵀ over the flattened gradients."""
         flat = self._flat()
         return flat @ flat.mT
+
+    def kernel_columns(self, index: Tensor) -> Tensor:
+        """Columns ``index`` of the kernel, U U_Jᵀ."""
+        flat = self._flat()
+        return flat @ flat.index_select(0, index).mT
 
     def sq_norms(self) -> Tensor:
         """‖U_i‖²_F."""

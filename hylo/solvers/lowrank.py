@@ -118,10 +118,10 @@ class SkeletonRows(RowReduction):
     """KID: a skeleton of r rows with interpolation weights W_p = Π Πᵀ, divisor B."""
 
     def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
-        """Skeleton rows and W_p (W_p = I when r = n); the local kernel in float64."""
+        """Skeleton rows and W_p (W_p = I when r = n); r columns of the local kernel, in float64."""
         n = rows.count
         if r < n:
-            keep, w_local = kid_skeleton(rows.to(torch.float64).kernel(), r)
+            keep, w_local = kid_skeleton(rows, r)
             return rows.select(keep), w_local.to(rows.dtype)
         return rows, torch.eye(n, dtype=rows.dtype, device=rows.device)
 
@@ -136,8 +136,9 @@ class SkeletonRows(RowReduction):
         return LowRankUpdate(rows, _total_rows(counts), torch.block_diag(*blocks))
 
     def local_work(self, shape: LayerShape) -> float:
-        """The local n×n kernel and the pivoted Cholesky."""
-        return float(shape.rows) ** 2 * shape.row_width + float(shape.rows) * shape.kept_local**2
+        """r columns of the local kernel and the pivoted Cholesky (never the n×n kernel)."""
+        rows, kept = float(shape.rows), float(shape.kept_local)
+        return rows * kept * shape.row_width + rows * kept**2
 
 
 def _solve_work(m: int, row_width: int) -> float:

@@ -1,13 +1,15 @@
 """Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md, "KID", "KIS").
 
-They run on every rank before the all-gather, see only the n row norms or the n×n kernel
-(never a d×d matrix), and need no host synchronisation.
+They run on every rank before the all-gather, see only the n row norms or r columns of the
+n×n kernel (never the whole kernel, never a d×d matrix), and need no host synchronisation.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from hylo.rows import SampleRows
 
 
 def priority_sample(weights: Tensor, r: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -47,8 +49,14 @@ def kis_select(weights: Tensor, r: int, generator: torch.Generator) -> Tensor:
     return order[torch.topk(keys, r).indices]
 
 
-def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def pivoted_cholesky(
+    kernel: Tensor | SampleRows, r: int, rel_tol: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy pivoted Cholesky of a PSD kernel: largest residual diagonal first.
+
+    ``kernel`` is the n×n matrix or the rows whose kernel it is: from rows only the diagonal
+    (the row norms) and the r pivot columns are computed, n·r·(d_a + d_g) multiply-adds and
+    n·r numbers instead of the n²·(d_a + d_g) and n² of the whole kernel (docs/design.md, "KID").
 
     Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
     residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its
@@ -56,21 +64,30 @@ def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float | None = None) -> tu
     kernel's dtype (at least 1e-12), sits above the round-off of a float32 kernel.
     Runs in float64; deterministic; no host syncs.
     """
-    n = kernel.shape[0]
+    if isinstance(kernel, Tensor):
+        k64 = kernel.to(torch.float64)
+        residual = k64.diagonal().clone()
+
+        def columns(index: Tensor) -> Tensor:
+            return k64.index_select(1, index)
+
+    else:
+        rows = kernel.to(torch.float64)
+        residual = rows.sq_norms()
+        columns = rows.kernel_columns
+    n = residual.shape[0]
     if rel_tol is None:
         rel_tol = max(1e-12, 10.0 * n * torch.finfo(kernel.dtype).eps)
-    k64 = kernel.to(torch.float64)
-    residual = k64.diagonal().clone()
     threshold = rel_tol * residual.max().clamp_min(torch.finfo(torch.float64).tiny)
-    factor = k64.new_zeros(n, r)
-    pivots = torch.empty(r, dtype=torch.long, device=kernel.device)
-    alive = torch.empty(r, dtype=torch.bool, device=kernel.device)
-    taken = torch.zeros(n, dtype=torch.bool, device=kernel.device)
+    factor = residual.new_zeros(n, r)
+    pivots = torch.empty(r, dtype=torch.long, device=residual.device)
+    alive = torch.empty(r, dtype=torch.bool, device=residual.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=residual.device)
     for k in range(r):
         j = torch.argmax(torch.where(taken, -torch.inf, residual)).reshape(1)
         pivot_residual = residual.index_select(0, j)
         ok = pivot_residual > threshold
-        column = k64.index_select(1, j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        column = columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
         residual = residual - column.square()
@@ -80,12 +97,12 @@ def pivoted_cholesky(kernel: Tensor, r: int, rel_tol: float | None = None) -> tu
     return pivots, factor, alive
 
 
-def kid_skeleton(kernel: Tensor, r: int) -> tuple[Tensor, Tensor]:
+def kid_skeleton(kernel: Tensor | SampleRows, r: int) -> tuple[Tensor, Tensor]:
     """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r).
 
-    ``kernel`` is the rank's sample kernel K_ij = ⟨U_i, U_j⟩; computing it in float64 keeps
-    the dead-pivot tolerance of :func:`pivoted_cholesky` at float64 round-off. W_p is
-    returned in the kernel's dtype.
+    ``kernel`` is the rank's sample kernel K_ij = ⟨U_i, U_j⟩ or its rows (then only r of its
+    columns are formed, see :func:`pivoted_cholesky`); float64 keeps the dead-pivot tolerance
+    at float64 round-off. W_p is returned in the kernel's dtype.
 
     Π = K_JJ⁻¹ K_J,: is obtained from the pivoted Cholesky factor as L_Jᵀ⁻¹ Lᵀ (the same matrix
     in exact arithmetic, better conditioned); Π[:, J] = I by construction. Skeleton rows that
