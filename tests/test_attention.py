@@ -7,7 +7,8 @@ packed and separate weights, ``batch_first`` either way, with and without bias, 
 ``need_weights`` either way, cross-attention, ``add_bias_kv``/``add_zero_attn`` and unbatched
 inputs. Also: the stock forward is unchanged (outputs, attention weights), ``remove()``
 restores it, ``state_dict`` keys never change, checkpoints round-trip, and the projections of
-``nn.TransformerEncoderLayer``/``DecoderLayer`` are all captured with one row per token.
+``nn.TransformerEncoderLayer``/``DecoderLayer`` are all captured with one row per token, and
+2 gloo ranks under DDP give one process's result on the whole batch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT
+from tests.kit.harness import run_distributed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -414,3 +416,43 @@ def test_transformer_layers_capture_every_projection_with_one_row_per_token(
         assert torch.isfinite(p.grad).all()
         if name.endswith("in_proj_weight") or name.endswith("out_proj.weight"):
             assert (p.grad - raw[name]).norm() > 1e-3 * raw[name].norm(), name
+
+
+# --------------------------------------------------------------------------- P ranks = one process
+def _ddp_attention_run(
+    rank: int, world_size: int, solver: str, batches: list[Tensor], local: int
+) -> list[dict[str, Tensor]]:
+    """Three steps of an attention model under DDP; rank ``rank`` takes its ``local`` sequences of each batch."""
+    torch.manual_seed(0)
+    model = Wrapper(nn.MultiheadAttention(E, HEADS, batch_first=True, dtype=DT))
+    net: nn.Module = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    pre = HyLoPreconditioner(net, solver=solver, update_freq=2, damping=0.05)
+    out = []
+    for x in batches:
+        part = x[rank * local : (rank + 1) * local]
+        net.zero_grad()
+        y = net(part, part, part, attn_mask=_causal(L))
+        target = torch.linspace(-1, 1, x.shape[0] * L * 2, dtype=DT).reshape(x.shape[0], L, 2)
+        # the mean over the global batch: each rank's sum over its sequences, DDP averages over ranks
+        (
+            (y - target[rank * local : (rank + 1) * local]).square().sum()
+            * world_size
+            / y.new_tensor(x.numel() / E * 2)
+        ).backward()
+        pre.step()
+        out.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("solver", ("kfac", "sngd"))
+def test_two_ranks_with_ddp_equal_one_process_on_the_whole_batch(solver: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(4, L, E, generator=gen, dtype=DT) for _ in range(3)]
+    (single,) = run_distributed(_ddp_attention_run, 1, solver, batches, 4, timeout=120)
+    ranks = run_distributed(_ddp_attention_run, 2, solver, batches, 2, timeout=120)
+    for rank_result in ranks:
+        for step, grads in enumerate(single):
+            for name, grad in grads.items():
+                torch.testing.assert_close(
+                    rank_result[step][name], grad, rtol=1e-8, atol=1e-12, msg=f"{name} at {step}"
+                )
