@@ -298,6 +298,12 @@ class OneHotRows(FactoredRows):
         same = (self.tokens.unsqueeze(1) == self.tokens.unsqueeze(0)) & self._present().unsqueeze(1)
         return same.to(self.g.dtype) * (self.g @ self.g.mT)
 
+    def kernel_columns(self, index: Tensor) -> Tensor:
+        """Columns ``index`` of the kernel: δ(t_i = t_j) (G G_Jᵀ), zero on padding rows."""
+        chosen = self.tokens.index_select(0, index)
+        same = (self.tokens.unsqueeze(1) == chosen.unsqueeze(0)) & self._present().unsqueeze(1)
+        return same.to(self.g.dtype) * (self.g @ self.g.index_select(0, index).mT)
+
     def sq_norms(self) -> Tensor:
         """‖g_i‖², zero on padding rows."""
         return self.g.square().sum(dim=1) * self._present().to(self.g.dtype)
@@ -334,7 +340,7 @@ class EmbeddingMath(LayerMath):
       the kernel's activation part a_iᵀ a_j is δ(t_i = t_j). The rows are built with one
       ``scatter`` into an n×V zero matrix: n·V numbers (8 MB for 2,048 tokens and V = 1,024 in
       float32; :meth:`row_work` charges them). The local kernel (KID) and row norms (KIS) use
-      the indices: O(n²·d_g) and O(n·d_g). After the all-gather the rows are plain factored
+      the indices: O(n·r·d_g) and O(n·d_g). After the all-gather the rows are plain factored
       rows, so the gathered kernel costs O(m²(V + d_g)) and the projection and apply
       O(m·V·d_g) a step, as for a Linear with d_a = V — fine for character/byte vocabularies;
       for V in the tens of thousands the n×V rows themselves are the limit.

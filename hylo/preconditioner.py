@@ -109,7 +109,8 @@ class _Outcome:
 class HyLoPreconditioner:
     """Drop-in natural-gradient preconditioner: call ``step()`` between backward and ``optimizer.step()``.
 
-    ``step()`` rewrites ``.grad`` of every registered ``nn.Linear``/``nn.Conv2d`` in place with
+    ``step()`` rewrites ``.grad`` of every registered layer (``nn.Linear``, ``nn.Conv2d``,
+    ``nn.Embedding``, ``nn.MultiheadAttention``'s projections) in place with
     (F̃ + λI)⁻¹ ∇W for the layer's curvature estimate F̃ (see :class:`hylo.HyLoConfig` for the
     options). Layer inputs and output gradients are captured only on update steps
     (``step % update_freq == 0``; step 0 is one); in between the stored state is reused.
@@ -178,7 +179,10 @@ class HyLoPreconditioner:
                 stacklevel=2,
             )
         if not self._layers:
-            raise ValueError("model has no layer hylo can precondition (nn.Linear or nn.Conv2d with groups=1)")
+            raise ValueError(
+                "model has no layer hylo can precondition (nn.Linear, nn.Conv2d with groups=1, nn.Embedding, "
+                "nn.MultiheadAttention)"
+            )
         self._updates = 0
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         self._layer_named = {layer.name: layer for layer in self._layers}

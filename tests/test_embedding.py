@@ -185,7 +185,7 @@ def test_embedding_math_shapes_and_factors() -> None:
 
 
 def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
-    """The index kernel δ(t_i = t_j)(G Gᵀ) and norms equal the one-hot products exactly, after select/scale/to."""
+    """The index kernel δ(t_i = t_j)(G Gᵀ), its columns and the norms equal the one-hot products exactly, after select/scale/to."""
     math = EmbeddingMath(nn.Embedding(V, D, padding_idx=2))
     idx = torch.tensor([3, 2, 3, 7, 2, 0, 3, 9, 7])
     rows = math.lowrank_rows(idx, torch.randn(9, D), 9.0)
@@ -196,6 +196,7 @@ def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
         plain = FactoredRows(view.a, view.g)
         assert torch.equal(view.kernel(), plain.kernel())
         assert torch.equal(view.sq_norms(), plain.sq_norms())
+        assert torch.equal(view.kernel_columns(index[:3]), plain.kernel_columns(index[:3]))
         assert view.fields().keys() == {"a", "g"}  # what the all-gather sends
 
 
