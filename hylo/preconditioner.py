@@ -731,11 +731,11 @@ class HyLoPreconditioner:
         lines = [
             f"HyLoPreconditioner(solver={self.config.solver!r}, layers={len(self._layers)}, "
             f"world_size={self.comm.world_size})",
-            f"  {'layer':<32} {'type':<8} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver",
+            f"  {'layer':<32} {'type':<9} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver",
         ]
         for info in self.layer_info():
             lines.append(
-                f"  {info.name:<32} {info.module_type:<8} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}  {info.solver}"
+                f"  {info.name:<32} {info.module_type:<9} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}  {info.solver}"
             )
         for name, why in [*self._skipped, *self._unsupported]:
             lines.append(f"  not preconditioned: {name or '<root>'} ({why})")

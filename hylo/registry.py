@@ -155,13 +155,27 @@ def _register_attention(
         result.taps.append(AttentionTap(attention, captures, name or "<root>"))
 
 
-_NORMALISATIONS = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
+_NORMALISATIONS: tuple[type[nn.Module], ...] = tuple(
+    kind
+    for kind in (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),  # torch >= 2.4
+        nn.LocalResponseNorm,
+    )
+    if kind is not None
 )
+
+
+def _shared_weights(model: nn.Module, inner: set[int]) -> dict[int, list[str]]:
+    """Weight parameters that more than one module uses (tied weights), with the modules' names."""
+    users: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if id(module) not in inner and isinstance(weight, nn.Parameter):
+            users.setdefault(id(weight), []).append(name or "<root>")
+    return {key: names for key, names in users.items() if len(names) > 1}
 
 
 def _stays_with_optimizer(module: nn.Module) -> str | None:
@@ -215,6 +229,7 @@ def register_layers(
     model = _unwrap(model)
     inner = _internal_modules(model)
     _check_lazy(model, skip, inner)
+    shared = _shared_weights(model, inner)
     result = Registration()
     try:
         for name, module in model.named_modules():
@@ -231,6 +246,13 @@ def register_layers(
                 continue
             if parametrized is not None:
                 result.unsupported.append((name, parametrized))
+                continue
+            tied = shared.get(id(getattr(module, "weight", None)))
+            if tied is not None:
+                others = ", ".join(other for other in tied if other != (name or "<root>"))
+                result.unsupported.append(
+                    (name, f"weight tied to {others}: its gradient sums every use, so it stays with the optimizer")
+                )
                 continue
             math = supported_math(module, conv_rows)
             kept = None if math is not None else _stays_with_optimizer(module)

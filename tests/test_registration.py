@@ -310,3 +310,33 @@ def test_checkpointed_recomputation_does_not_warn() -> None:
             F.cross_entropy(checkpoint(model, x, use_reentrant=False), y).backward()
         assert all(len(layer.capture.calls()) == 3 for layer in pre._layers)
         pre.step()
+
+
+# --------------------------------------------------------------------------- tied weights
+class _Tied(nn.Module):
+    """A language-model head tied to its token embedding (the tied weight's gradient sums both uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(11, 5, dtype=DT)
+        self.mid = nn.Linear(5, 5, dtype=DT)
+        self.head = nn.Linear(5, 11, bias=False, dtype=DT)
+        self.head.weight = self.tok.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.tok(x))))
+
+
+def test_tied_weights_stay_with_the_optimizer() -> None:
+    model = _Tied()
+    with pytest.warns(UserWarning, match="weight tied to"):
+        pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=1e-3)
+    assert _names(pre) == ["mid"]
+    summary = pre.summary()
+    assert "tok (weight tied to head" in summary and "head (weight tied to tok" in summary
+    tokens = torch.randint(0, 11, (4, 6))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    tied, mid = model.tok.weight.grad.clone(), model.mid.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.tok.weight.grad, tied)
+    assert not torch.allclose(model.mid.weight.grad, mid)
