@@ -434,6 +434,20 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: Mapping[str, Any]) -> None:
+    """Load a checkpoint's scheduler state and set each group's lr from this run's schedule at the saved step.
+
+    The checkpoint's optimizer holds the lr of the schedule it was made with; a resumed run with
+    more ``epochs`` has another cosine, so its lr is recomputed (the same value, bit for bit,
+    when the schedule is unchanged: ``LambdaLR`` computes it the same way).
+    """
+    scheduler.load_state_dict(dict(state))
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+
+
 def make_preconditioner(
     model: nn.Module,
     cfg: RunConfig,
@@ -672,7 +686,7 @@ def train(
     if start.state is not None:
         assert log_dir is not None and metrics_path is not None
         optimizer.load_state_dict(start.state["optimizer"])
-        scheduler.load_state_dict(start.state["scheduler"])
+        resume_schedule(scheduler, start.state["scheduler"])
         torch.set_rng_state(start.state["rng"].cpu())
         if pre is not None:
             hylo_path = checkpoint.hylo_state_path(log_dir, start.epoch, rank)
