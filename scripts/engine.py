@@ -1,9 +1,10 @@
 """The scripts' one training engine: run configuration, the loop (one process or DDP), evaluation, checkpoints.
 
 Every run — plain optimizer or optimizer + hylo, classification, segmentation or a byte-level
-language model (task ``"lm"``), one process or P ranks — goes through :func:`train`: the model of the registry built from the seed's
-initial weights, the dataset of the registry, a ``DistributedSampler`` over the training set
-(also on one process, so the batch order depends on the seed alone), the optimizer, the
+language model (task ``"lm"``), one process or P ranks — goes through :func:`train`: the model
+of the registry built from the seed's initial weights, the dataset of the registry, a
+``DistributedSampler`` over the training set (also on one process, so the batch order depends
+on the seed alone), the optimizer, the
 learning-rate and damping schedules of :mod:`scripts.schedules`, and, with a solver, hylo's
 ``step()`` between ``loss.backward()`` and ``optimizer.step()``.
 

@@ -2,8 +2,9 @@
 
 :func:`build_parser` gives ``train.py``, ``train_segmentation.py`` and ``train_lm.py`` the same
 flags, with their own defaults and their task's data and model flags (image sizes for the
-image tasks; sequence length, byte cap and transformer size for language models); :func:`config_from_args` checks what argparse cannot (a flag that would
-be ignored in the company it keeps is an error, not a silent no-op) and returns the run's
+image tasks; sequence length, byte cap and transformer size for language models);
+:func:`config_from_args` checks what argparse cannot (a flag that would be ignored in the
+company it keeps is an error, not a silent no-op) and returns the run's
 :class:`~scripts.engine.RunConfig`. The demo uses :func:`add_run_arguments` alone.
 """
 
@@ -288,7 +289,9 @@ def build_parser(
         help="(default: %(default)s) " + "; ".join(f"{name}: {DATASETS[name].layout}" for name in datasets),
     )
     shipped = ", ".join(name for name in datasets if not DATASETS[name].needs_data_dir)
-    data.add_argument("--data-dir", help=f"where the dataset lives (every dataset but {shipped})")
+    data.add_argument(
+        "--data-dir", help="where the dataset lives" + (f" (every dataset but {shipped})" if shipped else "")
+    )
     if task == "lm":
         _add_sequence_arguments(data)
     else:

@@ -3,7 +3,8 @@
 Offline default: a decoder-only transformer (4 pre-LayerNorm blocks of width 256 with 4
 attention heads, context 128, learned token and position embeddings, an untied head) on the
 .py files of the running Python's standard library, modelled byte by byte (vocabulary 256),
-with AdamW, a warm-up and a cosine lr, and hylo's hybrid solver; 0.4 MB of training text (about three minutes on two CPU cores).
+with AdamW, a warm-up and a cosine lr, and hylo's hybrid solver: 2 epochs of 0.4 MB of training
+text, about three minutes on two CPU cores.
 
     python scripts/train_lm.py --solver kfac --log-dir runs/lm-kfac
     python scripts/train_lm.py --solver none --epochs 4 --max-bytes 2000000 --lr 2e-3
