@@ -22,14 +22,22 @@ transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
 - ``lgg``: the Kaggle LGG MRI segmentation set (``kaggle_3m``), 3×S×S slices (S =
   ``image_size``, default 256) with binary masks, split by patient: 10% of the cases (at least
   one) for validation, chosen with the data seed. Training slices are flipped with p = 1/2.
+- ``stdlib`` / ``text`` (language models): byte windows of the running Python's standard
+  library ``.py`` files, or of every file under ``data_dir``. Items are (``x``, ``y``), int64
+  sequences of ``seq_len`` tokens (default 128), ``y`` the next byte of each; the input shape
+  is ``(seq_len,)`` and the class count the 256 byte values. The split is by file and fixed
+  (a hash of each file's path, not the data seed) and ``max_bytes`` caps the bytes read: see
+  :mod:`scripts.text`. Their ``DataSplits.info`` (Python version, files, bytes, windows) is
+  recorded with the run.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +63,7 @@ from scripts.datasets import (
     read_lgg_volume,
     scan_image_folders,
 )
+from scripts.text import DEFAULT_SEQ_LEN, VOCAB, TokenWindows, directory_files, read_corpus, stdlib_files, stdlib_root
 
 __all__ = [
     "DATASETS",
@@ -70,6 +79,8 @@ __all__ = [
     "load_imagenet",
     "load_lgg",
     "load_mnist5k",
+    "load_stdlib",
+    "load_text",
 ]
 
 
@@ -82,6 +93,8 @@ class DataOptions:
     ``augment``: augment the training set (test sets never are). ``image_size``: the side of
     imagenet crops (default 224) and lgg slices (default 256); other sets ignore it.
     ``image_backend``: imagenet's image operations, ``"pillow"`` or ``"torchvision"``.
+    ``seq_len``: the window length of the text corpora (default 128); ``max_bytes``: their cap
+    on the training bytes (validation: a tenth of it; None: every byte).
     """
 
     data_dir: str | None = None
@@ -89,16 +102,21 @@ class DataOptions:
     augment: bool = True
     image_size: int | None = None
     image_backend: str = "pillow"
+    seq_len: int | None = None
+    max_bytes: int | None = None
 
 
 @dataclass
 class DataSplits:
-    """The train and test datasets, the input shape (C, H, W) and the class count (1 for segmentation)."""
+    """The train and test datasets, the input shape ((C, H, W) images, (T,) token windows), the class count
+    (1 for segmentation, the vocabulary for language models) and ``info``, facts a run records
+    about its data (written to ``dataset.json``; empty: nothing to record)."""
 
     train: SizedDataset
     test: SizedDataset
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,6 +255,35 @@ def load_lgg(options: DataOptions) -> DataSplits:
     )
 
 
+def _load_corpus(dataset: str, root: Path, files: Sequence[str], options: DataOptions) -> DataSplits:
+    """Byte windows of ``files`` under ``root``: split by file, capped by ``options.max_bytes`` (scripts.text)."""
+    if len(files) < 2:
+        raise DatasetLayoutError(dataset, root, f"{len(files)} file(s): need two (training and validation)")
+    seq_len = DEFAULT_SEQ_LEN if options.seq_len is None else options.seq_len
+    corpus = read_corpus(root, files, options.max_bytes)
+    train, test = TokenWindows(corpus.train, seq_len), TokenWindows(corpus.validation, seq_len)
+    if not len(train) or not len(test):
+        raise DatasetLayoutError(
+            dataset,
+            root,
+            f"{len(corpus.train)} training and {len(corpus.validation)} validation bytes: "
+            f"too few for a window of {seq_len} tokens (raise max_bytes or lower seq_len)",
+        )
+    return DataSplits(train, test, (seq_len,), VOCAB, corpus.info(dataset, seq_len))
+
+
+def load_stdlib(options: DataOptions) -> DataSplits:
+    """The running Python's standard library ``.py`` files as byte windows (see :mod:`scripts.text`)."""
+    root = stdlib_root()
+    return _load_corpus("stdlib", root, stdlib_files(root), options)
+
+
+def load_text(options: DataOptions) -> DataSplits:
+    """Every file under ``options.data_dir`` as byte windows (see :mod:`scripts.text`)."""
+    root = _data_dir(options, "text")
+    return _load_corpus("text", root, directory_files(root), options)
+
+
 #: Every dataset the scripts can train on, by name.
 DATASETS: dict[str, DatasetSpec] = {
     "mnist5k": DatasetSpec(load_mnist5k, "classification", False, LAYOUTS["mnist5k"]),
@@ -246,6 +293,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "cifar100": DatasetSpec(load_cifar100, "classification", True, LAYOUTS["cifar100"]),
     "imagenet": DatasetSpec(load_imagenet, "classification", True, LAYOUTS["imagenet"]),
     "lgg": DatasetSpec(load_lgg, "segmentation", True, LAYOUTS["lgg"]),
+    "stdlib": DatasetSpec(load_stdlib, "lm", False, LAYOUTS["stdlib"]),
+    "text": DatasetSpec(load_text, "lm", True, LAYOUTS["text"]),
 }
 
 

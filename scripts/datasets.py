@@ -64,6 +64,8 @@ LAYOUTS: dict[str, str] = {
     "cifar100": "<data_dir>[/cifar-100-python]/{train, test} (python pickles)",
     "imagenet": "<data_dir>/{train,val}/<class>/*.JPEG (the same class folders in train and val)",
     "lgg": "<data_dir>[/kaggle_3m]/<case>/<case>_<k>.tif + <case>_<k>_mask.tif",
+    "stdlib": "none (the .py files of the running Python's standard library)",
+    "text": "<data_dir>/**/* (every file under the folder, read as bytes; hidden names skipped; at least two)",
 }
 
 #: CIFAR per-channel (R, G, B) mean and standard deviation of the training pixels in [0, 1].

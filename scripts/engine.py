@@ -1,9 +1,10 @@
 """The scripts' one training engine: run configuration, the loop (one process or DDP), evaluation, checkpoints.
 
-Every run — plain optimizer or optimizer + hylo, classification or segmentation, one process
-or P ranks — goes through :func:`train`: the model of the registry built from the seed's
-initial weights, the dataset of the registry, a ``DistributedSampler`` over the training set
-(also on one process, so the batch order depends on the seed alone), the optimizer, the
+Every run — plain optimizer or optimizer + hylo, classification, segmentation or a byte-level
+language model (task ``"lm"``), one process or P ranks — goes through :func:`train`: the model
+of the registry built from the seed's initial weights, the dataset of the registry, a
+``DistributedSampler`` over the training set (also on one process, so the batch order depends
+on the seed alone), the optimizer, the
 learning-rate and damping schedules of :mod:`scripts.schedules`, and, with a solver, hylo's
 ``step()`` between ``loss.backward()`` and ``optimizer.step()``.
 
@@ -18,6 +19,8 @@ Outputs of a run with ``log_dir`` (rank 0 unless said otherwise):
 
 - ``config.json``: the :class:`RunConfig`;
 - ``model-summary.txt``: torchinfo's summary of the model;
+- ``dataset.json``: what the dataset reports about itself (``DataSplits.info``; the text
+  corpora: Python version, files, bytes and windows of each split), if it reports anything;
 - ``metrics.csv``: one row per epoch (:data:`METRIC_COLUMNS`), appended as epochs finish;
 - ``checkpoint-{N:04d}.pt`` (+ ``checkpoint-{N:04d}-hylo-r{rank}.pt`` on every rank) every
   ``checkpoint_freq`` epochs and after the last one (see :mod:`scripts.checkpoint`);
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -67,7 +71,8 @@ STUDIES = ("grad_norm", "rank", "grad_error")
 GRAD_ERROR_METHODS = ("kid", "kis", "kfac", "sngd")
 #: The gradient-error methods of a run that names none (``--grad-error`` alone): KID and KIS, as in HyLo.
 DEFAULT_GRAD_ERROR_METHODS = ("kid", "kis")
-#: Columns of ``metrics.csv``; ``test_metric`` is written as ``test_acc`` (classification) or ``test_dsc``.
+#: Columns of ``metrics.csv``; ``test_metric`` is written as ``test_acc`` (classification), ``test_dsc``
+#: (segmentation) or ``test_bpb`` (language models: bits per byte; ``test_loss`` is then in nats per token).
 METRIC_COLUMNS = (
     "epoch",
     "step",
@@ -80,7 +85,11 @@ METRIC_COLUMNS = (
     "precondition_time_s",
 )
 #: The name of the test metric in ``metrics.csv``, per task.
-METRIC_NAMES = {"classification": "test_acc", "segmentation": "test_dsc"}
+METRIC_NAMES = {"classification": "test_acc", "segmentation": "test_dsc", "lm": "test_bpb"}
+#: The size options of a model (RunConfig fields of the same names; see ``ModelSpec.options``).
+MODEL_OPTIONS = ("layers", "width", "heads")
+#: Windows of a language model's evaluation batches (a multiple of them in tokens: 16,384 / seq_len).
+EVAL_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,10 @@ class RunConfig:
     Data and model: ``dataset`` and ``model`` name entries of :data:`scripts.data.DATASETS`
     and :data:`scripts.models.MODELS`; ``data_dir`` is where datasets that are not shipped
     live; ``image_size`` the ImageNet crop / LGG slice side (None: 224 / 256); ``image_backend``
-    decodes ImageNet with Pillow or (optional extra) torchvision.
+    decodes ImageNet with Pillow or (optional extra) torchvision. Language models only (None
+    elsewhere): ``seq_len`` is the window and context length in tokens, ``layers``, ``width``
+    and ``heads`` the transformer's size (None: the model's defaults, filled in), and
+    ``max_bytes`` caps the training bytes read (validation: a tenth; None: no cap).
 
     Optimization: ``max_steps`` stops every epoch after that many steps (smoke runs; the
     schedules count the shortened epochs). The lr warms up linearly over ``warmup_epochs``,
@@ -114,6 +126,11 @@ class RunConfig:
     data_dir: str | None = None
     image_size: int | None = None
     image_backend: str = "pillow"
+    seq_len: int | None = None
+    layers: int | None = None
+    width: int | None = None
+    heads: int | None = None
+    max_bytes: int | None = None
     workers: int = 0
     optimizer: str = "sgd"
     solver: str | None = None
@@ -167,6 +184,7 @@ class RunConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         self._check_choices()
+        self._check_sequence_options()
         self._check_numbers()
         self._check_outputs()
 
@@ -189,6 +207,32 @@ class RunConfig:
             )
         if DATASETS[self.dataset].needs_data_dir and self.data_dir is None:
             raise ValueError(f"dataset {self.dataset!r} needs data_dir: {DATASETS[self.dataset].layout}")
+
+    def _check_sequence_options(self) -> None:
+        """The language-model fields: refused for other tasks, filled in with the model's defaults, >= 1."""
+        lm_fields = ("seq_len", "max_bytes", *MODEL_OPTIONS)
+        if self.task != "lm":
+            given = [name for name in lm_fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: options of language models, not of the {self.task} task")
+            return
+        spec = MODELS[self.model]
+        defaults = {"seq_len": spec.input_shape[0], **spec.options}
+        for name in ("seq_len", *MODEL_OPTIONS):
+            if name not in defaults and getattr(self, name) is not None:
+                raise ValueError(f"{name}: model {self.model!r} has no such option")
+            if getattr(self, name) is None and name in defaults:
+                object.__setattr__(self, name, defaults[name])
+        for name in lm_fields:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.width is not None and self.heads is not None and self.width % self.heads:
+            raise ValueError(f"width {self.width} must be divisible by heads {self.heads}")
+
+    def model_options(self) -> dict[str, int]:
+        """The size options of the run's model (``layers``, ``width``, ``heads`` of a transformer), as set."""
+        return {name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None}
 
     def _check_numbers(self) -> None:
         """Counts >= 1, rates in range, the schedule's options where they apply."""
@@ -239,7 +283,7 @@ class RunConfig:
 
     @property
     def task(self) -> str:
-        """``"classification"`` or ``"segmentation"`` (the dataset's)."""
+        """``"classification"``, ``"segmentation"`` or ``"lm"`` (the dataset's)."""
         return DATASETS[self.dataset].task
 
     def to_json(self) -> dict[str, Any]:
@@ -282,7 +326,7 @@ class RunResult:
 
     @property
     def test_accuracy(self) -> float:
-        """The test metric after the last epoch (accuracy, or mean per-volume DSC)."""
+        """The test metric after the last epoch (accuracy, mean per-volume DSC or bits per byte)."""
         return self.log[-1].test_metric
 
     @property
@@ -391,6 +435,20 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: Mapping[str, Any]) -> None:
+    """Load a checkpoint's scheduler state and set each group's lr from this run's schedule at the saved step.
+
+    The checkpoint's optimizer holds the lr of the schedule it was made with; a resumed run with
+    more ``epochs`` has another cosine, so its lr is recomputed (the same value, bit for bit,
+    when the schedule is unchanged: ``LambdaLR`` computes it the same way).
+    """
+    scheduler.load_state_dict(dict(state))
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+
+
 def make_preconditioner(
     model: nn.Module,
     cfg: RunConfig,
@@ -437,35 +495,48 @@ def make_preconditioner(
     )
 
 
-def model_summary(net: nn.Module, input_shape: tuple[int, int, int], device: torch.device) -> str:
-    """torchinfo's summary of ``net`` on a batch of two ``input_shape`` inputs (the global RNG is left as it was)."""
+def model_summary(
+    net: nn.Module, input_shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+) -> str:
+    """torchinfo's summary of ``net`` on a batch of two ``input_shape`` inputs of ``dtype`` (int64: tokens);
+    the global RNG is left as it was."""
     import torchinfo
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        stats = torchinfo.summary(net, input_size=(2, *input_shape), device=device, verbose=0, mode="eval")
+        stats = torchinfo.summary(
+            net, input_size=(2, *input_shape), dtypes=[dtype], device=device, verbose=0, mode="eval"
+        )
     return str(stats)
 
 
 def _loss(cfg: RunConfig, output: Tensor, target: Tensor, *, train: bool) -> Tensor:
-    """Training (``train``) or test loss: cross-entropy (label smoothing only in training) or soft Dice."""
+    """Training (``train``) or test loss: cross-entropy (label smoothing only in training; a language
+    model's is the mean over every token) or soft Dice."""
     if cfg.task == "segmentation":
         return dice_loss(output, target)
+    if cfg.task == "lm":
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return nn.functional.cross_entropy(output, target, label_smoothing=cfg.label_smoothing if train else 0.0)
 
 
 @torch.no_grad()
 def evaluate(
-    net: nn.Module, cfg: RunConfig, data: DataSplits, device: torch.device, *, batch_size: int = 500
+    net: nn.Module, cfg: RunConfig, data: DataSplits, device: torch.device, *, batch_size: int | None = None
 ) -> tuple[float, float]:
-    """Test loss and metric of ``net`` in eval mode: (cross-entropy, accuracy) or (Dice loss, mean volume DSC).
+    """Test loss and metric of ``net`` in eval mode: (cross-entropy, accuracy), (Dice loss, mean volume
+    DSC) or, for a language model, (cross-entropy in nats per token, bits per byte).
 
-    Classification shards the test set over the ranks (every P-th sample) and sums over them;
-    segmentation evaluates whole volumes, so every rank evaluates the whole validation set
-    (the per-volume DSC keeps each volume's largest 3-D connected component).
+    Classification and language models shard the test set over the ranks (every P-th item) and
+    sum over them; segmentation evaluates whole volumes, so every rank evaluates the whole
+    validation set (the per-volume DSC keeps each volume's largest 3-D connected component).
+    ``batch_size`` (items per forward) defaults to 500 images or 16,384 tokens of windows.
     """
     rank, world = rank_and_world()
     net.eval()
     segmentation = cfg.task == "segmentation"
+    lm = cfg.task == "lm"
+    if batch_size is None:
+        batch_size = max(1, EVAL_TOKENS // data.input_shape[0]) if lm else 500
     indices = range(len(data.test)) if segmentation else range(rank, len(data.test), world)
     loader = DataLoader(data.test, batch_size=batch_size, sampler=list(indices), num_workers=cfg.workers)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -479,6 +550,8 @@ def evaluate(
             loss_sum += dice_loss(output, y).double() * y.shape[0]
             probs.extend(torch.sigmoid(output).squeeze(1).cpu().numpy())
             masks.extend(y.squeeze(1).cpu().numpy())
+        elif lm:
+            loss_sum += nn.functional.cross_entropy(output.flatten(0, 1), y.flatten(), reduction="sum").double()
         else:
             loss_sum += nn.functional.cross_entropy(output, y, reduction="sum").double()
             hits += (output.argmax(dim=1) == y).sum()
@@ -491,6 +564,9 @@ def evaluate(
     totals = torch.stack([loss_sum, hits])
     if world > 1:
         dist.all_reduce(totals)
+    if lm:
+        loss = float(totals[0]) / (len(data.test) * data.input_shape[0])
+        return loss, loss / math.log(2)
     n = len(data.test)
     return float(totals[0]) / n, float(totals[1]) / n
 
@@ -565,7 +641,12 @@ def train(
         dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it
     if data is None:
         options = DataOptions(
-            data_dir=cfg.data_dir, seed=cfg.data_seed, image_size=cfg.image_size, image_backend=cfg.image_backend
+            data_dir=cfg.data_dir,
+            seed=cfg.data_seed,
+            image_size=cfg.image_size,
+            image_backend=cfg.image_backend,
+            seq_len=cfg.seq_len,
+            max_bytes=cfg.max_bytes,
         )
         data = load_dataset(cfg.dataset, options)
     reason = MODELS[cfg.model].fits(data.input_shape)
@@ -589,10 +670,11 @@ def train(
         raise ValueError(f"batch size {cfg.batch_size} exceeds the {len(data.train)} training samples")
 
     torch.manual_seed(cfg.seed)
-    net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    net = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options()).to(device)
     log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else None
     # Before hylo's hooks exist: torchinfo's forward must not be captured as curvature.
-    summary = model_summary(net, data.input_shape, device) if rank == 0 and (verbose or log_dir) else None
+    dtype = torch.int64 if cfg.task == "lm" else torch.float32
+    summary = model_summary(net, data.input_shape, device, dtype) if rank == 0 and (verbose or log_dir) else None
     if start.state is not None:
         net.load_state_dict(start.state["model"])
     model: nn.Module = net
@@ -605,7 +687,7 @@ def train(
     if start.state is not None:
         assert log_dir is not None and metrics_path is not None
         optimizer.load_state_dict(start.state["optimizer"])
-        scheduler.load_state_dict(start.state["scheduler"])
+        resume_schedule(scheduler, start.state["scheduler"])
         torch.set_rng_state(start.state["rng"].cpu())
         if pre is not None:
             hylo_path = checkpoint.hylo_state_path(log_dir, start.epoch, rank)
@@ -615,8 +697,12 @@ def train(
     if log_dir is not None and rank == 0:  # hylo has accepted log_dir: the run's files go in
         _write_json(log_dir / "config.json", cfg.to_json())
         (log_dir / "model-summary.txt").write_text(f"{summary}\n")
+        if data.info:
+            _write_json(log_dir / "dataset.json", data.info)
     if verbose and rank == 0:
         print(summary, flush=True)
+        if data.info:
+            print(f"dataset: {json.dumps(data.info)}", flush=True)
     if pre is not None and verbose and rank == 0:
         print(pre.summary(), flush=True)
 
@@ -667,7 +753,7 @@ def train(
             if rank == 0:
                 if verbose:
                     print(
-                        f"epoch {entry.epoch} step {step} lr {lr:.4g} loss {train_loss:.4f} "
+                        f"epoch {entry.epoch} step {step} lr {lr:.4g} loss {train_loss:.4f} test_loss {test_loss:.4f} "
                         f"{METRIC_NAMES[cfg.task]} {test_metric:.4f} time {epoch_time:.1f}s ranks {world}",
                         flush=True,
                     )

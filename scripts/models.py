@@ -22,6 +22,10 @@ and :func:`models_for` lists the models a dataset can train.
   7,763,041 parameters at 3 channels in, 1 out). It outputs one logit map per class (no sigmoid:
   the loss applies it); H and W must be multiples of 16. hylo preconditions its Conv2d layers
   and leaves the ConvTranspose2d up-convolutions to the optimizer.
+- ``transformer`` (language models): the decoder-only :class:`DecoderLM` over a vocabulary of
+  ``num_classes`` tokens with a context of T = ``input_shape[0]`` positions (canonical: 256
+  byte values, T = 128) and the size options ``layers``, ``width`` and ``heads`` (default 4,
+  256, 4: 3.3M parameters). Its input is a B×T int64 token batch, its output B×T×V logits.
 
 The CIFAR networks (resnet20/32/56, densenet) keep their 3-channel stem, so they take colour
 images only; every other model takes its input channels from the shape. ``resnet32`` and
@@ -31,18 +35,18 @@ before the registry took shapes, so a seed gives the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: An image shape (channels, height, width).
-Shape = tuple[int, int, int]
+#: An input shape: (channels, height, width) of an image, or (length,) of a token sequence.
+Shape = tuple[int, ...]
 
 #: The tasks a model can serve.
-TASKS = ("classification", "segmentation")
+TASKS = ("classification", "segmentation", "lm")
 
 
 class _BasicBlock(nn.Module):
@@ -257,6 +261,60 @@ class UNet(nn.Module):
         return self.conv(out)
 
 
+class _DecoderBlock(nn.Module):
+    """Pre-LayerNorm block: x + attention(LN(x)) under the causal mask, then x + MLP(LN(x)) (Linear-GELU-Linear, 4×)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only transformer language model: learned token and position embeddings (``nn.Embedding``),
+    ``layers`` pre-LayerNorm blocks of ``nn.MultiheadAttention(batch_first=True)`` with a causal mask
+    and a Linear-GELU-Linear MLP, a final LayerNorm and a Linear head to the ``vocab`` logits (not
+    tied to the token embedding). Linear and embedding weights start from N(0, 0.02²), biases at 0;
+    the attention's packed input projection keeps PyTorch's initialisation."""
+
+    def __init__(self, vocab: int = 256, context: int = 128, layers: int = 4, width: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        if min(vocab, context, layers, width, heads) < 1:
+            raise ValueError(
+                f"vocab, context, layers, width and heads must be >= 1, got {vocab, context, layers, width, heads}"
+            )
+        if width % heads:
+            raise ValueError(f"width {width} must be divisible by heads {heads}")
+        self.context = context
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(_DecoderBlock(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        length = x.shape[1]
+        if length > self.context:
+            raise ValueError(f"a sequence of {length} tokens exceeds the context of {self.context}")
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=x.device)
+        h = self.tokens(x) + self.positions(torch.arange(length, device=x.device))
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(self.ln(h))
+
+
 def mnist_cnn(input_shape: Shape = (1, 28, 28), num_classes: int = 10) -> nn.Sequential:
     """Two 5×5 conv layers (8 and 16 channels, each with 2×2 max-pooling) and two linear layers (64, classes)."""
     channels, height, width = input_shape
@@ -308,19 +366,28 @@ def three_conv_one_fc(input_shape: Shape = (1, 28, 28), num_classes: int = 10) -
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A registered model: its builder, canonical image shape (C, H, W), class count and task, and the
-    inputs it takes (``channels`` if fixed, H and W at least ``min_side`` and multiples of ``multiple``)."""
+    """A registered model: its builder, canonical input shape ((C, H, W), or (T,) for language models),
+    class count (a language model's vocabulary) and task, the inputs it takes (``channels`` if
+    fixed, H and W at least ``min_side`` and multiples of ``multiple``) and ``options``, the
+    keyword size options of its builder with their defaults."""
 
-    build: Callable[[Shape, int], nn.Module]
+    build: Callable[..., nn.Module]
     input_shape: Shape
     num_classes: int
     task: str = "classification"
     channels: int | None = None
     min_side: int = 1
     multiple: int = 1
+    options: Mapping[str, int] = field(default_factory=dict)
 
     def fits(self, input_shape: Shape, num_classes: int | None = None) -> str | None:
-        """None if the model takes ``input_shape`` images (and predicts ``num_classes``), else the reason."""
+        """None if the model takes ``input_shape`` inputs (and predicts ``num_classes``), else the reason."""
+        if self.task == "lm":
+            if len(input_shape) != 1 or input_shape[0] < 1:
+                return f"the input shape must be (T,) with a positive sequence length T, got {tuple(input_shape)}"
+            if num_classes is not None and num_classes < 2:
+                return f"a language model needs a vocabulary of at least 2 tokens, got {num_classes}"
+            return None
         if len(input_shape) != 3 or min(input_shape) < 1:
             return f"the input shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
         channels, height, width = input_shape
@@ -336,13 +403,20 @@ class ModelSpec:
         return None
 
     def shape(self, side: int | None = None) -> Shape:
-        """The canonical input shape, with ``side`` as H and W when given."""
+        """The canonical input shape, with ``side`` as H and W (a language model's T) when given."""
+        if self.task == "lm":
+            return self.input_shape if side is None else (side,)
         channels, height, width = self.input_shape
         return (channels, height, width) if side is None else (channels, side, side)
 
     def random_batch(self, batch: int, side: int | None = None) -> tuple[Tensor, Tensor]:
-        """Random inputs of :meth:`shape` and targets from the global RNG: class labels, or {0, 1}
-        float masks of ``num_classes`` maps for segmentation."""
+        """Random inputs of :meth:`shape` and targets from the global RNG: class labels, {0, 1} float
+        masks of ``num_classes`` maps for segmentation, or uniform tokens (inputs and next tokens)."""
+        if self.task == "lm":
+            (length,) = self.shape(side)
+            return torch.randint(0, self.num_classes, (batch, length)), torch.randint(
+                0, self.num_classes, (batch, length)
+            )
         channels, height, width = self.shape(side)
         x = torch.randn(batch, channels, height, width)
         if self.task == "segmentation":
@@ -376,25 +450,38 @@ MODELS: dict[str, ModelSpec] = {
         task="segmentation",
         multiple=16,
     ),
+    "transformer": ModelSpec(
+        lambda input_shape, num_classes, **options: DecoderLM(num_classes, input_shape[0], **options),
+        (128,),
+        256,
+        task="lm",
+        options={"layers": 4, "width": 256, "heads": 4},
+    ),
 }
 
 
-def build_model(name: str, input_shape: Shape | None = None, num_classes: int | None = None) -> nn.Module:
-    """A fresh model ``name`` for ``input_shape`` images and ``num_classes`` classes (default: the
-    registry's canonical ones), initialised from the global RNG."""
+def build_model(
+    name: str, input_shape: Shape | None = None, num_classes: int | None = None, **options: int
+) -> nn.Module:
+    """A fresh model ``name`` for ``input_shape`` inputs and ``num_classes`` classes (default: the
+    registry's canonical ones) with the size ``options`` it takes (the rest at their defaults),
+    initialised from the global RNG."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r} (expected one of {sorted(MODELS)})")
     spec = MODELS[name]
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise ValueError(f"model {name!r} takes no option {', '.join(unknown)} (its options: {sorted(spec.options)})")
     shape = spec.input_shape if input_shape is None else input_shape
     classes = spec.num_classes if num_classes is None else num_classes
     reason = spec.fits(shape, classes)
     if reason is not None:
         raise ValueError(f"model {name!r} does not take {shape} inputs with {classes} classes: {reason}")
-    return spec.build(shape, classes)
+    return spec.build(shape, classes, **options)
 
 
 def model_names(task: str = "classification") -> list[str]:
-    """Names of the registered ``task`` models (the benchmarks' choices: classifiers)."""
+    """Names of the registered ``task`` models (the image benchmarks' choices: classifiers)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     return [name for name, spec in MODELS.items() if spec.task == task]

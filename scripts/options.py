@@ -1,8 +1,10 @@
 """Command-line flags of the training scripts (HyLo's names and meanings where they exist) -> :class:`RunConfig`.
 
-:func:`build_parser` gives ``train.py`` and ``train_segmentation.py`` the same flags, with
-their own defaults; :func:`config_from_args` checks what argparse cannot (a flag that would
-be ignored in the company it keeps is an error, not a silent no-op) and returns the run's
+:func:`build_parser` gives ``train.py``, ``train_segmentation.py`` and ``train_lm.py`` the same
+flags, with their own defaults and their task's data and model flags (image sizes for the
+image tasks; sequence length, byte cap and transformer size for language models);
+:func:`config_from_args` checks what argparse cannot (a flag that would be ignored in the
+company it keeps is an error, not a silent no-op) and returns the run's
 :class:`~scripts.engine.RunConfig`. The demo uses :func:`add_run_arguments` alone.
 """
 
@@ -27,6 +29,7 @@ from scripts.engine import (
 )
 from scripts.models import MODELS
 from scripts.schedules import LR_SCHEDULES
+from scripts.text import DEFAULT_SEQ_LEN
 
 #: Study flag -> the hylo study it turns on.
 STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
@@ -69,6 +72,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
     return value
+
+
+def _byte_cap(text: str) -> int | None:
+    """argparse type of a byte cap: an int >= 0, where 0 means no cap (None)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0 (0: no cap), got {text}")
+    return value or None
 
 
 def _dest(flag: str) -> str:
@@ -241,6 +252,27 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_sequence_arguments(group: argparse._ArgumentGroup) -> None:
+    """A language model's data and size flags (defaults None: the model's, filled in by RunConfig)."""
+    spec = MODELS["transformer"]
+    group.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        help=f"tokens (bytes) per training window and the model's context (default {DEFAULT_SEQ_LEN})",
+    )
+    group.add_argument(
+        "--max-bytes",
+        type=_byte_cap,
+        help="read at most this many training bytes (validation: a tenth; 0: the whole corpus; "
+        "default %(default)s); an epoch is one pass over their non-overlapping windows",
+    )
+    group.add_argument("--layers", type=_positive_int, help=f"transformer blocks (default {spec.options['layers']})")
+    group.add_argument("--width", type=_positive_int, help=f"model width (default {spec.options['width']})")
+    group.add_argument(
+        "--heads", type=_positive_int, help=f"attention heads, dividing --width (default {spec.options['heads']})"
+    )
+
+
 def build_parser(
     description: str, *, task: str, defaults: Mapping[str, Any], epilog: str | None = None
 ) -> argparse.ArgumentParser:
@@ -256,17 +288,25 @@ def build_parser(
         choices=datasets,
         help="(default: %(default)s) " + "; ".join(f"{name}: {DATASETS[name].layout}" for name in datasets),
     )
-    data.add_argument("--data-dir", help="where the dataset lives (every dataset but mnist5k and digits)")
-    data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
+    shipped = ", ".join(name for name in datasets if not DATASETS[name].needs_data_dir)
     data.add_argument(
-        "--image-backend",
-        choices=["pillow", "torchvision"],
-        help="ImageNet pixel operations: Pillow (default) or torchvision (optional extra: pip install torchvision)",
+        "--data-dir", help="where the dataset lives" + (f" (every dataset but {shipped})" if shipped else "")
     )
+    if task == "lm":
+        _add_sequence_arguments(data)
+    else:
+        data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
+        data.add_argument(
+            "--image-backend",
+            choices=["pillow", "torchvision"],
+            help="ImageNet pixel operations: Pillow (default) or torchvision (optional extra: pip install torchvision)",
+        )
     data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
     add_run_arguments(parser, epochs=5, models=models)
     opt = parser.add_argument_group("optimizer and schedules")
-    opt.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="momentum SGD or AdamW (default sgd)")
+    opt.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="sgd", help="momentum SGD or AdamW (default %(default)s)"
+    )
     opt.add_argument(
         "--solver",
         choices=["none", *HYLO_SOLVERS],
@@ -284,7 +324,7 @@ def build_parser(
         "--lr-schedule",
         choices=LR_SCHEDULES,
         default="step",
-        help="after the warm-up: 'step' (× --lr-decay at each --milestone) or 'cosine' to 0 (default step)",
+        help="after the warm-up: 'step' (× --lr-decay at each --milestone) or 'cosine' to 0 (default %(default)s)",
     )
     opt.add_argument("--lr-decay", type=float, help="lr factor at each --milestone (default 0.1; step schedule)")
     opt.add_argument("--milestone", type=_positive_int, nargs="+", help="epochs at which the lr decays (step schedule)")
@@ -368,7 +408,13 @@ def _ignored_flags(args: argparse.Namespace) -> str | None:
     if spec.task != "classification" and args.label_smoothing:
         return "--label-smoothing: only for classification"
     if not spec.needs_data_dir and args.data_dir is not None:
+        if spec.task == "lm":
+            return f"--data-dir: dataset {args.dataset} reads no directory (a folder of text files: --dataset text)"
         return f"--data-dir: dataset {args.dataset} ships with a package and reads no directory"
+    if spec.task == "lm":
+        if args.conv_rows is not None:
+            return "--conv-rows: the low-rank rows of Conv2d layers; a language model has none"
+        return None
     if args.image_backend is not None and args.dataset != "imagenet":
         return f"--image-backend: only for imagenet, not {args.dataset}"
     if args.image_size is not None and args.dataset not in ("imagenet", "lgg"):
@@ -389,13 +435,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if ignored:
         parser.error(ignored)
     checkpoint_freq = args.checkpoint_freq if args.checkpoint_freq is not None else (5 if args.log_dir else 0)
+    if DATASETS[args.dataset].task == "lm":
+        task_fields = {name: getattr(args, name) for name in ("seq_len", "max_bytes", "layers", "width", "heads")}
+    else:
+        task_fields = {"image_size": args.image_size, "image_backend": args.image_backend or "pillow"}
     fields = dict(
         run_fields(args),
+        **task_fields,
         momentum=run_default("momentum") if args.momentum is None else args.momentum,
         dataset=args.dataset,
         data_dir=args.data_dir,
-        image_size=args.image_size,
-        image_backend=args.image_backend or "pillow",
         workers=args.workers,
         optimizer=args.optimizer,
         solver=None if solver == "none" else solver,

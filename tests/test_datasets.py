@@ -91,9 +91,12 @@ def test_sample_seed_is_a_fixed_64_bit_mix_of_seed_epoch_and_index() -> None:
 
 
 def test_registry_names_tasks_and_errors(tmp_path: Path) -> None:
-    assert set(DATASETS) == {"mnist5k", "digits", "fashion-mnist", "cifar10", "cifar100", "imagenet", "lgg"}
+    assert set(DATASETS) == {
+        *("mnist5k", "digits", "fashion-mnist", "cifar10", "cifar100", "imagenet", "lgg", "stdlib", "text")
+    }
     assert [n for n, s in DATASETS.items() if s.task == "segmentation"] == ["lgg"]
-    assert {n for n, s in DATASETS.items() if not s.needs_data_dir} == {"mnist5k", "digits"}
+    assert [n for n, s in DATASETS.items() if s.task == "lm"] == ["stdlib", "text"]  # tests/test_lm.py
+    assert {n for n, s in DATASETS.items() if not s.needs_data_dir} == {"mnist5k", "digits", "stdlib"}
     assert all(s.layout for s in DATASETS.values())
     with pytest.raises(ValueError, match="unknown dataset 'svhn'"):
         load_dataset("svhn")

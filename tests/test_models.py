@@ -30,6 +30,7 @@ SMALL: dict[str, tuple[Shape, int]] = {
     "densenet": ((3, 8, 12), 100),
     "resnet50": ((1, 32, 48), 6),
     "unet": ((1, 16, 32), 2),
+    "transformer": ((24,), 50),
 }
 
 
@@ -40,13 +41,25 @@ def n_params(model: nn.Module) -> int:
 def expected_output(name: str, batch: int, shape: Shape, classes: int) -> tuple[int, ...]:
     if MODELS[name].task == "segmentation":
         return (batch, classes, shape[1], shape[2])
+    if MODELS[name].task == "lm":
+        return (batch, shape[0], classes)
     return (batch, classes)
 
 
+def inputs(name: str, batch: int, shape: Shape, classes: int) -> Tensor:
+    """Random images, or random tokens of the vocabulary for a language model."""
+    if MODELS[name].task == "lm":
+        return torch.randint(0, classes, (batch, *shape))
+    return torch.randn(batch, *shape)
+
+
 def test_the_registry_holds_the_models_of_the_issue() -> None:
-    assert list(MODELS) == ["cnn", "mlp", "3c1f", "resnet20", "resnet32", "resnet56", "densenet", "resnet50", "unet"]
+    assert list(MODELS) == [
+        *("cnn", "mlp", "3c1f", "resnet20", "resnet32", "resnet56", "densenet", "resnet50", "unet", "transformer")
+    ]
     assert SMALL.keys() == MODELS.keys()
     assert {name for name, spec in MODELS.items() if spec.task == "segmentation"} == {"unet"}
+    assert {name for name, spec in MODELS.items() if spec.task == "lm"} == {"transformer"}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -57,10 +70,10 @@ def test_model_runs_at_its_canonical_and_a_small_shape(name: str) -> None:
         x, y = spec.random_batch(2)
         out = build_model(name)(x)
         assert out.shape == expected_output(name, 2, spec.input_shape, spec.num_classes)
-        assert y.shape == (out.shape if spec.task == "segmentation" else (2,))
+        assert y.shape == {"segmentation": out.shape, "lm": out.shape[:2]}.get(spec.task, (2,))
         shape, classes = SMALL[name]
         assert spec.fits(shape, classes) is None
-        out = build_model(name, shape, classes)(torch.randn(2, *shape))
+        out = build_model(name, shape, classes)(inputs(name, 2, shape, classes))
         assert out.shape == expected_output(name, 2, shape, classes)
         assert torch.isfinite(out).all()
 
