@@ -3,8 +3,8 @@
 Offline default: a decoder-only transformer (4 pre-LayerNorm blocks of width 256 with 4
 attention heads, context 128, learned token and position embeddings, an untied head) on the
 .py files of the running Python's standard library, modelled byte by byte (vocabulary 256),
-with AdamW, a warm-up and a cosine lr, and hylo's hybrid solver: 2 epochs of 0.4 MB of training
-text, about three minutes on two CPU cores.
+with AdamW, a warm-up and a cosine lr, and hylo's hybrid solver: 2 epochs of 0.3 MB of training
+text, three to four minutes on two CPU cores.
 
     python scripts/train_lm.py --solver kfac --log-dir runs/lm-kfac
     python scripts/train_lm.py --solver none --epochs 4 --max-bytes 2000000 --lr 2e-3
@@ -38,7 +38,7 @@ DEFAULTS = {
     "model": "transformer",
     "epochs": 2,
     "batch_size": 32,
-    "max_bytes": 400_000,
+    "max_bytes": 300_000,
     "optimizer": "adamw",
     "lr": 1e-3,
     "lr_schedule": "cosine",

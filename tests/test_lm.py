@@ -215,7 +215,7 @@ def test_train_lm_flags_and_defaults() -> None:
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert (cfg.lr_schedule, cfg.max_bytes, cfg.seq_len, cfg.layers, cfg.width, cfg.heads) == (
         "cosine",
-        400_000,
+        300_000,
         128,
         4,
         256,
