@@ -161,20 +161,21 @@ class AttentionTap:
         # MultiheadAttention hands (L, N, E); with batch_first, rows are recorded in the user's (N, L) order
         flip = attention.batch_first and query.dim() == 3
         bias = args["in_proj_bias"]
-        biases: list[Tensor | None] = [None] * 3 if bias is None else list(bias.chunk(3))
-        if args.get("use_separate_proj_weight"):
-            weights = [args["q_proj_weight"], args["k_proj_weight"], args["v_proj_weight"]]
-        else:
-            weights = list(args["in_proj_weight"].chunk(3))
-        if query is key and key is value and not args.get("use_separate_proj_weight"):
+        separate = bool(args.get("use_separate_proj_weight"))
+        if query is key and key is value and not separate:  # self-attention: one product, as torch does
             packed = self._project(query, args["in_proj_weight"], bias, ("q", "k", "v"), wanted, flip)
             q, k, v = packed.unflatten(-1, (3, embed)).unbind(-2)
         else:
+            biases: list[Tensor | None] = [None] * 3 if bias is None else list(bias.chunk(3))
+            if separate:
+                weights = [args["q_proj_weight"], args["k_proj_weight"], args["v_proj_weight"]]
+            else:
+                weights = list(args["in_proj_weight"].chunk(3))
             q = self._project(query, weights[0], biases[0], ("q",), wanted, flip)
             k = self._project(key, weights[1], biases[1], ("k",), wanted, flip)
             v = self._project(value, weights[2], biases[2], ("v",), wanted, flip)
         out_weight, out_bias = args["out_proj_weight"], args["out_proj_bias"]
-        eye = torch.eye(embed, dtype=weights[0].dtype, device=weights[0].device)
+        eye = torch.eye(embed, dtype=out_weight.dtype, device=out_weight.device)
         args.update(
             query=q,
             key=k,
@@ -209,17 +210,16 @@ class AttentionTap:
         inputs = x.transpose(0, 1) if flip else x
         records: list[tuple[Record, Callable[[Tensor], Tensor]]] = []
         for capture, columns in selected:
-            select = _selector(columns if len(parts) > 1 else None, flip)
-            records.append((capture.open(inputs), select))
+            records.append((capture.open(inputs), _selector(columns, flip)))
         watch_gradient(output, records)
         return output
 
 
-def _selector(columns: slice | None, flip: bool) -> Callable[[Tensor], Tensor]:
+def _selector(columns: slice, flip: bool) -> Callable[[Tensor], Tensor]:
     """The part of a projection's output gradient that belongs to one projection, in the user's order."""
 
     def select(grad: Tensor) -> Tensor:
-        part = grad if columns is None else grad[..., columns]
+        part = grad[..., columns]
         return part.transpose(0, 1) if flip else part
 
     return select

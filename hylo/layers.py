@@ -295,8 +295,7 @@ class OneHotRows(FactoredRows):
 
     def kernel(self) -> Tensor:
         """δ(t_i = t_j) (G Gᵀ), zero on padding rows: the same numbers as (A Aᵀ) ∘ (G Gᵀ)."""
-        same = (self.tokens.unsqueeze(1) == self.tokens.unsqueeze(0)) & self._present().unsqueeze(1)
-        return same.to(self.g.dtype) * (self.g @ self.g.mT)
+        return self.kernel_columns(torch.arange(self.count, device=self.tokens.device))
 
     def kernel_columns(self, index: Tensor) -> Tensor:
         """Columns ``index`` of the kernel: δ(t_i = t_j) (G G_Jᵀ), zero on padding rows."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from hylo.rows import sample_kernel
+from hylo.rows import FactoredRows
 from hylo.solvers.reduce import kid_skeleton
 from tests.kit.cases import LINEAR_SHAPES, conv_case, linear_case, scheduled_damping_steps
 from tests.kit.checks import DT, assert_rel_close, grad_matrix, rel_err
@@ -272,7 +272,7 @@ def test_lowrank_matches_dense_formula(solver: str) -> None:
             assert torch.equal(state.g, g[kept])
             fisher = u.mT @ u / r
     else:
-        skeleton, weights = kid_skeleton(sample_kernel(a, g), r)
+        skeleton, weights = kid_skeleton(FactoredRows(a, g), r)
         assert torch.equal(state.a, a[skeleton]) and torch.allclose(state.g, g[skeleton], rtol=1e-14, atol=0)
         u_j = u_rows(a[skeleton], g[skeleton])
         fisher = u_j.mT @ weights @ u_j / n

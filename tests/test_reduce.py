@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from hylo.rows import sample_kernel
+from hylo.rows import DenseRows, FactoredRows, sample_kernel
 from hylo.solvers.reduce import kid_skeleton, kis_select, pivoted_cholesky
 from tests.kit.checks import DT
 from tests.kit.reference import u_rows
@@ -53,7 +53,7 @@ def test_kid_skeleton_matches_scipy_interpolative(seed: int, structure: str) -> 
     u = u_rows(a, g).numpy()  # 60 × 80
     singular = np.linalg.svd(u, compute_uv=False)
     for k in (5, 10, 20, 30):
-        skeleton, _ = kid_skeleton(sample_kernel(a, g), k)
+        skeleton, _ = kid_skeleton(FactoredRows(a, g), k)
         j = skeleton.numpy()
         assert len(set(j.tolist())) == k
         u_j = u[j]
@@ -75,7 +75,7 @@ def _design_interp(a: Tensor, g: Tensor, skeleton: Tensor) -> Tensor:
 def test_kid_weights_are_design_interpolation(seed: int) -> None:
     """W_p = Π Πᵀ with Π = K_JJ⁻¹ K_J,:, Π[:, J] = I, and W_p ⪰ I (symmetric)."""
     a, g = _random_rows(40, 6, 5, seed, "scaled")
-    skeleton, weights = kid_skeleton(sample_kernel(a, g), 12)
+    skeleton, weights = kid_skeleton(FactoredRows(a, g), 12)
     interp = _design_interp(a, g, skeleton)
     torch.testing.assert_close(interp[:, skeleton], torch.eye(12, dtype=DT), atol=1e-8, rtol=0)
     torch.testing.assert_close(weights, interp @ interp.mT, rtol=1e-8, atol=1e-8 * float(weights.abs().max()))
@@ -93,7 +93,7 @@ def test_kid_interpolation_exact_when_rank_le_k(k: int) -> None:
     a[3] = 0.0  # a zero row as well
     u = u_rows(a, g)
     assert int(torch.linalg.matrix_rank(u)) == 4
-    skeleton, weights = kid_skeleton(sample_kernel(a, g), k)
+    skeleton, weights = kid_skeleton(FactoredRows(a, g), k)
     u_j = u[skeleton]
     scale = float(u.norm())
     if k == 4:  # K_JJ invertible: check the design's Π itself
@@ -201,7 +201,8 @@ def test_pivoted_cholesky_exact_rank() -> None:
     n, q, r = 15, 4, 8
     x = torch.randn(n, q, generator=gen, dtype=DT) * torch.rand(n, 1, generator=gen, dtype=DT)
     kernel = x @ x.mT
-    pivots, factor, alive = pivoted_cholesky(kernel, r)
+    rows = DenseRows(x.unsqueeze(2))  # (n, q, 1): the kernel x xᵀ
+    pivots, factor, alive = pivoted_cholesky(rows, r)
     assert pivots.shape == (r,) and factor.shape == (n, r) and alive.shape == (r,)
     assert alive[:q].all() and not alive[q:].any()
     assert len(set(pivots.tolist())) == r
@@ -210,7 +211,7 @@ def test_pivoted_cholesky_exact_rank() -> None:
     assert torch.equal(factor[:, q:], torch.zeros(n, r - q, dtype=DT))
     lower = factor[pivots]  # lower triangular in pivot order
     assert float(lower.triu(1).abs().max()) <= 1e-12 * float(lower.abs().max())
-    again = pivoted_cholesky(kernel.clone(), r)
+    again = pivoted_cholesky(rows, r)
     assert all(torch.equal(s, t) for s, t in zip((pivots, factor, alive), again, strict=True))
 
 
@@ -218,7 +219,7 @@ def test_pivoted_cholesky_is_greedy_on_residual_diagonal() -> None:
     a, g = _random_rows(25, 5, 4, seed=3, structure="scaled")
     kernel = sample_kernel(a, g)
     r = 10
-    pivots, factor, alive = pivoted_cholesky(kernel, r)
+    pivots, factor, alive = pivoted_cholesky(FactoredRows(a, g), r)
     assert alive.all()
     for k in range(r):
         residual = kernel.diagonal() - factor[:, :k].square().sum(dim=1)
@@ -227,6 +228,6 @@ def test_pivoted_cholesky_is_greedy_on_residual_diagonal() -> None:
     residual = kernel - factor @ factor.mT  # PSD Schur complement, zero on the skeleton
     assert float(residual[pivots][:, pivots].abs().max()) < 1e-10 * float(kernel.abs().max())
     assert float(torch.linalg.eigvalsh(residual).min()) > -1e-10 * float(kernel.abs().max())
-    _, full_factor, full_alive = pivoted_cholesky(kernel, 25)
+    _, full_factor, full_alive = pivoted_cholesky(FactoredRows(a, g), 25)
     assert full_alive[:20].all() and not full_alive[20:].any()  # rank(U) = min(25, 5·4) = 20
     torch.testing.assert_close(full_factor @ full_factor.mT, kernel, rtol=0, atol=1e-10 * float(kernel.abs().max()))

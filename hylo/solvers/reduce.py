@@ -49,35 +49,23 @@ def kis_select(weights: Tensor, r: int, generator: torch.Generator) -> Tensor:
     return order[torch.topk(keys, r).indices]
 
 
-def pivoted_cholesky(
-    kernel: Tensor | SampleRows, r: int, rel_tol: float | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Greedy pivoted Cholesky of a PSD kernel: largest residual diagonal first.
+def pivoted_cholesky(rows: SampleRows, r: int, rel_tol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy pivoted Cholesky of the rows' kernel K (n×n): largest residual diagonal first.
 
-    ``kernel`` is the n×n matrix or the rows whose kernel it is: from rows only the diagonal
-    (the row norms) and the r pivot columns are computed, n·r·(d_a + d_g) multiply-adds and
-    n·r numbers instead of the n²·(d_a + d_g) and n² of the whole kernel (docs/design.md, "KID").
+    Only K's diagonal (the row norms) and its r pivot columns are formed, in float64:
+    n·r·(d_a + d_g) multiply-adds and n·r numbers instead of the n²·(d_a + d_g) and n² of the
+    whole kernel (docs/design.md, "KID").
 
     Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
     residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its
-    column of L is zero and ``alive`` is False. The default tolerance, 10·n·eps of the
-    kernel's dtype (at least 1e-12), sits above the round-off of a float32 kernel.
-    Runs in float64; deterministic; no host syncs.
+    column of L is zero and ``alive`` is False. The default tolerance, 10·n·eps of float64
+    (at least 1e-12), sits at the float64 kernel's round-off. Deterministic; no host syncs.
     """
-    if isinstance(kernel, Tensor):
-        k64 = kernel.to(torch.float64)
-        residual = k64.diagonal().clone()
-
-        def columns(index: Tensor) -> Tensor:
-            return k64.index_select(1, index)
-
-    else:
-        rows = kernel.to(torch.float64)
-        residual = rows.sq_norms()
-        columns = rows.kernel_columns
+    rows = rows.to(torch.float64)
+    residual = rows.sq_norms()
     n = residual.shape[0]
     if rel_tol is None:
-        rel_tol = max(1e-12, 10.0 * n * torch.finfo(kernel.dtype).eps)
+        rel_tol = max(1e-12, 10.0 * n * torch.finfo(torch.float64).eps)
     threshold = rel_tol * residual.max().clamp_min(torch.finfo(torch.float64).tiny)
     factor = residual.new_zeros(n, r)
     pivots = torch.empty(r, dtype=torch.long, device=residual.device)
@@ -87,7 +75,7 @@ def pivoted_cholesky(
         j = torch.argmax(torch.where(taken, -torch.inf, residual)).reshape(1)
         pivot_residual = residual.index_select(0, j)
         ok = pivot_residual > threshold
-        column = columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        column = rows.kernel_columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
         residual = residual - column.square()
@@ -97,12 +85,12 @@ def pivoted_cholesky(
     return pivots, factor, alive
 
 
-def kid_skeleton(kernel: Tensor | SampleRows, r: int) -> tuple[Tensor, Tensor]:
+def kid_skeleton(rows: SampleRows, r: int) -> tuple[Tensor, Tensor]:
     """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r).
 
-    ``kernel`` is the rank's sample kernel K_ij = ⟨U_i, U_j⟩ or its rows (then only r of its
-    columns are formed, see :func:`pivoted_cholesky`); float64 keeps the dead-pivot tolerance
-    at float64 round-off. W_p is returned in the kernel's dtype.
+    ``rows`` are the rank's per-sample gradients, whose kernel K_ij = ⟨U_i, U_j⟩ is never formed
+    whole (only r of its columns, in float64, see :func:`pivoted_cholesky`; float64 keeps the
+    dead-pivot tolerance at float64 round-off). W_p is returned in the rows' dtype.
 
     Π = K_JJ⁻¹ K_J,: is obtained from the pivoted Cholesky factor as L_Jᵀ⁻¹ Lᵀ (the same matrix
     in exact arithmetic, better conditioned); Π[:, J] = I by construction. Skeleton rows that
@@ -110,10 +98,10 @@ def kid_skeleton(kernel: Tensor | SampleRows, r: int) -> tuple[Tensor, Tensor]:
     reconstruction U ≈ U_J Π is exact whenever the per-sample gradients span ≤ r dimensions,
     and W_p stays symmetric positive definite (W_p ⪰ I).
     """
-    pivots, factor, alive = pivoted_cholesky(kernel, r)
+    pivots, factor, alive = pivoted_cholesky(rows, r)
     lower = factor.index_select(0, pivots)  # L_J, lower triangular in pivot order
     lower = lower + torch.diag((~alive).to(lower.dtype))
     interp = torch.linalg.solve_triangular(lower.mT, factor.mT, upper=True)  # (r, n)
     interp = interp.index_copy(1, pivots, torch.eye(r, dtype=interp.dtype, device=interp.device))
     weights = interp @ interp.mT
-    return pivots, weights.to(kernel.dtype)
+    return pivots, weights.to(rows.dtype)
