@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
-from hylo.layers import CONV_ROWS, ConvRows
+from hylo.layers import CONV_ROWS, DAMPING_CONVENTIONS, DEFAULT_KFC_EXPONENT, ConvRows, DampingConvention
 from hylo.records import LayerStats
 from hylo.solvers import LAYER_SOLVERS, LayerSolver
 
@@ -108,6 +108,13 @@ class HyLoConfig:
             per-sample gradient with the right scale), ``"exact"`` (the true per-sample
             gradients, m·d_a·d_g numbers per layer) or ``"mean"`` (HyLo's surrogate, L times
             too small for L output positions); see docs/design.md, "Convolutions".
+        kfc_exponent: e of a convolution's K-FAC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over its L
+            output positions (1: Grosse & Martens' KFC; 2: fully correlated positions);
+            docs/design.md, "K-FAC conventions".
+        damping_convention: ``"hylo"`` (λ damps the Fisher of g = n·∂L/∂s, the same at every
+            batch size) or ``"kaisa"`` (every layer's Fisher divided by KAISA's ratio c: n² on
+            Linear, n²·L^(4+e) on Conv2d, so KAISA's damping and learning rate carry over and
+            ``solver="kfac"`` takes KAISA's eigen-method step).
         kis_estimator: ``"unbiased"`` (priority sampling with Horvitz–Thompson weights,
             divisor B) or ``"hylo"`` (HyLo's unweighted draw, divisor m).
         factor_update_freq: steps between refreshes of K-FAC's running factors (KAISA's
@@ -166,6 +173,8 @@ class HyLoConfig:
     rank: int | None = None
     seed: int = 0
     conv_rows: ConvRows = "sum"
+    kfc_exponent: float = DEFAULT_KFC_EXPONENT
+    damping_convention: DampingConvention = "hylo"
     kis_estimator: KISEstimator = "unbiased"
     factor_update_freq: IntHyper | None = None
     fidelity_budget: float = 0.05
@@ -223,6 +232,15 @@ class HyLoConfig:
 
         if self.conv_rows not in CONV_ROWS:
             raise ValueError(f"conv_rows must be one of {CONV_ROWS}, got {self.conv_rows!r}")
+        if _is_bool(self.kfc_exponent) or not (
+            isinstance(self.kfc_exponent, (int, float)) and 0.0 <= self.kfc_exponent <= 4.0
+        ):
+            raise ValueError(f"kfc_exponent must be a number in [0, 4], got {self.kfc_exponent!r}")
+        object.__setattr__(self, "kfc_exponent", float(self.kfc_exponent))
+        if self.damping_convention not in DAMPING_CONVENTIONS:
+            raise ValueError(
+                f"damping_convention must be one of {DAMPING_CONVENTIONS}, got {self.damping_convention!r}"
+            )
         if self.kis_estimator not in KIS_ESTIMATORS:
             raise ValueError(f"kis_estimator must be one of {KIS_ESTIMATORS}, got {self.kis_estimator!r}")
         for name in ("fidelity_budget", "comm_flops_per_byte"):

@@ -25,6 +25,13 @@ from hylo.rows import DenseRows, FactoredRows, SampleRows, concat_rows
 #: How a convolution's per-sample gradients become low-rank rows (docs/design.md, "Convolutions").
 ConvRows = Literal["sum", "exact", "mean"]
 CONV_ROWS: tuple[ConvRows, ...] = get_args(ConvRows)
+#: What damping λ is measured against (docs/design.md, "K-FAC conventions"): hylo's Fisher of
+#: g = n·∂L/∂s, or KAISA's factors of the raw output gradients (convolutions: both divided by L).
+DampingConvention = Literal["hylo", "kaisa"]
+DAMPING_CONVENTIONS: tuple[DampingConvention, ...] = get_args(DampingConvention)
+#: The exponent e of a convolution's KFC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ], chosen by measurement
+#: against the true per-sample Fisher (docs/design.md, "K-FAC conventions").
+DEFAULT_KFC_EXPONENT = 1.0
 
 
 def _with_ones(a: Tensor) -> Tensor:
@@ -94,6 +101,10 @@ class LayerMath(ABC):
         Divide the first by the K-FAC row count and the second by the sample count (see
         :meth:`row_counts`) summed over the step's calls.
         """
+
+    def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
+        """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""
+        return float(rows) ** 2
 
     @property
     def module_type(self) -> str:
@@ -171,10 +182,11 @@ class LinearMath(LayerMath):
 class Conv2dMath(LayerMath):
     """``nn.Conv2d`` with groups == 1 (stride, dilation, any padding and padding mode).
 
-    K-FAC uses the KFC factors: A = mean over samples and output positions of the
-    unfolded patches' outer product; G = (1/n) Σ over samples and positions of g gᵀ
-    (g = n·∂L/∂s per position), i.e. the per-position second moment times the number of
-    positions, so the Fisher block is approximated by A ⊗ G.
+    K-FAC uses the KFC factors (docs/design.md, "K-FAC conventions"): A = mean over samples and
+    output positions of the unfolded patches' outer product; G = L^e × the mean over samples and
+    positions of g gᵀ (g = n·∂L/∂s per position, L output positions, e = ``kfc_exponent``), so
+    the Fisher block is approximated by L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ]. e = 1 is Grosse & Martens'
+    KFC (derivatives uncorrelated across positions), e = 2 fully correlated derivatives.
 
     The low-rank rows approximate the true per-sample gradient U_i = Σ_p g_ip a_ipᵀ over the
     L output positions p (docs/design.md, "Convolutions"), by ``rows``:
@@ -183,14 +195,15 @@ class Conv2dMath(LayerMath):
     - ``"exact"``: U_i itself (:class:`DenseRows`; n·d_a·d_g numbers, one batched matmul);
     - ``"mean"``: HyLo's surrogate (mean_p g_ip)(mean_p a_ip)ᵀ, L times too small.
 
-    A 1×1 kernel on a 1×1 image reduces to Linear in every mode.
+    A 1×1 kernel on a 1×1 image reduces to Linear in every mode and at every exponent.
     """
 
-    def __init__(self, module: nn.Conv2d, rows: ConvRows = "sum") -> None:
+    def __init__(self, module: nn.Conv2d, rows: ConvRows = "sum", kfc_exponent: float = DEFAULT_KFC_EXPONENT) -> None:
         super().__init__(module)
         self.conv = module
         self.rows = rows
         self.dense_rows = rows == "exact"
+        self.kfc_exponent = kfc_exponent
 
     def _padded(self, x: Tensor) -> Tensor:
         conv = self.conv
@@ -269,11 +282,22 @@ class Conv2dMath(LayerMath):
         return patches
 
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Σ over samples and positions of patch outer products and of g gᵀ (g = scale·∂L/∂s)."""
+        """Σ over samples and positions of patch outer products, and L^(e−1) × that of g gᵀ (g = scale·∂L/∂s).
+
+        Divided by n·L and by n (:class:`LayerBatch`), they are E_p[a aᵀ] and L^e·E_p[g gᵀ].
+        """
         x, grad_out = self._batched(x, grad_out)
         a = self._patches(x).reshape(-1, self.d_a)
         g = grad_out.to(self.dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * scale
-        return a.mT @ a, g.mT @ g
+        factor_g = g.mT @ g
+        if self.kfc_exponent != 1.0:
+            factor_g *= float(grad_out.shape[2] * grad_out.shape[3]) ** (self.kfc_exponent - 1.0)
+        return a.mT @ a, factor_g
+
+    def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
+        """c = n²·L^(4+e): KAISA divides patches and raw output gradients by L before its position means."""
+        positions = kfac_rows / rows
+        return float(rows) ** 2 * positions ** (4.0 + self.kfc_exponent)
 
 
 @dataclass(frozen=True)
@@ -423,12 +447,15 @@ class EmbeddingMath(LayerMath):
         grad.copy_(matrix.mT)
 
 
-def supported_math(module: nn.Module, conv_rows: ConvRows = "sum") -> LayerMath | None:
-    """The math helper for ``module`` (convolutions with ``conv_rows``), or None if hylo cannot precondition it."""
+def supported_math(
+    module: nn.Module, conv_rows: ConvRows = "sum", kfc_exponent: float = DEFAULT_KFC_EXPONENT
+) -> LayerMath | None:
+    """The math helper for ``module`` (convolutions with ``conv_rows`` and ``kfc_exponent``), or None if hylo
+    cannot precondition it."""
     if isinstance(module, nn.Linear):
         return LinearMath(module)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
-        return Conv2dMath(module, conv_rows)
+        return Conv2dMath(module, conv_rows, kfc_exponent)
     if isinstance(module, nn.Embedding) and not module.sparse and not module.scale_grad_by_freq:
         return EmbeddingMath(module)
     return None
@@ -510,6 +537,8 @@ class LayerBatch:
     kept: int
     #: The loss scale of the step's backward passes (a GradScaler's): output gradients are divided by it.
     grad_scale: float = 1.0
+    #: ``"kaisa"``: the Fisher is divided by :meth:`LayerMath.kaisa_ratio` (docs/design.md, "K-FAC conventions").
+    convention: DampingConvention = "hylo"
 
     @classmethod
     def collect(
@@ -518,12 +547,13 @@ class LayerBatch:
         calls: Sequence[tuple[Tensor, Tensor]],
         rows_kept: Callable[[int], int],
         grad_scale: float = 1.0,
+        convention: DampingConvention = "hylo",
     ) -> LayerBatch:
         """Count the rows of this step's (input, output gradient) calls (none: a rank without rows)."""
         counts = [math.row_counts(x, gy) for x, gy in calls]
         rows = sum(c[0] for c in counts)
         kept = rows_kept(rows) if rows else 0
-        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), kept, grad_scale)
+        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), kept, grad_scale, convention)
 
     def shape(self, world_size: int) -> LayerShape:
         """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks."""
@@ -542,8 +572,12 @@ class LayerBatch:
 
     @property
     def _g_scale(self) -> float:
-        """What output gradients are multiplied by: n over the loss scale (docs/design.md, "Notation")."""
-        return float(self.rows) / self.grad_scale
+        """What output gradients are multiplied by: n over the loss scale (docs/design.md, "Notation");
+        under KAISA's convention also 1/√c, which divides every solver's Fisher by c = ``kaisa_ratio``."""
+        scale = float(self.rows) / self.grad_scale
+        if self.convention == "kaisa":
+            scale /= self.math.kaisa_ratio(self.rows, self.kfac_rows) ** 0.5
+        return scale
 
     def kfac_factors(self) -> tuple[Tensor, Tensor]:
         """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls; zeros without rows."""

@@ -159,7 +159,12 @@ class HyLoPreconditioner:
             return method is not None and method(name)
 
         found = register_layers(
-            model, self.config.skip_layers, should_capture, self.config.initial_solver, self.config.conv_rows
+            model,
+            self.config.skip_layers,
+            should_capture,
+            self.config.initial_solver,
+            self.config.conv_rows,
+            self.config.kfc_exponent,
         )
         self._registration = found
         self._layers: list[RegisteredLayer] = found.layers
@@ -581,7 +586,10 @@ class HyLoPreconditioner:
         if self._grad_scaler is not None and self._grad_scaler.is_enabled():
             grad_scale = float(self._grad_scaler.get_scale())
         return [
-            LayerBatch.collect(layer.math, layer.capture.calls(), self.config.rows_kept, grad_scale) for layer in layers
+            LayerBatch.collect(
+                layer.math, layer.capture.calls(), self.config.rows_kept, grad_scale, self.config.damping_convention
+            )
+            for layer in layers
         ]
 
     def _context(self, values: _StepValues, seed: int) -> UpdateContext:
@@ -809,10 +817,16 @@ class HyLoPreconditioner:
         restored = {layer.name: self._restore(layer, saved[layer.name], own_file) for layer in self._layers}
 
         config = sd.get("config", {})
-        if config.get("solver", self.config.solver) != self.config.solver:
-            raise ValueError(
-                f"state_dict was made with solver={config['solver']!r}, this preconditioner uses {self.config.solver!r}"
-            )
+        for option in (
+            "solver",
+            "damping_convention",
+            "kfc_exponent",
+        ):  # the saved factors' scale depends on the last two
+            mine = getattr(self.config, option)
+            if config.get(option, mine) != mine:
+                raise ValueError(
+                    f"state_dict was made with {option}={config[option]!r}, this preconditioner uses {mine!r}"
+                )
         overrides = {k: config[k] for k in _RESTORABLE if k in config and not callable(getattr(self.config, k))}
         try:
             new_config = dataclasses.replace(self.config, **overrides)

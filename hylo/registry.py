@@ -16,7 +16,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from hylo.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.capture import LayerCapture
 from hylo.config import SolverName
-from hylo.layers import ConvRows, LayerMath, supported_math, unsupported_reason
+from hylo.layers import DEFAULT_KFC_EXPONENT, ConvRows, LayerMath, supported_math, unsupported_reason
 from hylo.solvers import HeldState
 
 #: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
@@ -220,6 +220,7 @@ def register_layers(
     should_capture: Callable[[str], bool],
     initial_solver: Callable[[str], SolverName],
     conv_rows: ConvRows = "sum",
+    kfc_exponent: float = DEFAULT_KFC_EXPONENT,
 ) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
 
@@ -254,7 +255,7 @@ def register_layers(
                     (name, f"weight tied to {others}: its gradient sums every use, so it stays with the optimizer")
                 )
                 continue
-            math = supported_math(module, conv_rows)
+            math = supported_math(module, conv_rows, kfc_exponent)
             kept = None if math is not None else _stays_with_optimizer(module)
             if kept is not None:
                 result.skipped.append((name, kept))

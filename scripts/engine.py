@@ -156,6 +156,8 @@ class RunConfig:
     adaptive: tuple[int, int, int] | None = None
     trend_window: int = 100
     conv_rows: str = "sum"
+    kfc_exponent: float = hylo.HyLoConfig.kfc_exponent
+    damping_convention: str = "hylo"
     kis_estimator: str = "unbiased"
     factor_update_freq: int | None = None
     seed: int = 0
@@ -482,6 +484,8 @@ def make_preconditioner(
         iters_per_epoch=steps_per_epoch if cfg.adaptive is not None else None,
         trend_window=cfg.trend_window,
         conv_rows=cfg.conv_rows,
+        kfc_exponent=cfg.kfc_exponent,
+        damping_convention=cfg.damping_convention,
         kis_estimator=cfg.kis_estimator,
         factor_update_freq=cfg.factor_update_freq,
         seed=cfg.seed,

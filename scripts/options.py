@@ -48,6 +48,8 @@ HYLO_FLAGS = {
     "adaptive": "adaptive",
     "trend_window": "trend_window",
     "conv_rows": "conv_rows",
+    "kfc_exponent": "kfc_exponent",
+    "damping_convention": "damping_convention",
     "kis_estimator": "kis_estimator",
     "factor_update_freq": "factor_update_freq",
 }
@@ -185,6 +187,17 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
         "--conv-rows",
         choices=["sum", "exact", "mean"],
         help=f"low-rank rows of a Conv2d (default {run_default('conv_rows')})",
+    )
+    group.add_argument(
+        "--kfc-exponent",
+        type=float,
+        help=f"e of a Conv2d's K-FAC factors L^e·E[aaᵀ]⊗E[ggᵀ] (default {run_default('kfc_exponent')})",
+    )
+    group.add_argument(
+        "--damping-convention",
+        choices=["hylo", "kaisa"],
+        help="what --damping damps: hylo's batch-size-free Fisher, or KAISA's (its damping carries over; "
+        f"default {run_default('damping_convention')})",
     )
     group.add_argument(
         "--kis-estimator", choices=["unbiased", "hylo"], help=f"KIS estimator (default {run_default('kis_estimator')})"
@@ -414,6 +427,8 @@ def _ignored_flags(args: argparse.Namespace) -> str | None:
     if spec.task == "lm":
         if args.conv_rows is not None:
             return "--conv-rows: the low-rank rows of Conv2d layers; a language model has none"
+        if args.kfc_exponent is not None:
+            return "--kfc-exponent: the K-FAC factors of Conv2d layers; a language model has none"
         return None
     if args.image_backend is not None and args.dataset != "imagenet":
         return f"--image-backend: only for imagenet, not {args.dataset}"

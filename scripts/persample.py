@@ -162,3 +162,9 @@ def relative_error(x: Tensor, ref: Tensor) -> float:
     """‖x − ref‖_F / ‖ref‖_F, in float64."""
     ref64 = ref.to(torch.float64)
     return float(torch.linalg.norm(x.to(torch.float64) - ref64) / torch.linalg.norm(ref64))
+
+
+def cosine(x: Tensor, ref: Tensor) -> float:
+    """⟨x, ref⟩ / (‖x‖_F ‖ref‖_F) in float64: the direction alone, whatever the lengths."""
+    x64, ref64 = x.to(torch.float64), ref.to(torch.float64)
+    return float((x64 * ref64).sum() / (torch.linalg.norm(x64) * torch.linalg.norm(ref64)))

@@ -62,6 +62,24 @@ def test_conv2d_matches_dense(solver: str, bias: bool, case: str) -> None:
     assert_rel_close(result.got, expected)
 
 
+@pytest.mark.parametrize("exponent", [0.0, 1.0, 1.5, 2.0])
+@pytest.mark.parametrize("case", ["stride2-pad1", "dilation2", "same-even"])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_conv2d_kfc_exponent_scales_the_fisher_by_positions(exponent: float, case: str) -> None:
+    """kfc_exponent e: the Fisher is L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over the L output positions."""
+    damping = 0.03
+    result = conv_case("kfac", True, case, damping, kfc_exponent=exponent)
+    ref = result.conv
+    assert ref is not None
+    positions = float(ref["positions"])
+    assert positions > 1
+    mean_g = ref["G"] / positions  # the reference's G is Σ_p over positions, averaged over samples
+    expected = dense_kfac(ref["A"], positions**exponent * mean_g, result.grad, damping)
+    other = dense_kfac(ref["A"], positions ** (exponent + 0.5) * mean_g, result.grad, damping)
+    assert rel_err(expected, other) > 1e-2  # the exponent matters at this damping
+    assert_rel_close(result.got, expected)
+
+
 # --------------------------------------------------------------------------- 5. callable damping
 @pytest.mark.parametrize("solver", ["kfac"])
 def test_callable_damping_is_evaluated_per_update(solver: str) -> None:

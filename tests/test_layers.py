@@ -25,9 +25,21 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --------------------------------------------------------------------------- 2. 1×1 conv == Linear
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize(
+    "solver, options",
+    [
+        ("kfac", {}),
+        ("kfac", {"kfc_exponent": 0.0}),
+        ("kfac", {"kfc_exponent": 2.0}),
+        ("kfac", {"damping_convention": "kaisa", "kfc_exponent": 2.0}),
+        ("sngd", {}),
+        ("sngd", {"damping_convention": "kaisa"}),
+    ],
+    ids=["kfac", "kfac-e0", "kfac-e2", "kfac-kaisa-e2", "sngd", "sngd-kaisa"],
+)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_conv1x1_on_1x1_image_equals_linear(solver: str, bias: bool) -> None:
+def test_conv1x1_on_1x1_image_equals_linear(solver: str, options: dict[str, object], bias: bool) -> None:
+    """With L = 1 output position every KFC exponent and both damping conventions give the Linear's step."""
     lin = nn.Linear(4, 3, bias=bias, dtype=DT)
     conv = nn.Conv2d(4, 3, 1, bias=bias, dtype=DT)
     with torch.no_grad():
@@ -36,16 +48,20 @@ def test_conv1x1_on_1x1_image_equals_linear(solver: str, bias: bool) -> None:
             conv.bias.copy_(lin.bias)
     x = torch.randn(5, 4, dtype=DT)
     labels = torch.randint(0, 3, (5,))
-    _, _, grad_lin, v_lin = one_step(lin, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=0.05)
+    damping = 0.05 / 25 if options.get("damping_convention") == "kaisa" else 0.05  # KAISA's Fisher is F/n²
+    _, _, grad_lin, v_lin = one_step(
+        lin, x, lambda out: F.cross_entropy(out, labels), solver=solver, damping=damping, **options
+    )
     _, _, grad_conv, v_conv = one_step(
         conv,
         x.reshape(5, 4, 1, 1),
         lambda out: F.cross_entropy(out.reshape(5, 3), labels),
         solver=solver,
-        damping=0.05,
+        damping=damping,
+        **options,
     )
     torch.testing.assert_close(grad_conv, grad_lin, rtol=1e-12, atol=1e-14)
-    assert rel_err(v_lin, grad_lin / 0.05) > 1e-2
+    assert rel_err(v_lin, grad_lin / damping) > 1e-2
     torch.testing.assert_close(v_conv, v_lin, rtol=1e-10, atol=1e-12)
 
 

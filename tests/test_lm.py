@@ -233,6 +233,7 @@ def test_train_lm_flags_and_defaults() -> None:
         (["--data-dir", "somewhere"], "reads no directory (a folder of text files: --dataset text)"),
         (["--dataset", "text"], "needs data_dir"),
         (["--conv-rows", "exact"], "--conv-rows: the low-rank rows of Conv2d layers"),
+        (["--kfc-exponent", "2"], "--kfc-exponent: the K-FAC factors of Conv2d layers"),
         (["--label-smoothing", "0.1"], "--label-smoothing: only for classification"),
         (["--momentum", "0.9"], "--momentum: SGD's"),
         (["--image-size", "32"], "unrecognized arguments: --image-size"),

@@ -213,3 +213,16 @@ def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:
     assert seconds > 0 and phases["solve"] > 0 and apply_ms > 0
     with pytest.raises(ValueError, match="needs a solver"):
         bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, profile_dir=tmp_path)
+
+
+def test_kfac_convention_flags_reach_the_preconditioner() -> None:
+    cfg = _parse(["--solver", "kfac", "--kfc-exponent", "2", "--damping-convention", "kaisa"])
+    assert (cfg.kfc_exponent, cfg.damping_convention) == (2.0, "kaisa")
+    pre = make_preconditioner(build_model("cnn"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
+    assert pre is not None
+    try:
+        assert (pre.config.kfc_exponent, pre.config.damping_convention) == (2.0, "kaisa")
+    finally:
+        pre.remove()
+    default = _parse([])
+    assert (default.kfc_exponent, default.damping_convention) == (1.0, "hylo")

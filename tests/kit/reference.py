@@ -111,7 +111,9 @@ def conv_reference(conv: nn.Conv2d, x: Tensor, out: Tensor, grad_out: Tensor) ->
     """Gradient, per-sample surrogate rows and KFC factors of a Conv2d, from unfold.
 
     ``a`` holds the mean patches, ``g`` HyLo's mean output gradients and ``g_sum`` their sums
-    over positions (B·∂L/∂s throughout).
+    over positions (B·∂L/∂s throughout); ``A`` is the mean over samples and positions of the
+    patches' outer products, ``G`` the sum over positions (mean over samples) of g gᵀ, and
+    ``positions`` the number L of output positions.
     """
     x = x.detach()
     xp = explicit_padding(conv, x)
@@ -131,4 +133,5 @@ def conv_reference(conv: nn.Conv2d, x: Tensor, out: Tensor, grad_out: Tensor) ->
         "g_sum": gs.sum(dim=2),
         "A": torch.einsum("nal,nbl->ab", patches, patches) / (n * positions),
         "G": torch.einsum("ngl,nhl->gh", gs, gs) / n,
+        "positions": torch.tensor(float(positions), dtype=patches.dtype),
     }
