@@ -817,11 +817,8 @@ class HyLoPreconditioner:
         restored = {layer.name: self._restore(layer, saved[layer.name], own_file) for layer in self._layers}
 
         config = sd.get("config", {})
-        for option in (
-            "solver",
-            "damping_convention",
-            "kfc_exponent",
-        ):  # the saved factors' scale depends on the last two
+        # the saved running factors' scale depends on the convention and the exponent
+        for option in ("solver", "damping_convention", "kfc_exponent"):
             mine = getattr(self.config, option)
             if config.get(option, mine) != mine:
                 raise ValueError(

@@ -219,7 +219,7 @@ def format_tables(
 def summarize(paths: Sequence[str], layer_type: str = "Conv2d") -> str:
     """Medians over the ``layer_type`` layers (and seeds) of several CSVs of this benchmark, per model,
     weights and damping: each method's cosine to the exact step, relative error and length ratio,
-    then how often each method has the best median cosine."""
+    then how often each method has the best median cosine and how far below the best it is."""
     import pandas as pd
 
     frame = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
@@ -241,12 +241,19 @@ def summarize(paths: Sequence[str], layer_type: str = "Conv2d") -> str:
     lines = [f"medians over {layer_type} layers: cosine / relative error / length ratio to the exact step"]
     lines.append(f"{'model':<10} {'weights':<8} {'damping':>8}" + "".join(f"{label:>24}" for label in labels))
     best: dict[str, int] = dict.fromkeys(labels, 0)
+    shortfall: dict[str, list[float]] = {label: [] for label in labels}
     for (model, weights, damping), group in medians.groupby(level=[0, 1, 2], sort=False):
         cells = group.droplevel([0, 1, 2])
         best[str(cells["cosine"].idxmax())] += 1
+        for label in labels:
+            shortfall[label].append(float(cells["cosine"].max() - cells.at[label, "cosine"]))
         row = "".join(f"{_cell(cells.loc[label]):>24}" for label in labels)
         lines.append(f"{model:<10} {weights:<8} {damping:>8g}{row}")
     lines.append("best median cosine: " + ", ".join(f"{label} {count}" for label, count in best.items()))
+    lines.append(
+        "mean / worst shortfall from the best median cosine: "
+        + ", ".join(f"{label} {statistics.fmean(v):.3f} / {max(v):.3f}" for label, v in shortfall.items())
+    )
     return "\n".join(lines)
 
 
