@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -264,12 +265,12 @@ def _cell(values: Any) -> str:
 
 
 def _label(row: Any) -> str:
-    """A CSV row's run label (see :attr:`Run.label`)."""
-    if isinstance(row.rank_ratio, float) and row.rank_ratio == row.rank_ratio:
-        return f"{row.method}@{row.rank_ratio:g}"
-    if isinstance(row.kfc_exponent, float) and row.kfc_exponent == row.kfc_exponent:
-        return f"{row.method}@e={row.kfc_exponent:g}"
-    return str(row.method)
+    """A CSV row's :attr:`Run.label` (empty cells are read as NaN)."""
+
+    def given(value: Any) -> float | None:
+        return None if math.isnan(float(value)) else float(value)
+
+    return Run(str(row.method), given(row.rank_ratio), {}, given(row.kfc_exponent)).label
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
