@@ -7,7 +7,7 @@ every other module is internal and may change between releases.
 
 from hylo.config import HyLoConfig
 from hylo.distributed import CommunicationError
-from hylo.preconditioner import HyLoPreconditioner, LayerInfo
+from hylo.preconditioner import HyLoPreconditioner, LayerInfo, MemoryUsage
 from hylo.records import Decision, LayerStats
 from hylo.version import __version__
 
@@ -18,5 +18,6 @@ __all__ = [
     "HyLoPreconditioner",
     "LayerInfo",
     "LayerStats",
+    "MemoryUsage",
     "__version__",
 ]

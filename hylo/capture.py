@@ -12,6 +12,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from hylo.layers import Call, CapturedCall
+
+#: Reduces a call's (input, output gradient) in its gradient hook (docs/design.md, "Memory").
+Reducer = Callable[[Tensor, Tensor], CapturedCall]
+
 
 class _GraphToken:
     """Held only by a call's output-gradient hook: it dies with the call's autograd graph."""
@@ -23,22 +28,42 @@ def _dead() -> _GraphToken | None:
 
 @dataclass
 class Record:
-    """One forward call of a layer: its input and (after backward) its output gradient.
+    """One forward call of a layer: its input until the backward reaches it, then what the update needs.
 
+    With a ``reducer``, the output-gradient hook reduces the input and output gradient at once
+    (``call``) and drops the input; without one it keeps both (``grad_output``). A call counts
+    once: a second backward through a retained graph leaves a reduced call as it was.
     ``graph`` returns None once the call's autograd graph is freed: if backward has not run
-    by then (``grad_output`` is None), it never will.
+    by then, it never will.
     """
 
-    inputs: Tensor
+    inputs: Tensor | None
     grad_output: Tensor | None = None
     graph: Callable[[], _GraphToken | None] = field(default=_dead, repr=False)
     #: Made while autograd ran a backward (a checkpointed forward's recomputation).
     in_backward: bool = False
+    #: The layer's output shape (None when an attention tap feeds the capture: its rows are the input's).
+    out_shape: torch.Size | None = None
+    reducer: Reducer | None = field(default=None, repr=False)
+    call: CapturedCall | None = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether the call's backward has run."""
+        return self.call is not None or self.grad_output is not None
 
     @property
     def abandoned(self) -> bool:
         """Whether the call's graph was freed without its backward running."""
-        return self.grad_output is None and self.graph() is None
+        return not self.completed and self.graph() is None
+
+    def complete(self, grad_output: Tensor) -> None:
+        """The backward reached the call: reduce it (dropping the input), or keep its output gradient."""
+        if self.reducer is None:
+            self.grad_output = grad_output
+        elif self.inputs is not None:
+            self.call = self.reducer(self.inputs, grad_output)
+            self.inputs = None
 
 
 class LayerCapture:
@@ -61,6 +86,8 @@ class LayerCapture:
         self.records: list[Record] = []
         self.name = name or type(module).__name__
         self._should_capture = should_capture
+        #: Reduces each call in its gradient hook; None keeps inputs and output gradients until step().
+        self.reducer: Reducer | None = None
         self._warned = False
         # None: another hook feeds this capture through open() (an attention module's projections)
         self._handle: RemovableHandle | None = (
@@ -77,12 +104,12 @@ class LayerCapture:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0] if args else kwargs["input"]
-        watch_gradient(output, [(self.open(x), _whole)])
+        watch_gradient(output, [(self.open(x, output.shape), _whole)])
 
-    def open(self, x: Tensor) -> Record:
-        """Record one call with input ``x``; :func:`watch_gradient` on its output completes it."""
+    def open(self, x: Tensor, out_shape: torch.Size | None = None) -> Record:
+        """Record one call with input ``x`` (and output shape); :func:`watch_gradient` on its output completes it."""
         self._drop_abandoned()
-        record = Record(x.detach(), in_backward=_in_backward())
+        record = Record(x.detach(), in_backward=_in_backward(), out_shape=out_shape, reducer=self.reducer)
         self.records.append(record)
         return record
 
@@ -104,9 +131,19 @@ class LayerCapture:
                 stacklevel=2,
             )
 
-    def calls(self) -> list[tuple[Tensor, Tensor]]:
-        """(input, output gradient) of each forward call whose backward has run."""
-        return [(r.inputs, r.grad_output) for r in self.records if r.grad_output is not None]
+    def calls(self) -> list[Call]:
+        """Each forward call whose backward has run: reduced, or its (input, output gradient)."""
+        calls: list[Call] = []
+        for record in self.records:
+            if record.call is not None:
+                calls.append(record.call)
+            elif record.grad_output is not None and record.inputs is not None:
+                calls.append((record.inputs, record.grad_output))
+        return calls
+
+    def pending(self) -> list[Record]:
+        """Calls still waiting for their backward (with their inputs)."""
+        return [record for record in self.records if not record.completed and record.inputs is not None]
 
     def clear(self) -> None:
         """Drop everything captured."""
@@ -136,7 +173,7 @@ def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor]
     def grad_hook(grad: Tensor, token: _GraphToken = token) -> None:
         detached = grad.detach()
         for record, select in records:
-            record.grad_output = select(detached)
+            record.complete(select(detached))
 
     output.register_hook(grad_hook)
 

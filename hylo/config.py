@@ -10,7 +10,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
-from hylo.layers import CONV_ROWS, DAMPING_CONVENTIONS, DEFAULT_KFC_EXPONENT, ConvRows, DampingConvention
+from hylo.layers import (
+    CONV_ROWS,
+    DAMPING_CONVENTIONS,
+    DEFAULT_KFC_EXPONENT,
+    DEFAULT_MAX_UNFOLD_MB,
+    ConvRows,
+    DampingConvention,
+)
 from hylo.records import LayerStats
 from hylo.solvers import LAYER_SOLVERS, LayerSolver
 
@@ -111,6 +118,10 @@ class HyLoConfig:
         kfc_exponent: e of a convolution's K-FAC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over its L
             output positions (1: Grosse & Martens' KFC; 2: fully correlated positions);
             docs/design.md, "K-FAC conventions".
+        max_unfold_mb: the most megabytes of a convolution's unfolded patches in flight at
+            once: K-FAC's factor A, exact per-sample rows and the patch means are built in
+            chunks of samples (and of output rows, when one sample's patches exceed it) of at
+            most this size; docs/design.md, "Memory".
         damping_convention: ``"hylo"`` (λ damps the Fisher of g = n·∂L/∂s, the same at every
             batch size) or ``"kaisa"`` (every layer's Fisher divided by KAISA's ratio c: n² on
             Linear, n²·L^(4+e) on Conv2d, so KAISA's damping and learning rate carry over and
@@ -174,6 +185,7 @@ class HyLoConfig:
     seed: int = 0
     conv_rows: ConvRows = "sum"
     kfc_exponent: float = DEFAULT_KFC_EXPONENT
+    max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB
     damping_convention: DampingConvention = "hylo"
     kis_estimator: KISEstimator = "unbiased"
     factor_update_freq: IntHyper | None = None
@@ -237,6 +249,10 @@ class HyLoConfig:
         ):
             raise ValueError(f"kfc_exponent must be a number in [0, 4], got {self.kfc_exponent!r}")
         object.__setattr__(self, "kfc_exponent", float(self.kfc_exponent))
+        if _is_bool(self.max_unfold_mb) or not (
+            isinstance(self.max_unfold_mb, (int, float)) and 0 < self.max_unfold_mb < math.inf
+        ):
+            raise ValueError(f"max_unfold_mb must be a finite number > 0, got {self.max_unfold_mb!r}")
         if self.damping_convention not in DAMPING_CONVENTIONS:
             raise ValueError(
                 f"damping_convention must be one of {DAMPING_CONVENTIONS}, got {self.damping_convention!r}"

@@ -11,7 +11,7 @@ in one step (gradient accumulation, shared weights) n is the step's total, passe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -32,6 +32,8 @@ DAMPING_CONVENTIONS: tuple[DampingConvention, ...] = get_args(DampingConvention)
 #: The exponent e of a convolution's KFC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ], chosen by measurement
 #: against the true per-sample Fisher (docs/design.md, "K-FAC conventions").
 DEFAULT_KFC_EXPONENT = 1.0
+#: The default cap on a convolution's unfolded patches in flight at once (docs/design.md, "Memory").
+DEFAULT_MAX_UNFOLD_MB = 32.0
 
 
 def _with_ones(a: Tensor) -> Tensor:
@@ -105,6 +107,27 @@ class LayerMath(ABC):
     def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
         """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""
         return float(rows) ** 2
+
+    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
+        """Whether a call's reduction is smaller than its input and output gradient (docs/design.md, "Memory").
+
+        A Linear's low-rank rows are its input and output gradient themselves, so only a
+        K-FAC-only call whose factors (d_a² + d_g² numbers) are smaller than its rows is reduced.
+        """
+        return kfac and not lowrank and self.d_a**2 + self.d_g**2 < rows * (self.d_a + self.d_g)
+
+    def capture_call(self, x: Tensor, grad_out: Tensor, plan: Reduction | None) -> CapturedCall:
+        """One call as the update needs it: reduced per ``plan`` where that is smaller, else kept raw."""
+        rows, kfac_rows = self.row_counts(x, grad_out)
+        if plan is None or not self.reduces_early(rows, plan.lowrank, plan.kfac):
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
+        return CapturedCall(
+            rows,
+            kfac_rows,
+            lowrank=self.lowrank_rows(x, grad_out, plan.scale) if plan.lowrank else None,
+            factors=self.kfac_factors(x, grad_out, plan.scale) if plan.kfac else None,
+            scale=plan.scale,
+        )
 
     @property
     def module_type(self) -> str:
@@ -198,14 +221,22 @@ class Conv2dMath(LayerMath):
     A 1×1 kernel on a 1×1 image reduces to Linear in every mode and at every exponent.
     """
 
-    def __init__(self, module: nn.Conv2d, rows: ConvRows = "sum", kfc_exponent: float = DEFAULT_KFC_EXPONENT) -> None:
+    def __init__(
+        self,
+        module: nn.Conv2d,
+        rows: ConvRows = "sum",
+        kfc_exponent: float = DEFAULT_KFC_EXPONENT,
+        max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
+    ) -> None:
         super().__init__(module)
         self.conv = module
         self.rows = rows
         self.dense_rows = rows == "exact"
         self.kfc_exponent = kfc_exponent
+        self.max_unfold_mb = max_unfold_mb
 
-    def _padded(self, x: Tensor) -> Tensor:
+    def _pads(self) -> list[int]:
+        """F.pad's (left, right, top, bottom) of the layer's padding."""
         conv = self.conv
         if isinstance(conv.padding, str):
             if conv.padding == "valid":
@@ -217,25 +248,15 @@ class Conv2dMath(LayerMath):
                     pads.append((total // 2, total - total // 2))
         else:
             pads = [(p, p) for p in conv.padding]
-        flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
+        return [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
+
+    def _padded(self, x: Tensor) -> Tensor:
+        flat = self._pads()
         if not any(flat):
             return x
-        if conv.padding_mode == "zeros":
+        if self.conv.padding_mode == "zeros":
             return F.pad(x, flat)
-        return F.pad(x, flat, mode=conv.padding_mode)
-
-    def _patch_mean(self, xp: Tensor, out_hw: tuple[int, int]) -> Tensor:
-        """Mean over output positions of each patch entry, without materialising the unfold."""
-        (kh, kw), (sh, sw), (dh, dw) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
-        ho, wo = out_hw
-        means = [
-            xp[:, :, i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw].mean(
-                dim=(2, 3)
-            )
-            for i in range(kh)
-            for j in range(kw)
-        ]
-        return torch.stack(means, dim=-1).reshape(xp.shape[0], -1)
+        return F.pad(x, flat, mode=self.conv.padding_mode)
 
     @staticmethod
     def _batched(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -249,16 +270,69 @@ class Conv2dMath(LayerMath):
         x, grad_out = self._batched(x, grad_out)
         return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
 
+    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
+        """Always, except exact rows (n·d_a·d_g numbers, often more than the input: built at the update)."""
+        return kfac or (lowrank and not self.dense_rows)
+
+    def _blocks(self, x: Tensor, out_hw: tuple[int, int]) -> Iterator[tuple[slice, slice, Tensor]]:
+        """(samples, output rows, the padded input rows they read) in blocks whose patches fit ``max_unfold_mb``.
+
+        A block's unfolded patches are ns·(r1 − r0)·W_out·d_a numbers: a block holds whole
+        samples when one sample's patches fit, else one sample and as many output rows as fit
+        (at least one). Each block pads only its own samples, in the working dtype.
+        """
+        (kh, _), (sh, _), (dh, _) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        n, (ho, wo) = x.shape[0], out_hw
+        cap = self.max_unfold_mb * 2**20
+        row_bytes = wo * self.d_a * self.dtype.itemsize
+        out_rows = max(1, min(ho, int(cap // row_bytes)))
+        samples = max(1, min(n, int(cap // (row_bytes * ho)))) if out_rows == ho else 1
+        for s0 in range(0, n, samples):
+            padded = self._padded(x[s0 : s0 + samples].to(self.dtype))
+            for r0 in range(0, ho, out_rows):
+                r1 = min(ho, r0 + out_rows)
+                block = padded[:, :, r0 * sh : (r1 - 1) * sh + dh * (kh - 1) + 1]
+                yield slice(s0, s0 + samples), slice(r0, r1), block
+
+    def _unfold(self, block: Tensor) -> Tensor:
+        """A block's patches (ns, L_block, C·kh·kw), without the bias column."""
+        conv = self.conv
+        return F.unfold(block, conv.kernel_size, dilation=conv.dilation, stride=conv.stride).transpose(1, 2)
+
+    def _patch_sum(self, block: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """Sum over a block's output positions of each patch entry (ns, C·kh·kw), without unfolding."""
+        (kh, kw), (sh, sw), (dh, dw) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        ho, wo = out_hw
+        sums = [
+            block[:, :, i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw].sum(
+                dim=(2, 3)
+            )
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        return torch.stack(sums, dim=-1).reshape(block.shape[0], -1)
+
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
-        """Per-sample rows in the configured mode (see the class docstring), g scaled by ``scale``."""
+        """Per-sample rows in the configured mode (see the class docstring), g scaled by ``scale``.
+
+        Built block by block (:meth:`_blocks`): exact rows accumulate Σ_p g_ip a_ipᵀ over the
+        blocks' patches; the surrogates' patch means never unfold.
+        """
         x, grad_out = self._batched(x, grad_out)
-        dtype = self.dtype
+        dtype, (ho, wo) = self.dtype, (grad_out.shape[2], grad_out.shape[3])
+        n, columns = x.shape[0], self.d_a - (1 if self.bias is not None else 0)
         if self.rows == "exact":
-            patches = self._patches(x)  # (n, L, d_a)
-            g = grad_out.to(dtype).flatten(2) * scale  # (n, d_g, L)
-            return DenseRows(torch.bmm(g, patches))
-        xp = self._padded(x.to(dtype))
-        a = self._patch_mean(xp, (grad_out.shape[2], grad_out.shape[3]))
+            u = torch.zeros(n, self.d_g, self.d_a, dtype=dtype, device=x.device)
+            for samples, out_rows, block in self._blocks(x, (ho, wo)):
+                g = grad_out[samples, :, out_rows].to(dtype).flatten(2) * scale  # (ns, d_g, L_block)
+                u[samples, :, :columns] += torch.bmm(g, self._unfold(block))
+                if self.bias is not None:
+                    u[samples, :, columns] += g.sum(dim=2)
+            return DenseRows(u)
+        a = torch.zeros(n, columns, dtype=dtype, device=x.device)
+        for samples, out_rows, block in self._blocks(x, (ho, wo)):
+            a[samples] += self._patch_sum(block, (out_rows.stop - out_rows.start, wo))
+        a /= ho * wo
         if self.bias is not None:
             a = _with_ones(a)
         reduce_positions = torch.sum if self.rows == "sum" else torch.mean
@@ -271,28 +345,32 @@ class Conv2dMath(LayerMath):
             return float(kfac_rows) * self.d_a * self.d_g
         return float(kfac_rows) * (self.d_a + self.d_g)
 
-    def _patches(self, x: Tensor) -> Tensor:
-        """Unfolded patches (n, L, d_a) in the working dtype, bias 1 appended."""
-        conv = self.conv
-        patches = F.unfold(
-            self._padded(x.to(self.dtype)), conv.kernel_size, dilation=conv.dilation, stride=conv.stride
-        ).transpose(1, 2)  # (n, L, C·kh·kw)
-        if self.bias is not None:
-            patches = torch.cat([patches, patches.new_ones(*patches.shape[:2], 1)], dim=2)
-        return patches
-
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Σ over samples and positions of patch outer products, and L^(e−1) × that of g gᵀ (g = scale·∂L/∂s).
 
-        Divided by n·L and by n (:class:`LayerBatch`), they are E_p[a aᵀ] and L^e·E_p[g gᵀ].
+        Divided by n·L and by n (:class:`LayerBatch`), they are E_p[a aᵀ] and L^e·E_p[g gᵀ]. Both
+        sums run block by block (:meth:`_blocks`), so at most ``max_unfold_mb`` of patches (and
+        the matching output gradients) are in flight; the bias column's entries come from the
+        patch sums, never from a widened copy of the patches.
         """
         x, grad_out = self._batched(x, grad_out)
-        a = self._patches(x).reshape(-1, self.d_a)
-        g = grad_out.to(self.dtype).permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1]) * scale
-        factor_g = g.mT @ g
+        dtype, (ho, wo) = self.dtype, (grad_out.shape[2], grad_out.shape[3])
+        columns = self.d_a - (1 if self.bias is not None else 0)
+        factor_a = torch.zeros(self.d_a, self.d_a, dtype=dtype, device=x.device)
+        factor_g = torch.zeros(self.d_g, self.d_g, dtype=dtype, device=x.device)
+        for samples, out_rows, block in self._blocks(x, (ho, wo)):
+            patches = self._unfold(block).reshape(-1, columns)
+            factor_a[:columns, :columns].addmm_(patches.mT, patches)
+            g = grad_out[samples, :, out_rows].to(dtype).transpose(0, 1).reshape(self.d_g, -1) * scale
+            factor_g.addmm_(g, g.mT)
+            if self.bias is not None:
+                sums = patches.sum(dim=0)
+                factor_a[:columns, columns] += sums
+                factor_a[columns, :columns] += sums
+                factor_a[columns, columns] += patches.shape[0]
         if self.kfc_exponent != 1.0:
-            factor_g *= float(grad_out.shape[2] * grad_out.shape[3]) ** (self.kfc_exponent - 1.0)
-        return a.mT @ a, factor_g
+            factor_g *= float(ho * wo) ** (self.kfc_exponent - 1.0)
+        return factor_a, factor_g
 
     def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
         """c = n²·L^(4+e): KAISA divides patches and raw output gradients by L before its position means."""
@@ -423,6 +501,10 @@ class EmbeddingMath(LayerMath):
         g = self._g(grad_out, scale)
         return torch.diag(counts), g.mT @ g
 
+    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
+        """Never: the token indices and output gradients are smaller than the one-hot rows or the V×V factor."""
+        return False
+
     def _weight_grad(self) -> Tensor | None:
         """The weight's (V, D) gradient, written in place; ``ValueError`` if it is sparse."""
         grad = self.weight.grad
@@ -448,14 +530,17 @@ class EmbeddingMath(LayerMath):
 
 
 def supported_math(
-    module: nn.Module, conv_rows: ConvRows = "sum", kfc_exponent: float = DEFAULT_KFC_EXPONENT
+    module: nn.Module,
+    conv_rows: ConvRows = "sum",
+    kfc_exponent: float = DEFAULT_KFC_EXPONENT,
+    max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
 ) -> LayerMath | None:
-    """The math helper for ``module`` (convolutions with ``conv_rows`` and ``kfc_exponent``), or None if hylo
-    cannot precondition it."""
+    """The math helper for ``module`` (convolutions with ``conv_rows``, ``kfc_exponent`` and
+    ``max_unfold_mb``), or None if hylo cannot precondition it."""
     if isinstance(module, nn.Linear):
         return LinearMath(module)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
-        return Conv2dMath(module, conv_rows, kfc_exponent)
+        return Conv2dMath(module, conv_rows, kfc_exponent, max_unfold_mb)
     if isinstance(module, nn.Embedding) and not module.sparse and not module.scale_grad_by_freq:
         return EmbeddingMath(module)
     return None
@@ -485,6 +570,56 @@ def unsupported_reason(module: nn.Module) -> str:
 
 
 @dataclass(frozen=True)
+class Reduction:
+    """What a layer's gradient hook reduces a call to at this step (docs/design.md, "Memory").
+
+    ``lowrank``: the low-rank rows; ``kfac``: the K-FAC factor sums; output gradients are
+    multiplied by ``scale`` (1 over the loss scale) in the hook and by the step's sample
+    count (and KAISA's ratio) at the update.
+    """
+
+    lowrank: bool
+    kfac: bool
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One forward call of a layer as an update uses it: its row counts and either its input and
+    output gradient (``raw``) or what its gradient hook reduced them to.
+
+    ``lowrank`` are the call's low-rank rows and ``factors`` its unnormalised K-FAC factors
+    (Σ a aᵀ, Σ g gᵀ), both with output gradients multiplied by ``scale``.
+    """
+
+    rows: int
+    kfac_rows: int
+    raw: tuple[Tensor, Tensor] | None = None
+    lowrank: SampleRows | None = None
+    factors: tuple[Tensor, Tensor] | None = None
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, math: LayerMath, call: Call) -> CapturedCall:
+        """``call`` itself, or an (input, output gradient) pair kept raw."""
+        if isinstance(call, CapturedCall):
+            return call
+        x, grad_out = call
+        return cls(*math.row_counts(x, grad_out), raw=(x, grad_out))
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the call holds."""
+        held = list(self.raw or ()) + list(self.factors or ())
+        if self.lowrank is not None:
+            held += list(self.lowrank.fields().values())
+        return held
+
+
+#: A captured call: reduced in its hook, or the (input, output gradient) pair.
+Call = CapturedCall | tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """What the cost model needs of a layer at an update: its dimensions, rows and world size.
 
@@ -503,6 +638,21 @@ class LayerShape:
     dense_rows: bool = False
     row_work: float = 0.0
     itemsize: int = 4
+
+    @classmethod
+    def of(cls, math: LayerMath, rows: int, kfac_rows: int, kept: int, world_size: int) -> LayerShape:
+        """The shape of ``math``'s layer with these row counts, its rows gathered from ``world_size`` ranks."""
+        return cls(
+            math.d_a,
+            math.d_g,
+            rows,
+            kfac_rows,
+            kept,
+            world_size,
+            math.dense_rows,
+            math.row_work(rows, kfac_rows),
+            math.dtype.itemsize,
+        )
 
     @property
     def kept(self) -> int:
@@ -531,7 +681,7 @@ class LayerBatch:
     """
 
     math: LayerMath
-    calls: tuple[tuple[Tensor, Tensor], ...]
+    calls: tuple[CapturedCall, ...]
     rows: int
     kfac_rows: int
     kept: int
@@ -544,31 +694,30 @@ class LayerBatch:
     def collect(
         cls,
         math: LayerMath,
-        calls: Sequence[tuple[Tensor, Tensor]],
+        calls: Sequence[Call],
         rows_kept: Callable[[int], int],
         grad_scale: float = 1.0,
         convention: DampingConvention = "hylo",
     ) -> LayerBatch:
-        """Count the rows of this step's (input, output gradient) calls (none: a rank without rows)."""
-        counts = [math.row_counts(x, gy) for x, gy in calls]
-        rows = sum(c[0] for c in counts)
+        """Count the rows of this step's calls, reduced or (input, output gradient) pairs (none: a rank without rows)."""
+        captured = tuple(CapturedCall.of(math, call) for call in calls)
+        rows = sum(c.rows for c in captured)
         kept = rows_kept(rows) if rows else 0
-        return cls(math, tuple(calls), rows, sum(c[1] for c in counts), kept, grad_scale, convention)
+        return cls(math, captured, rows, sum(c.kfac_rows for c in captured), kept, grad_scale, convention)
 
     def shape(self, world_size: int) -> LayerShape:
         """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks."""
-        math = self.math
-        return LayerShape(
-            math.d_a,
-            math.d_g,
-            self.rows,
-            self.kfac_rows,
-            self.kept,
-            world_size,
-            math.dense_rows,
-            math.row_work(self.rows, self.kfac_rows),
-            math.dtype.itemsize,
-        )
+        return LayerShape.of(self.math, self.rows, self.kfac_rows, self.kept, world_size)
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether the calls can give K-FAC factors (kept raw, or reduced to factors)."""
+        return all(c.raw is not None or c.factors is not None for c in self.calls)
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether the calls can give low-rank rows (kept raw, or reduced to rows)."""
+        return all(c.raw is not None or c.lowrank is not None for c in self.calls)
 
     @property
     def _g_scale(self) -> float:
@@ -579,6 +728,12 @@ class LayerBatch:
             scale /= self.math.kaisa_ratio(self.rows, self.kfac_rows) ** 0.5
         return scale
 
+    def _missing(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"layer {self.math.name!r}: this step's calls were reduced in the backward without their {what}; "
+            "the update must use the path they were reduced for"
+        )
+
     def kfac_factors(self) -> tuple[Tensor, Tensor]:
         """Batch factors A (mean over the K-FAC rows) and G (over the samples) of all calls; zeros without rows."""
         math = self.math
@@ -588,7 +743,15 @@ class LayerBatch:
                 torch.zeros(math.d_a, math.d_a, dtype=math.dtype, device=device),
                 torch.zeros(math.d_g, math.d_g, dtype=math.dtype, device=device),
             )
-        sums = [math.kfac_factors(x, gy, self._g_scale) for x, gy in self.calls]
+        scale = self._g_scale
+        sums = []
+        for call in self.calls:
+            if call.factors is not None:  # reduced with g·call.scale: rescale G to g·scale
+                sums.append((call.factors[0], call.factors[1] * (scale / call.scale) ** 2))
+            elif call.raw is not None:
+                sums.append(math.kfac_factors(*call.raw, scale))
+            else:
+                raise self._missing("K-FAC factors")
         a = torch.stack([s[0] for s in sums]).sum(0) / self.kfac_rows
         g = torch.stack([s[1] for s in sums]).sum(0) / self.rows
         return a, g
@@ -604,4 +767,14 @@ class LayerBatch:
                 torch.zeros(0, math.d_a, dtype=math.dtype, device=device),
                 torch.zeros(0, math.d_g, dtype=math.dtype, device=device),
             )
-        return concat_rows([math.lowrank_rows(x, gy, self._g_scale) for x, gy in self.calls])
+        scale = self._g_scale
+        parts = []
+        for call in self.calls:
+            if call.lowrank is not None:  # reduced with g·call.scale: rescale to g·scale
+                factor = scale / call.scale
+                parts.append(call.lowrank.scaled(torch.full((call.lowrank.count,), factor, device=math.weight.device)))
+            elif call.raw is not None:
+                parts.append(math.lowrank_rows(*call.raw, scale))
+            else:
+                raise self._missing("low-rank rows")
+        return concat_rows(parts)

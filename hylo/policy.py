@@ -236,9 +236,17 @@ class SolverPolicy:
         a0, a1, a2 = (self.config.iters_per_epoch * a for a in self.config.adaptive)
         return step < a0 or a1 < step <= a2
 
-    def decide(self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int) -> list[Decision]:
-        """Decisions for all layers, from their shapes at this update (see the module docstring)."""
-        if (self.dynamic or "grad_norm" in self.config.studies) and self.trend.ema is not None:
+    def decide(
+        self, step: int, shapes: Sequence[LayerShape], update_freq: int, world_size: int, sample: bool = True
+    ) -> list[Decision]:
+        """Decisions for all layers, from their shapes at this update (see the module docstring).
+
+        ``sample=False`` leaves the trend as it is and decides on its current critical flags: the
+        forecast that tells the backward what to reduce each layer's calls to (docs/design.md, "Memory").
+        """
+        if not sample:
+            ema, trends, critical = [0.0] * len(self.names), list(self.trend.last_trend), list(self.trend.critical)
+        elif (self.dynamic or "grad_norm" in self.config.studies) and self.trend.ema is not None:
             ema, trends, critical = self.trend.sample(step)
         else:
             ema, trends, critical = [0.0] * len(self.names), [None] * len(self.names), [True] * len(self.names)
@@ -266,7 +274,7 @@ class SolverPolicy:
                 trends[i],
                 critical[i],
                 costs["kfac"],
-                costs[self._lowrank_variant(step, critical[i])[0]],
+                costs[self.lowrank_variant(step, critical[i])[0]],
                 costs["sngd"],
                 budget,
             )
@@ -286,7 +294,7 @@ class SolverPolicy:
             )
         return decisions
 
-    def _lowrank_variant(self, step: int, critical: bool) -> tuple[LayerSolver, Reason]:
+    def lowrank_variant(self, step: int, critical: bool) -> tuple[LayerSolver, Reason]:
         """KID or KIS: by the epoch windows when ``adaptive`` is set, else by the critical regime."""
         if self.config.adaptive is not None:
             return ("kid", "epoch window") if self.epoch_window_kid(step) else ("kis", "epoch window")
@@ -312,4 +320,4 @@ class SolverPolicy:
             return "kfac", "fidelity"
         if stats.cost_kfac <= stats.cost_lowrank:
             return "kfac", "cost"
-        return self._lowrank_variant(stats.step, stats.critical)
+        return self.lowrank_variant(stats.step, stats.critical)

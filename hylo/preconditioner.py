@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hylo.capture import Reducer
 from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
-from hylo.layers import LayerBatch, LayerShape
+from hylo.layers import CapturedCall, LayerBatch, LayerMath, LayerShape, Reduction
 from hylo.payload import CONTROL, Payload
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
 from hylo.profiling import DISABLED, Stopwatch
@@ -55,6 +56,42 @@ class LayerInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes a preconditioner holds (:meth:`HyLoPreconditioner.memory_breakdown`), by distinct storage."""
+
+    #: Curvature state per layer (solved states, K-FAC's running factors).
+    state: dict[str, int]
+    #: Calls captured for the next ``step()`` per layer: 0 between steps.
+    captured: dict[str, int]
+    #: The hybrid policy's gradient-norm EMAs and the per-layer fallback counters.
+    bookkeeping: int
+    #: Number of distinct tensor storages held.
+    tensors: int
+
+    @property
+    def total(self) -> int:
+        """Everything held, in bytes."""
+        return sum(self.state.values()) + sum(self.captured.values()) + self.bookkeeping
+
+
+class _Storages:
+    """Distinct storages seen so far and their bytes (a tensor's whole storage is what it keeps alive)."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+
+    def bytes(self, tensors: list[Tensor]) -> int:
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key not in self.seen:
+                self.seen.add(key)
+                total += storage.nbytes()
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
 class _StepValues:
     """A step's hyperparameters, evaluated and checked before anything changes."""
 
@@ -71,6 +108,9 @@ class _Agreement:
     finite: bool
     present: list[bool]
     rows: list[bool]
+    #: Whether every rank's calls of the layer can give K-FAC factors / low-rank rows (docs/design.md, "Memory").
+    factors: list[bool]
+    lowrank: list[bool]
     #: Each layer's ‖∇W‖ in float64 (0 where absent), re-measured without overflow where needed.
     norms: Tensor
 
@@ -104,6 +144,17 @@ class _Outcome:
     def state_of(self, layer: RegisteredLayer) -> HeldState | None:
         """The layer's state after this step: the new one if the step made one, else its current one."""
         return self.states.get(layer.name, layer.state)
+
+
+def _weak_reducer(reduce: weakref.WeakMethod[Any], index: int, math: LayerMath) -> Reducer:
+    """Layer ``index``'s gradient-hook reduction through a weak reference (a dropped preconditioner keeps
+    the call raw); a closure, so that a deep copy of the model shares it rather than copying the reference."""
+
+    def reduce_call(x: Tensor, grad_out: Tensor) -> CapturedCall:
+        method = reduce()
+        return CapturedCall.of(math, (x, grad_out)) if method is None else method(index, x, grad_out)
+
+    return reduce_call
 
 
 class HyLoPreconditioner:
@@ -150,6 +201,7 @@ class HyLoPreconditioner:
         # after load_state_dict on P > 1 ranks: agree once whether any rank must recompute
         self._agree_after_load = False
         self._capture_cache: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
+        self._plan_cache: tuple[int, list[Reduction | None]] = (-1, [])
         self._removed = False
         # the model's hooks hold the preconditioner weakly: dropping it closes its files and stops capturing
         capturing = weakref.WeakMethod(self._capturing)
@@ -165,9 +217,13 @@ class HyLoPreconditioner:
             self.config.initial_solver,
             self.config.conv_rows,
             self.config.kfc_exponent,
+            self.config.max_unfold_mb,
         )
         self._registration = found
         self._layers: list[RegisteredLayer] = found.layers
+        reduce = weakref.WeakMethod(self._reduce_call)
+        for index, layer in enumerate(self._layers):
+            layer.capture.reducer = _weak_reducer(reduce, index, layer.math)
         self._skipped = found.skipped
         self._unsupported = found.unsupported
         self._policy = SolverPolicy(self.config, [layer.name for layer in self._layers])
@@ -258,6 +314,82 @@ class HyLoPreconditioner:
         """Whether the current step captures (layer ``name``'s, or any layer's) inputs and output gradients."""
         update, refreshing = self._cadence()
         return update or (bool(refreshing) if name is None else name in refreshing)
+
+    # ------------------------------------------------------------------ early reduction
+    def _reduce_call(self, index: int, x: Tensor, grad_out: Tensor) -> CapturedCall:
+        """Layer ``index``'s call reduced in its gradient hook as this step's plan says (docs/design.md, "Memory")."""
+        layer, watch = self._layers[index], self._watch
+        begin = watch.mark()
+        call = layer.math.capture_call(x, grad_out, self._plans()[index])
+        watch.hook(layer.name, begin)
+        return call
+
+    def _plans(self) -> list[Reduction | None]:
+        """What each layer's calls are reduced to at this step (None: kept raw), fixed at the step's first backward."""
+        step, plans = self._plan_cache
+        if step != self.steps:
+            plans = self._make_plans()
+            self._plan_cache = (self.steps, plans)
+        return plans
+
+    def _make_plans(self) -> list[Reduction | None]:
+        """This step's reductions: K-FAC factors on a refresh; on an update, the path of each layer's solver
+        (a study update keeps every call raw); for the hybrid policy, low-rank rows always and K-FAC factors
+        where its forecast on this step's rows picks K-FAC."""
+        is_update, refreshing = self._cadence()
+        scale = 1.0
+        if self._grad_scaler is not None and self._grad_scaler.is_enabled():
+            scale = 1.0 / float(self._grad_scaler.get_scale())
+        if not is_update:
+            return [Reduction(False, True, scale) if layer.name in refreshing else None for layer in self._layers]
+        if self._study_due(self._updates):
+            return [None] * len(self._layers)
+        config = self.config
+        families: list[str | None] = []
+        for layer in self._layers:
+            forced = config.override_for(layer.name)
+            if forced is not None or (config.solver != "hybrid" and config.solver_fn is None):
+                families.append(family_of(forced or config.solver).name)
+            else:
+                families.append(None)
+        forecast: list[str] | None = None
+        plans: list[Reduction | None] = []
+        for i, family in enumerate(families):
+            if family is not None:
+                plans.append(Reduction(family != "kfac", family == "kfac", scale))
+            elif config.solver_fn is not None:
+                plans.append(None)  # a user's rule sees the step's stats only at step(): keep the calls raw
+            else:
+                forecast = forecast or self._forecast()
+                plans.append(Reduction(True, forecast[i] == "kfac", scale))
+        return plans
+
+    def _forecast(self) -> list[str]:
+        """The hybrid policy's family for each layer on the rows captured so far and its current critical flags."""
+        world = self.comm.world_size
+        shapes = []
+        for layer in self._layers:
+            counts = [CapturedCall.of(layer.math, call) for call in layer.capture.calls()]
+            rows, kfac_rows = sum(c.rows for c in counts), sum(c.kfac_rows for c in counts)
+            for record in layer.capture.pending():
+                assert record.inputs is not None
+                grad_like = record.inputs if record.out_shape is None else torch.empty(record.out_shape, device="meta")
+                more = layer.math.row_counts(record.inputs, grad_like)
+                rows, kfac_rows = rows + more[0], kfac_rows + more[1]
+            kept = self.config.rows_kept(rows) if rows else 0
+            shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, world))
+        freq = resolve("update_freq", self.config.update_freq, self.steps)
+        decisions = self._policy.decide(self.steps, shapes, freq, world, sample=False)
+        return [family_of(decision.solver).name for decision in decisions]
+
+    def _study_due(self, index: int) -> bool:
+        """Whether the ``index``-th update runs a study (whose reference needs every call raw)."""
+        if self._studies is None:
+            return False
+        config = self.config
+        return ("rank" in config.studies and index % config.rank_every == 0) or (
+            "grad_error" in config.studies and index % config.grad_error_every == 0
+        )
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -352,25 +484,32 @@ class HyLoPreconditioner:
         """
         layers = self._layers
         present = [g is not None for g in grads]
-        rows = [
-            c and p and any(x.numel() for x, _ in layer.capture.calls())
+        calls = [
+            [CapturedCall.of(layer.math, call) for call in layer.capture.calls()] if c and p else []
             for layer, c, p in zip(layers, capturing, present, strict=True)
         ]
+        rows = [any(call.rows for call in mine) for mine in calls]
+        factors = [all(call.raw is not None or call.factors is not None for call in mine) for mine in calls]
+        lowrank = [all(call.raw is not None or call.lowrank is not None for call in mine) for mine in calls]
         usable = any(present)
         if self.comm.world_size > 1:
             device = layers[0].math.weight.device
-            local = torch.tensor([usable, *present, *(not r for r in rows)], dtype=torch.bool, device=device)
+            n = len(layers)
+            paths = [*factors, *lowrank] if any(capturing) else []  # the same on every rank: the cadence
+            local = torch.tensor([usable, *present, *(not r for r in rows), *paths], dtype=torch.bool, device=device)
             flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
             all_finite, all_usable = flags[0], flags[1]
-            present = flags[2 : 2 + len(layers)]
-            rows = [not none for none in flags[2 + len(layers) :]]
+            present = flags[2 : 2 + n]
+            rows = [not none for none in flags[2 + n : 2 + 2 * n]]
+            if paths:
+                factors, lowrank = flags[2 + 2 * n : 2 + 3 * n], flags[2 + 3 * n :]
         else:
             all_finite, all_usable = bool(finite.item()) if usable else True, usable
         if not all_usable:
             raise RuntimeError(self._no_gradient_message(step, usable))
         if not all_finite:  # rare: re-measure in a form that cannot overflow, then agree again
             norms, all_finite = self._safe_norms(grads)
-        return _Agreement(bool(all_finite), present, rows, norms)
+        return _Agreement(bool(all_finite), present, rows, factors, lowrank, norms)
 
     def _no_gradient_message(self, step: int, usable: bool) -> str:
         if usable:
@@ -433,7 +572,7 @@ class HyLoPreconditioner:
             watch.lap("capture", [layer.name for layer in worked])
             if is_update:
                 outcome.kind = "update"
-                self._update(step, values, outcome)
+                self._update(step, values, outcome, agreed)
                 outcome.study = self._run_studies(step, values, outcome, grads)
             elif worked:
                 outcome.kind = "refresh"
@@ -618,8 +757,12 @@ class HyLoPreconditioner:
             )
         outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
-    def _decide(self, step: int, outcome: _Outcome) -> list[LayerSolver]:
-        """Choose the solver of every layer this update works on; identical on all ranks."""
+    def _decide(self, step: int, outcome: _Outcome, agreed: _Agreement) -> list[LayerSolver]:
+        """Choose the solver of every layer this update works on; identical on all ranks.
+
+        A layer whose calls every rank reduced for one family only keeps that family when the
+        decision is the other one (reason ``"planned"``, docs/design.md, "Memory").
+        """
         freq = resolve("update_freq", self.config.update_freq, step)
         world = self.comm.world_size
         batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
@@ -635,13 +778,24 @@ class HyLoPreconditioner:
             device = self._layers[0].math.weight.device
             encoded = self.comm.broadcast(Payload({key: encode_decisions(decisions, device)}), src=0)[key]
             decisions = decode_decisions(encoded, step, [layer.name for layer in self._layers])
-        outcome.decisions = [decision for decision in decisions if decision.layer in batch_of]
+        outcome.decisions = [self._feasible(decision, agreed) for decision in decisions if decision.layer in batch_of]
         self._watch.lap("decide")
         return [decision.solver for decision in outcome.decisions]
 
-    def _update(self, step: int, values: _StepValues, outcome: _Outcome) -> None:
+    def _feasible(self, decision: Decision, agreed: _Agreement) -> Decision:
+        """``decision``, or the family its layer's calls were reduced for when they cannot serve it."""
+        index = self._index[decision.layer]
+        kfac = family_of(decision.solver).name == "kfac"
+        if kfac and not agreed.factors[index] and agreed.lowrank[index]:
+            variant, _ = self._policy.lowrank_variant(decision.step, decision.critical)
+            return dataclasses.replace(decision, solver=variant, reason="planned")
+        if not kfac and not agreed.lowrank[index] and agreed.factors[index]:
+            return dataclasses.replace(decision, solver="kfac", reason="planned")
+        return decision
+
+    def _update(self, step: int, values: _StepValues, outcome: _Outcome, agreed: _Agreement) -> None:
         """Run the update stage on the layers with rows; their new states (non-finite ones rejected) go to ``outcome``."""
-        solvers = self._decide(step, outcome)
+        solvers = self._decide(step, outcome, agreed)
         context = self._context(values, seed=int(torch.randint(0, 2**62, (1,), generator=self._generator)))
         jobs = [
             UpdateJob(layer.name, solver, batch, layer.state)
@@ -733,6 +887,29 @@ class HyLoPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of curvature state held per layer."""
         return {layer.name: layer.state.nbytes() if layer.state else 0 for layer in self._layers}
+
+    def memory_breakdown(self) -> MemoryUsage:
+        """Everything the preconditioner holds, by distinct storage: states, captured calls, bookkeeping.
+
+        Between steps ``captured`` is 0 and the state bytes equal :meth:`memory_usage` (docs/design.md,
+        "Memory"); during a step's forward and backward, ``captured`` is what the hooks keep for ``step()``.
+        """
+        seen = _Storages()
+        state = {
+            layer.name: seen.bytes(list(layer.state.tensors().values())) if layer.state is not None else 0
+            for layer in self._layers
+        }
+        captured = {}
+        for layer in self._layers:
+            held: list[Tensor] = []
+            for record in layer.capture.records:
+                held += [t for t in (record.inputs, record.grad_output) if t is not None]
+                if record.call is not None:
+                    held += record.call.tensors()
+            captured[layer.name] = seen.bytes(held)
+        moments = self._policy.trend.moments
+        bookkeeping = seen.bytes([self._fallbacks] + ([] if moments is None else [moments]))
+        return MemoryUsage(state, captured, bookkeeping, len(seen.seen))
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone."""
@@ -852,6 +1029,7 @@ class HyLoPreconditioner:
         self._needs_update = sd["needs_update"] or recompute
         self._agree_after_load = world > 1
         self._capture_cache = (-1, False, frozenset())
+        self._plan_cache = (-1, [])
         self._generator = generator
         if trend is not None:
             self._policy.trend = trend

@@ -34,6 +34,9 @@ class StepTimes:
     layers: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(PHASES, 0.0)))
     slots: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_SLOTS, 0.0))
     total: float = 0.0
+    #: Per layer, the time its gradient hooks spent reducing its calls in the step's backward
+    #: passes (docs/design.md, "Memory"): before ``step()``, so not part of ``total``.
+    hooks: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def phase_total(self, phase: str) -> float:
         """``phase`` summed over layers."""
@@ -52,6 +55,7 @@ class Stopwatch:
         self._cuda = device is not None and device.type == "cuda"
         self._origin: Any = None
         self._laps: list[tuple[str, tuple[str, ...], Sequence[float] | None, Any]] = []
+        self._hooks: list[tuple[str, Any, Any]] = []
 
     def _mark(self) -> Any:
         if self._cuda:
@@ -71,6 +75,15 @@ class Stopwatch:
             self._laps = []
             self._origin = self._mark()
 
+    def mark(self) -> Any:
+        """The start of an interval outside the step (None when disabled); close it with :meth:`hook`."""
+        return self._mark() if self.enabled else None
+
+    def hook(self, layer: str, begin: Any) -> None:
+        """Charge the interval since ``begin`` (a :meth:`mark`) to ``layer``'s backward-hook reduction."""
+        if self.enabled:
+            self._hooks.append((layer, begin, self._mark()))
+
     def lap(self, phase: str, layers: Sequence[str] | str = (), weights: Sequence[float] | None = None) -> None:
         """Close the current interval: charge it to ``phase`` of ``layers`` (split by ``weights``, else
         evenly), or to the step-level slot ``phase`` when no layer is named."""
@@ -85,6 +98,7 @@ class Stopwatch:
         """The step's times (one device synchronisation on CUDA); the stopwatch is ready for the next step."""
         times = StepTimes()
         if not self.enabled or self._origin is None:
+            self._hooks = []
             return times
         if self._cuda:
             torch.cuda.synchronize()
@@ -100,7 +114,9 @@ class Stopwatch:
             for name, share in zip(names, shares, strict=True):
                 times.layers[name][phase] += ms * (share / total if total > 0 else 1.0 / len(names))
         times.total = self._elapsed_ms(self._origin, previous)
-        self._origin, self._laps = None, []
+        for layer, begin, end in self._hooks:
+            times.hooks[layer] += self._elapsed_ms(begin, end)
+        self._origin, self._laps, self._hooks = None, [], []
         return times
 
 

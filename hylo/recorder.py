@@ -21,8 +21,20 @@ from hylo.records import Decision
 from hylo.studies import RANK_LEVELS, ErrorRecord, RankRecord
 
 _PHASE_MS = tuple(f"{phase}_ms" for phase in PHASES)
-TIMING_COLUMNS = ("step", "layer", "solver", "rows", "rows_kept", "d_a", "d_g", *_PHASE_MS, "bytes_sent", "bytes_held")
-STEPS_COLUMNS = ("step", "kind", "step_ms", *(f"{slot}_ms" for slot in STEP_SLOTS), *_PHASE_MS, "bytes_sent")
+TIMING_COLUMNS = (
+    "step",
+    "layer",
+    "solver",
+    "rows",
+    "rows_kept",
+    "d_a",
+    "d_g",
+    *_PHASE_MS,
+    "bytes_sent",
+    "bytes_held",
+    "hook_ms",
+)
+STEPS_COLUMNS = ("step", "kind", "step_ms", *(f"{slot}_ms" for slot in STEP_SLOTS), *_PHASE_MS, "bytes_sent", "hook_ms")
 GRAD_NORM_COLUMNS = ("step", "layer", "norm", "ema", "trend", "critical", "norm_after")
 GRAD_ERROR_COLUMNS = ("step", "layer", "method", "rank_ratio", "rel_error", "reference")
 DECISION_COLUMNS = (
@@ -116,7 +128,7 @@ class Recorder:
         """The step's row of steps-r{rank}.csv."""
         slots = [times.slots.get(slot, 0.0) for slot in STEP_SLOTS]
         phases = [times.phase_total(phase) for phase in PHASES]
-        self.steps.add((step, kind, times.total, *slots, *phases, bytes_sent))
+        self.steps.add((step, kind, times.total, *slots, *phases, bytes_sent, sum(times.hooks.values())))
 
     def record_layers(self, step: int, layers: Sequence[LayerTiming], times: StepTimes) -> None:
         """One row of timing-r{rank}.csv per layer that did update work this step."""
@@ -134,6 +146,7 @@ class Recorder:
                     *(phase_ms[phase] for phase in PHASES),
                     layer.bytes_sent,
                     layer.bytes_held,
+                    times.hooks.get(layer.name, 0.0),
                 )
             )
 

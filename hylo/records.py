@@ -8,7 +8,9 @@ from typing import Literal, get_args
 from hylo.solvers import LayerSolver
 
 #: Why a solver was chosen (see :class:`Decision`).
-Reason = Literal["override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable"]
+#: ``"planned"``: the backward reduced the layer's calls for the other family than the update's decision
+#: (docs/design.md, "Memory"), so the update keeps the family the data was reduced for.
+Reason = Literal["override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable", "planned"]
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
 

@@ -16,7 +16,14 @@ from torch.nn.utils.weight_norm import WeightNorm
 from hylo.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.capture import LayerCapture
 from hylo.config import SolverName
-from hylo.layers import DEFAULT_KFC_EXPONENT, ConvRows, LayerMath, supported_math, unsupported_reason
+from hylo.layers import (
+    DEFAULT_KFC_EXPONENT,
+    DEFAULT_MAX_UNFOLD_MB,
+    ConvRows,
+    LayerMath,
+    supported_math,
+    unsupported_reason,
+)
 from hylo.solvers import HeldState
 
 #: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
@@ -221,6 +228,7 @@ def register_layers(
     initial_solver: Callable[[str], SolverName],
     conv_rows: ConvRows = "sum",
     kfc_exponent: float = DEFAULT_KFC_EXPONENT,
+    max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
 ) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
 
@@ -255,7 +263,7 @@ def register_layers(
                     (name, f"weight tied to {others}: its gradient sums every use, so it stays with the optimizer")
                 )
                 continue
-            math = supported_math(module, conv_rows, kfc_exponent)
+            math = supported_math(module, conv_rows, kfc_exponent, max_unfold_mb)
             kept = None if math is not None else _stays_with_optimizer(module)
             if kept is not None:
                 result.skipped.append((name, kept))

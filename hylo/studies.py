@@ -89,7 +89,7 @@ class StudyRunner:
         for layer in layers:
             math_ = layer.math
             if isinstance(math_, Conv2dMath) and not math_.dense_rows:
-                self._exact[layer.name] = Conv2dMath(math_.conv, "exact", math_.kfc_exponent)
+                self._exact[layer.name] = Conv2dMath(math_.conv, "exact", math_.kfc_exponent, math_.max_unfold_mb)
                 self._form[layer.name] = f"sngd-{math_.rows}"
             else:
                 self._form[layer.name] = "sngd-exact"

@@ -256,7 +256,7 @@ def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
     stock.head(torch.tanh(got[0])).square().mean().backward()
     rows = N * L if variant.batched else L
     key_rows = rows // L * S if variant.inputs != "self" else rows
-    counts = {layer.name: sum(x.numel() // x.shape[-1] for x, _ in layer.capture.calls()) for layer in pre._layers}
+    counts = {layer.name: sum(call.rows for call in layer.capture.calls()) for layer in pre._layers}
     assert counts == {
         "attn.q_proj": rows,
         "attn.k_proj": key_rows,
@@ -407,7 +407,7 @@ def test_transformer_layers_capture_every_projection_with_one_row_per_token(
     for layer in pre._layers:
         calls = layer.capture.calls()
         assert len(calls) == 1, layer.name
-        rows = calls[0][0].numel() // calls[0][0].shape[-1]
+        rows = calls[0].rows
         memory = layer.name.startswith("multihead_attn.") and layer.name[15] in "kv"
         assert rows == N * (S if memory else L), layer.name
     raw = {name: p.grad.clone() for name, p in block.named_parameters()}

@@ -212,7 +212,9 @@ def test_kaisa_convention_divides_every_solvers_fisher_by_c(solver: str) -> None
         c = 16**2 * positions ** (4 + DEFAULT_KFC_EXPONENT)
         reference = step(c * damping)
         got, expected = grad_matrix(kaisa.get_submodule(name)), c * grad_matrix(reference.get_submodule(name))
-        assert_rel_close(got, expected, 1e-9)
+        # both runs reduce rows at unit scale in the backward and rescale them at the update; with
+        # c up to 16^7 the solves' rounding shows at ~1e-8 (a wrong c is off by orders of magnitude)
+        assert_rel_close(got, expected, 5e-8)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo import HyLoPreconditioner
+from hylo.rows import FactoredRows
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
 from tests.kit.models import batch, mlp, one_step
 from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
@@ -101,10 +102,17 @@ def test_conv_followed_by_inplace_relu(solver: str) -> None:
     logits.retain_grad()
     F.cross_entropy(logits, labels).backward()
     assert not torch.equal(s.grad, h.grad)  # the ReLU masks something: pre- and post-ReLU differ
-    torch.testing.assert_close(record.grad_output, s.grad, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grads[0], grad_matrix(ref[0]), rtol=1e-12, atol=1e-14)
 
     conv_ref = conv_reference(ref[0], x, s, s.grad)
+    # the hook reduced the call from the pre-ReLU gradient (rows or factors with g = ∂L/∂s, unscaled)
+    assert record.call is not None and record.inputs is None
+    if solver == "sngd":
+        assert isinstance(record.call.lowrank, FactoredRows)
+        torch.testing.assert_close(record.call.lowrank.g * 4, conv_ref["g_sum"], rtol=1e-12, atol=1e-14)
+    else:
+        assert record.call.factors is not None
+        torch.testing.assert_close(record.call.factors[1] * 16 / 4, conv_ref["G"], rtol=1e-12, atol=1e-14)
     a, g = linear_rows(ref[3], flat, logits.grad)
     if solver == "sngd":
         expected_conv = dense_sngd(conv_ref["a"], conv_ref["g_sum"], grads[0], damping)

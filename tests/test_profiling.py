@@ -52,8 +52,20 @@ DIMS = {"conv": (2 * 3 * 3 + 1, 3), "fc1": (27 + 1, 5), "fc2": (5, 3)}
 BATCH = 8
 PHASES_MS = ["capture_ms", "reduce_ms", "gather_ms", "solve_ms", "broadcast_ms", "precondition_ms"]
 SLOTS_MS = ["check_ms", "decide_ms", "study_ms"]
-TIMING_COLUMNS = ["step", "layer", "solver", "rows", "rows_kept", "d_a", "d_g", *PHASES_MS, "bytes_sent", "bytes_held"]
-STEPS_COLUMNS = ["step", "kind", "step_ms", *SLOTS_MS, *PHASES_MS, "bytes_sent"]
+TIMING_COLUMNS = [
+    "step",
+    "layer",
+    "solver",
+    "rows",
+    "rows_kept",
+    "d_a",
+    "d_g",
+    *PHASES_MS,
+    "bytes_sent",
+    "bytes_held",
+    "hook_ms",
+]
+STEPS_COLUMNS = ["step", "kind", "step_ms", *SLOTS_MS, *PHASES_MS, "bytes_sent", "hook_ms"]
 GRAD_NORM_COLUMNS = ["step", "layer", "norm", "ema", "trend", "critical", "norm_after"]
 GRAD_ERROR_COLUMNS = ["step", "layer", "method", "rank_ratio", "rel_error", "reference"]
 DECISION_COLUMNS = ["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"]
@@ -219,7 +231,7 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
     assert_dtypes(
         timing,
         ["step", "rows", "rows_kept", "d_a", "d_g", "bytes_sent", "bytes_held"],
-        PHASES_MS,
+        [*PHASES_MS, "hook_ms"],
         ["layer", "solver"],
         [],
     )
@@ -234,13 +246,14 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
     last = timing[timing.step == updates[-1]]
     assert dict(zip(last.layer, last.bytes_held, strict=True)) == held
     assert (timing.capture_ms > 0).all() and (timing.solve_ms > 0).all()
+    assert (timing.hook_ms > 0).all()  # every captured call passes its layer's gradient hook
 
     # steps-r0.csv: one row per step; the slots and phases add up to the step; phases match timing-r0
     steps = read(directory, "steps-r0.csv")
     assert list(steps.columns) == STEPS_COLUMNS
     assert list(steps.step) == list(range(7))
     assert list(steps.kind) == ["update" if s in updates else "apply" for s in range(7)]
-    assert_dtypes(steps, ["step", "bytes_sent"], ["step_ms", *SLOTS_MS, *PHASES_MS], ["kind"], [])
+    assert_dtypes(steps, ["step", "bytes_sent"], ["step_ms", *SLOTS_MS, *PHASES_MS, "hook_ms"], ["kind"], [])
     assert (steps[["step_ms", *SLOTS_MS, *PHASES_MS]] >= 0).all().all()
     assert (steps.bytes_sent == 0).all()
     for row in steps.itertuples():
@@ -248,11 +261,11 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
         assert parts == pytest.approx(row.step_ms, rel=1e-9)
         assert (row.study_ms > 0) == (row.step in set(rank_steps) | set(error_steps)), row
         if row.kind == "update":
-            per_layer = timing[timing.step == row.step][PHASES_MS].sum()
-            for column in PHASES_MS:
+            per_layer = timing[timing.step == row.step][[*PHASES_MS, "hook_ms"]].sum()
+            for column in [*PHASES_MS, "hook_ms"]:
                 assert getattr(row, column) == pytest.approx(per_layer[column], rel=1e-9, abs=1e-12)
         else:
-            assert row.capture_ms == row.solve_ms == row.decide_ms == 0
+            assert row.capture_ms == row.solve_ms == row.decide_ms == row.hook_ms == 0
             assert row.precondition_ms > 0
 
     # grad-norm.csv: every step and layer
@@ -608,7 +621,7 @@ def test_timing_adds_up_to_the_wall_time(tmp_path: Path) -> None:
     for step in range(14):
         model.zero_grad()
         F.cross_entropy(
-            model(torch.randn(64, 3, 16, 16, generator=gen)), torch.randint(0, 10, (64,), generator=gen)
+            model(torch.randn(256, 3, 16, 16, generator=gen)), torch.randint(0, 10, (256,), generator=gen)
         ).backward()
         start = time.perf_counter()
         pre.step()

@@ -1,0 +1,354 @@
+"""Memory (docs/design.md, "Memory"): calls reduced in their gradient hooks, chunked unfolds, what is held.
+
+- A call reduced in its hook (K-FAC factor sums or low-rank rows) gives the same batch factors
+  and rows as the (input, output gradient) pair kept raw, and both equal an independent
+  reference from unfold and autograd's own ∂L/∂s, for Linear and Conv2d layers of every
+  padding, stride and dilation, over several backward passes (gradient accumulation).
+- A convolution's factors and exact rows built in blocks of ``max_unfold_mb`` equal the ones
+  built in one block, and no block's patches exceed the cap.
+- What ``memory_breakdown()`` reports is exactly the storages reachable from the preconditioner.
+- When the backward reduced a layer for one family and the update decides the other, the
+  update keeps the family of the data (reason ``"planned"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import weakref
+from collections import deque
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo import HyLoPreconditioner
+from hylo.layers import Conv2dMath, LayerBatch, LinearMath
+from hylo.rows import DenseRows, FactoredRows
+from tests.kit.checks import DT, grad_matrix
+from tests.kit.reference import conv_reference, dense_kfac, linear_rows
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+#: Convolutions of every geometry hylo supports (groups = 1).
+CONVS = {
+    "plain": {"kernel_size": 3},
+    "stride-pad": {"kernel_size": 3, "stride": 2, "padding": 1},
+    "dilated": {"kernel_size": 3, "dilation": 2, "padding": 2},
+    "rect-no-bias": {"kernel_size": (2, 3), "stride": (1, 2), "padding": (1, 0), "bias": False},
+    "same": {"kernel_size": 4, "padding": "same"},
+    "valid": {"kernel_size": 2, "padding": "valid"},
+    "reflect": {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"},
+    "circular": {"kernel_size": 3, "padding": 2, "padding_mode": "circular", "dilation": 2},
+    "replicate": {"kernel_size": 3, "stride": 2, "padding": 1, "padding_mode": "replicate"},
+}
+#: Sample counts of the backward passes of one step (gradient accumulation).
+MICRO_BATCHES = (3, 2, 4)
+
+
+def _conv_net(options: dict[str, object]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, **options, dtype=DT), nn.Tanh())  # type: ignore[arg-type]
+
+
+def _reference_calls(net: nn.Sequential, xs: list[Tensor], target: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(inputs, outputs, ∂L/∂s) of the first layer over every backward pass, from autograd alone."""
+    outs, grads = [], []
+    for x, t in zip(xs, target, strict=True):
+        s = net[0](x)
+        s.retain_grad()
+        (net[1:](s) - t).square().mean().backward()
+        outs.append(s.detach())
+        grads.append(s.grad)
+    return torch.cat(xs), torch.cat(outs), torch.cat(grads)
+
+
+@pytest.mark.parametrize("case", list(CONVS))
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "hybrid"])
+def test_conv_calls_reduced_in_the_hook_equal_raw_and_reference(case: str, solver: str) -> None:
+    net = _conv_net(CONVS[case])
+    twin = _conv_net(CONVS[case])
+    pre = HyLoPreconditioner(net, solver=solver, update_freq=1, damping=0.1)
+    torch.manual_seed(1)
+    xs = [torch.randn(n, 2, 9, 8, dtype=DT) for n in MICRO_BATCHES]
+    with torch.no_grad():
+        target = [torch.randn_like(net(x)) for x in xs]
+    for x, t in zip(xs, target, strict=True):
+        (net(x) - t).square().mean().backward()
+    layer = pre._layers[0]
+    calls = layer.capture.calls()
+    assert len(calls) == len(MICRO_BATCHES)
+    assert all(record.inputs is None for record in layer.capture.records)  # no input held after the backward
+    d_a, d_g = layer.math.d_a, layer.math.d_g
+    expected_bytes = 0
+    for call, n in zip(calls, MICRO_BATCHES, strict=True):  # what each call holds: its rows and/or factor sums
+        assert call.raw is None
+        expected_bytes += (n * (d_a + d_g) if call.lowrank is not None else 0) * DT.itemsize
+        expected_bytes += (d_a**2 + d_g**2 if call.factors is not None else 0) * DT.itemsize
+    assert pre.memory_breakdown().captured[layer.name] == expected_bytes
+    reduced = LayerBatch.collect(layer.math, calls, pre.config.rows_kept)
+
+    x, s, ds = _reference_calls(twin, xs, target)
+    ref = conv_reference(twin[0], x, s, ds)
+    raw = LayerBatch.collect(layer.math, [(x, ds)], pre.config.rows_kept)
+    assert (reduced.rows, reduced.kfac_rows) == (raw.rows, raw.kfac_rows) == (x.shape[0], x.shape[0] * s[0, 0].numel())
+    if solver == "kfac":
+        assert all(call.factors is not None and call.lowrank is None for call in reduced.calls)
+        for got, today, expected in zip(reduced.kfac_factors(), raw.kfac_factors(), (ref["A"], ref["G"]), strict=True):
+            torch.testing.assert_close(got, today, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    else:
+        assert all(call.lowrank is not None for call in reduced.calls)
+        got, today = reduced.lowrank_rows(), raw.lowrank_rows()
+        assert isinstance(got, FactoredRows) and isinstance(today, FactoredRows)
+        for field, expected in (("a", ref["a"]), ("g", ref["g_sum"])):
+            torch.testing.assert_close(getattr(got, field), getattr(today, field), rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(getattr(got, field), expected, rtol=1e-12, atol=1e-14)
+    pre.step()
+    assert pre.memory_breakdown().captured[layer.name] == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_kfac_calls_reduce_to_factors_when_smaller(bias: bool) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 2, bias=bias, dtype=DT))
+    twin = nn.Sequential(nn.Linear(3, 2, bias=bias, dtype=DT))
+    twin.load_state_dict(net.state_dict())
+    pre = HyLoPreconditioner(net, solver="kfac", update_freq=1, damping=0.1)
+    xs = [torch.randn(n, 4, 3, dtype=DT) for n in MICRO_BATCHES]  # leading dims: n·4 rows per call
+    target = [torch.randn(n, 4, 2, dtype=DT) for n in MICRO_BATCHES]
+    for x, t in zip(xs, target, strict=True):
+        (net(x) - t).square().mean().backward()
+    layer = pre._layers[0]
+    reduced = LayerBatch.collect(layer.math, layer.capture.calls(), pre.config.rows_kept)
+    assert all(call.raw is None and call.factors is not None for call in reduced.calls)
+
+    inputs, grads = [], []
+    for x, t in zip(xs, target, strict=True):
+        s = twin[0](x)
+        s.retain_grad()
+        (s - t).square().mean().backward()
+        inputs.append(x)
+        grads.append(s.grad)
+    a, g = linear_rows(twin[0], torch.cat(inputs), torch.cat(grads))
+    expected = (a.mT @ a / a.shape[0], g.mT @ g / a.shape[0])
+    today = LayerBatch.collect(LinearMath(twin[0]), [(torch.cat(inputs), torch.cat(grads))], pre.config.rows_kept)
+    for got, raw, ref in zip(reduced.kfac_factors(), today.kfac_factors(), expected, strict=True):
+        torch.testing.assert_close(got, raw, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_linear_lowrank_calls_stay_raw() -> None:
+    """A Linear's rows are its input and output gradient: nothing smaller to reduce them to."""
+    net = nn.Sequential(nn.Linear(3, 2, dtype=DT))
+    pre = HyLoPreconditioner(net, solver="sngd", update_freq=1)
+    x = torch.randn(5, 3, dtype=DT)
+    net(x).sum().backward()
+    (call,) = pre._layers[0].capture.calls()
+    assert call.raw is not None and call.raw[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+# --------------------------------------------------------------------------- chunked unfolds
+def _unfold_sizes(math: Conv2dMath) -> list[int]:
+    """Record the bytes of every block of patches ``math`` unfolds."""
+    sizes: list[int] = []
+    unfold = math._unfold
+
+    def recording(block: Tensor) -> Tensor:
+        patches = unfold(block)
+        sizes.append(patches.numel() * patches.element_size())
+        return patches
+
+    math._unfold = recording  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize("case", list(CONVS))
+def test_chunked_factors_and_rows_equal_one_block(case: str) -> None:
+    conv = _conv_net(CONVS[case])[0]
+    torch.manual_seed(2)
+    x = torch.randn(5, 2, 11, 9, dtype=DT)
+    grad_out = torch.randn_like(conv(x))
+    scale = 3.0
+    whole = {rows: Conv2dMath(conv, rows, max_unfold_mb=1e6) for rows in ("exact", "sum", "mean")}
+    one_row = (grad_out.shape[3] * whole["exact"].d_a * DT.itemsize) / 2**20  # one output row of one sample
+    for cap in (one_row, 2.5 * one_row, 2.5 * one_row * grad_out.shape[2]):  # rows of a sample; whole samples
+        chunked = {rows: Conv2dMath(conv, rows, max_unfold_mb=cap) for rows in ("exact", "sum", "mean")}
+        sizes = _unfold_sizes(chunked["exact"])
+        for got, expected in zip(
+            chunked["exact"].kfac_factors(x, grad_out, scale),
+            whole["exact"].kfac_factors(x, grad_out, scale),
+            strict=True,
+        ):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        exact = chunked["exact"].lowrank_rows(x, grad_out, scale)
+        assert isinstance(exact, DenseRows)
+        torch.testing.assert_close(exact.u, whole["exact"].lowrank_rows(x, grad_out, scale).u, rtol=1e-12, atol=1e-12)
+        for rows in ("sum", "mean"):
+            got_rows, expected_rows = (m.lowrank_rows(x, grad_out, scale) for m in (chunked[rows], whole[rows]))
+            assert isinstance(got_rows, FactoredRows) and isinstance(expected_rows, FactoredRows)
+            torch.testing.assert_close(got_rows.a, expected_rows.a, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(got_rows.g, expected_rows.g, rtol=0, atol=0)
+        assert len(sizes) > 2 and max(sizes) <= cap * 2**20 * (1 + 1e-12), (cap, sizes)
+
+
+def test_whole_rows_reference_for_chunks() -> None:
+    """The one-block factors themselves are the unfold reference (bias column included)."""
+    conv = _conv_net(CONVS["stride-pad"])[0]
+    x = torch.randn(4, 2, 7, 7, dtype=DT)
+    s = conv(x)
+    ds = torch.randn_like(s)
+    ref = conv_reference(conv, x, s, ds)
+    factor_a, factor_g = Conv2dMath(conv, max_unfold_mb=1e-4).kfac_factors(x, ds, 4.0)
+    torch.testing.assert_close(factor_a / ref["positions"] / 4, ref["A"], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(factor_g / 4, ref["G"], rtol=1e-12, atol=1e-14)
+
+
+def test_max_unfold_mb_is_checked() -> None:
+    net = _conv_net(CONVS["plain"])
+    for bad in (0, -1.0, float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="max_unfold_mb"):
+            HyLoPreconditioner(net, max_unfold_mb=bad)
+
+
+# --------------------------------------------------------------------------- what is held
+def _reachable_storages(root: object) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from ``root`` through hylo's own objects (the model's modules excluded)."""
+    found: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack: list[object] = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            storage = obj.untyped_storage()
+            found[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
+            stack += list(obj)
+        elif isinstance(obj, functools.partial):
+            stack += [*obj.args, *obj.keywords.values()]
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif isinstance(obj, (nn.Module, type, weakref.ref, types.FunctionType, torch.Generator)):
+            continue
+        elif type(obj).__module__.startswith("hylo") and hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+        elif dataclasses.is_dataclass(obj):
+            stack += [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return found
+
+
+def _conv_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.Flatten(), nn.Linear(36, 5)
+    )
+
+
+@pytest.mark.parametrize("solver", ["hybrid", "kfac", "sngd", "kis"])
+def test_memory_breakdown_is_what_the_preconditioner_holds(solver: str) -> None:
+    model = _conv_mlp()
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 5, (6,))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        during = pre.memory_breakdown()
+        reachable = _reachable_storages(pre)
+        assert (len(reachable), sum(reachable.values())) == (during.tensors, during.total), step
+        assert (sum(during.captured.values()) > 0) == (step % 2 == 0)  # captured only at update steps
+        pre.step()
+        optimizer.step()
+        after = pre.memory_breakdown()
+        reachable = _reachable_storages(pre)
+        assert (len(reachable), sum(reachable.values())) == (after.tensors, after.total), step
+        assert sum(after.captured.values()) == 0
+        # states of equal-size layers share the storages of their batched solves, which they tile
+        # exactly: the bytes of the distinct storages are the bytes of the state tensors
+        assert sum(after.state.values()) == sum(pre.memory_usage().values()) > 0
+
+
+# --------------------------------------------------------------------------- the family of the data
+def _small_conv_head() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 2, 1, dtype=DT), nn.Flatten(), nn.Linear(2, 3, dtype=DT))
+
+
+def test_update_keeps_the_family_the_backward_reduced_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hybrid picks K-FAC for a cheap 1×1 conv; a forecast that said low-rank leaves it on KID (critical at first)."""
+    x, y = torch.randn(32, 2, 1, 1, dtype=DT), torch.randint(0, 3, (32,))
+    options = {"update_freq": 1, "damping": 0.1, "fidelity_budget": 0.0}
+    natural = _small_conv_head()
+    pre = HyLoPreconditioner(natural, solver="hybrid", **options)
+    F.cross_entropy(natural(x), y).backward()
+    pre.step()
+    assert pre.decision_log[0].layer == "0" and (pre.decision_log[0].solver, pre.decision_log[0].reason) == (
+        "kfac",
+        "cost",
+    )
+
+    model = _small_conv_head()
+    pre = HyLoPreconditioner(model, solver="hybrid", **options)
+    monkeypatch.setattr(pre, "_forecast", lambda: ["lowrank"] * len(pre._layers))
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    conv_decision = next(d for d in pre.decision_log if d.layer == "0")
+    assert (conv_decision.solver, conv_decision.reason) == ("kid", "planned")
+
+    fixed = _small_conv_head()
+    reference = HyLoPreconditioner(fixed, solver="kid", **options)
+    F.cross_entropy(fixed(x), y).backward()
+    reference.step()
+    torch.testing.assert_close(grad_matrix(model[0]), grad_matrix(fixed[0]), rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(grad_matrix(model[0]), grad_matrix(natural[0]))
+
+
+def test_forecast_for_kfac_keeps_rows_for_a_lowrank_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the hybrid policy rows are always reduced: a forecast of K-FAC never blocks a low-rank decision."""
+    model = _small_conv_head()
+    x, y = torch.randn(32, 2, 1, 1, dtype=DT), torch.randint(0, 3, (32,))
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=1, damping=0.1, fidelity_budget=1e9)
+    monkeypatch.setattr(pre, "_forecast", lambda: ["kfac"] * len(pre._layers))
+    F.cross_entropy(model(x), y).backward()
+    (call,) = pre._layers[0].capture.calls()
+    assert call.factors is not None and call.lowrank is not None
+    pre.step()
+    assert [(d.solver, d.reason) for d in pre.decision_log] == [("sngd", "fidelity")] * 2
+
+
+def test_hybrid_forecast_matches_its_decisions_in_training() -> None:
+    """On a conv net over several updates the forecast agrees with the decisions: no "planned" fallback."""
+    model = _conv_mlp()
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, damping=0.1, trend_window=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(12):
+        x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 5, (16,))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        optimizer.step()
+    assert len(pre.decision_log) == 6 * 3 and all(d.reason != "planned" for d in pre.decision_log)
+
+
+def test_kfac_reference_of_reduced_calls() -> None:
+    """The end-to-end K-FAC step from hook-reduced calls equals the dense (A ⊗ G + λI)⁻¹ solve."""
+    net = _conv_net(CONVS["stride-pad"])
+    twin = _conv_net(CONVS["stride-pad"])
+    pre = HyLoPreconditioner(net, solver="kfac", update_freq=1, damping=0.1)
+    xs = [torch.randn(n, 2, 9, 8, dtype=DT) for n in MICRO_BATCHES]
+    with torch.no_grad():
+        target = [torch.randn_like(net(x)) for x in xs]
+    for x, t in zip(xs, target, strict=True):
+        (net(x) - t).square().mean().backward()
+    grad = grad_matrix(net[0])
+    pre.step()
+    x, s, ds = _reference_calls(twin, xs, target)
+    ref = conv_reference(twin[0], x, s, ds)
+    torch.testing.assert_close(grad_matrix(net[0]), dense_kfac(ref["A"], ref["G"], grad, 0.1), rtol=1e-9, atol=1e-12)
