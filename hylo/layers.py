@@ -108,18 +108,21 @@ class LayerMath(ABC):
         """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""
         return float(rows) ** 2
 
-    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
-        """Whether a call's reduction is smaller than its input and output gradient (docs/design.md, "Memory").
-
-        A Linear's low-rank rows are its input and output gradient themselves, so only a
-        K-FAC-only call whose factors (d_a² + d_g² numbers) are smaller than its rows is reduced.
-        """
-        return kfac and not lowrank and self.d_a**2 + self.d_g**2 < rows * (self.d_a + self.d_g)
-
     def capture_call(self, x: Tensor, grad_out: Tensor, plan: Reduction | None) -> CapturedCall:
-        """One call as the update needs it: reduced per ``plan`` where that is smaller, else kept raw."""
+        """One call as the update needs it: reduced per ``plan`` when that takes fewer bytes than its
+        input and output gradient, else kept raw (docs/design.md, "Memory").
+
+        The rule keeps a Linear's low-rank calls raw (its rows are its input and output gradient)
+        and reduces a convolution's (its rows and factors are far smaller than its feature maps),
+        except where a K-FAC factor (d_a² numbers) outweighs a small batch's feature maps.
+        """
         rows, kfac_rows = self.row_counts(x, grad_out)
-        if plan is None or not self.reduces_early(rows, plan.lowrank, plan.kfac):
+        numbers = 0
+        if plan is not None:
+            numbers += rows * (self.d_a * self.d_g if self.dense_rows else self.d_a + self.d_g) if plan.lowrank else 0
+            numbers += self.d_a**2 + self.d_g**2 if plan.kfac else 0
+        raw_bytes = x.numel() * x.element_size() + grad_out.numel() * grad_out.element_size()
+        if plan is None or numbers * self.dtype.itemsize >= raw_bytes:
             return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
         return CapturedCall(
             rows,
@@ -269,10 +272,6 @@ class Conv2dMath(LayerMath):
         """Samples for the low-rank path; samples × output positions for K-FAC."""
         x, grad_out = self._batched(x, grad_out)
         return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
-
-    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
-        """Always, except exact rows (n·d_a·d_g numbers, often more than the input: built at the update)."""
-        return kfac or (lowrank and not self.dense_rows)
 
     def _blocks(self, x: Tensor, out_hw: tuple[int, int]) -> Iterator[tuple[slice, slice, Tensor]]:
         """(samples, output rows, the padded input rows they read) in blocks whose patches fit ``max_unfold_mb``.
@@ -500,10 +499,6 @@ class EmbeddingMath(LayerMath):
             counts = torch.bincount(tokens, weights=keep.to(dtype), minlength=self.d_a).to(dtype)
         g = self._g(grad_out, scale)
         return torch.diag(counts), g.mT @ g
-
-    def reduces_early(self, rows: int, lowrank: bool, kfac: bool) -> bool:
-        """Never: the token indices and output gradients are smaller than the one-hot rows or the V×V factor."""
-        return False
 
     def _weight_grad(self) -> Tensor | None:
         """The weight's (V, D) gradient, written in place; ``ValueError`` if it is sparse."""

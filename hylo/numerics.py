@@ -3,7 +3,9 @@
 Every function takes a list of matrices (one per layer), groups those of equal
 shape, dtype and device, and runs one batched kernel per group, so an update
 step costs a handful of launches and at most one host synchronisation per call
-regardless of the number of layers.
+regardless of the number of layers. A group is split into batches of at most
+``STACK_CAP_MB`` (one matrix at least): stacking copies its matrices, and a
+batched solve's workspace grows with it (docs/design.md, "Memory").
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import Tensor
 
 #: Relative jitter added to the diagonal on successive Cholesky retries.
 JITTER_LADDER: tuple[float, ...] = (0.0, 1e-10, 1e-8, 1e-6, 1e-4)
+#: The most megabytes of equally shaped matrices stacked into one batched call.
+STACK_CAP_MB = 64.0
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,10 +33,14 @@ def _grouped(mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]) -> li
     for i, m in enumerate(mats):
         groups[(m.shape, m.dtype, m.device)].append(i)
     out: list[list[Tensor]] = [[] for _ in mats]
-    for indices in groups.values():
-        results = fn(torch.stack([mats[i] for i in indices]))
-        for j, i in enumerate(indices):
-            out[i] = [r[j] for r in results]
+    for group in groups.values():
+        first = mats[group[0]]
+        per_batch = max(1, int(STACK_CAP_MB * 2**20 // max(1, first.numel() * first.element_size())))
+        for start in range(0, len(group), per_batch):
+            indices = group[start : start + per_batch]
+            results = fn(torch.stack([mats[i] for i in indices]))
+            for j, i in enumerate(indices):
+                out[i] = [r[j] for r in results]
     return out
 
 
@@ -108,7 +116,7 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """
 
     def decompose(stack: Tensor) -> list[Tensor]:
-        sym = 0.5 * (stack + stack.mT)
+        sym = (stack + stack.mT).mul_(0.5)
         try:
             evals, evecs = torch.linalg.eigh(sym)
         except torch.linalg.LinAlgError:

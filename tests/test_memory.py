@@ -72,7 +72,7 @@ def test_conv_calls_reduced_in_the_hook_equal_raw_and_reference(case: str, solve
     twin = _conv_net(CONVS[case])
     pre = HyLoPreconditioner(net, solver=solver, update_freq=1, damping=0.1)
     torch.manual_seed(1)
-    xs = [torch.randn(n, 2, 9, 8, dtype=DT) for n in MICRO_BATCHES]
+    xs = [torch.randn(n, 2, 16, 15, dtype=DT) for n in MICRO_BATCHES]
     with torch.no_grad():
         target = [torch.randn_like(net(x)) for x in xs]
     for x, t in zip(xs, target, strict=True):
@@ -278,12 +278,12 @@ def test_memory_breakdown_is_what_the_preconditioner_holds(solver: str) -> None:
 # --------------------------------------------------------------------------- the family of the data
 def _small_conv_head() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 2, 1, dtype=DT), nn.Flatten(), nn.Linear(2, 3, dtype=DT))
+    return nn.Sequential(nn.Conv2d(2, 2, 1, dtype=DT), nn.Flatten(), nn.Linear(2 * 4, 3, dtype=DT))
 
 
 def test_update_keeps_the_family_the_backward_reduced_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hybrid picks K-FAC for a cheap 1×1 conv; a forecast that said low-rank leaves it on KID (critical at first)."""
-    x, y = torch.randn(32, 2, 1, 1, dtype=DT), torch.randint(0, 3, (32,))
+    x, y = torch.randn(64, 2, 2, 2, dtype=DT), torch.randint(0, 3, (64,))
     options = {"update_freq": 1, "damping": 0.1, "fidelity_budget": 0.0}
     natural = _small_conv_head()
     pre = HyLoPreconditioner(natural, solver="hybrid", **options)
@@ -313,7 +313,7 @@ def test_update_keeps_the_family_the_backward_reduced_for(monkeypatch: pytest.Mo
 def test_forecast_for_kfac_keeps_rows_for_a_lowrank_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the hybrid policy rows are always reduced: a forecast of K-FAC never blocks a low-rank decision."""
     model = _small_conv_head()
-    x, y = torch.randn(32, 2, 1, 1, dtype=DT), torch.randint(0, 3, (32,))
+    x, y = torch.randn(64, 2, 2, 2, dtype=DT), torch.randint(0, 3, (64,))
     pre = HyLoPreconditioner(model, solver="hybrid", update_freq=1, damping=0.1, fidelity_budget=1e9)
     monkeypatch.setattr(pre, "_forecast", lambda: ["kfac"] * len(pre._layers))
     F.cross_entropy(model(x), y).backward()
@@ -342,7 +342,7 @@ def test_kfac_reference_of_reduced_calls() -> None:
     net = _conv_net(CONVS["stride-pad"])
     twin = _conv_net(CONVS["stride-pad"])
     pre = HyLoPreconditioner(net, solver="kfac", update_freq=1, damping=0.1)
-    xs = [torch.randn(n, 2, 9, 8, dtype=DT) for n in MICRO_BATCHES]
+    xs = [torch.randn(n, 2, 16, 15, dtype=DT) for n in MICRO_BATCHES]
     with torch.no_grad():
         target = [torch.randn_like(net(x)) for x in xs]
     for x, t in zip(xs, target, strict=True):

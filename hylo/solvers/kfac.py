@@ -118,12 +118,13 @@ class KFACFactors:
 def blend_factors(
     previous: tuple[Tensor, Tensor] | None, batch: tuple[Tensor, Tensor], decay: float
 ) -> tuple[Tensor, Tensor]:
-    """Running averages A ← β A + (1 − β) A_batch (same for G); the first update takes the batch."""
+    """Running averages A ← β A + (1 − β) A_batch (same for G), written into ``batch``'s tensors (no
+    second copy of every factor at the update's peak); the first update takes the batch as it is."""
     if previous is None:
         return batch
     return (
-        decay * previous[0] + (1.0 - decay) * batch[0],
-        decay * previous[1] + (1.0 - decay) * batch[1],
+        batch[0].mul_(1.0 - decay).add_(previous[0], alpha=decay),
+        batch[1].mul_(1.0 - decay).add_(previous[1], alpha=decay),
     )
 
 
