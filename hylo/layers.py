@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hylo.gradmatrix import GradMatrix
 from hylo.numerics import working_dtype
 from hylo.rows import DenseRows, FactoredRows, SampleRows, concat_rows
 
@@ -150,19 +151,23 @@ class LayerMath(ABC):
         bias = self.bias
         return None if bias is None else bias.grad
 
-    def grad_matrix(self) -> Tensor | None:
-        """∇W as a (d_g, d_a) matrix, bias last, or None when backward has not run."""
+    def grad_parts(self) -> GradMatrix | None:
+        """∇W as views of the weight's and bias's gradients (docs/design.md, "Memory"), or None before backward."""
         self._check_shapes()
         weight_grad, bias = self._weight_grad(), self.bias
         if weight_grad is None:
             return None
-        grad = weight_grad.reshape(self.d_g, -1)
+        bias_grad = None
         if bias is not None:
             bias_grad = self._bias_grad()
             if bias_grad is None:
                 bias_grad = torch.zeros_like(bias)
-            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
-        return grad
+        return GradMatrix(weight_grad.reshape(self.d_g, -1), None if bias_grad is None else bias_grad.reshape(-1))
+
+    def grad_matrix(self) -> Tensor | None:
+        """∇W as one (d_g, d_a) matrix, bias last (a copy when there is a bias), or None before backward."""
+        parts = self.grad_parts()
+        return None if parts is None else parts.full()
 
     def set_grad_matrix(self, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix back into the parameters' ``.grad`` in place."""
@@ -510,11 +515,11 @@ class EmbeddingMath(LayerMath):
             )
         return grad
 
-    def grad_matrix(self) -> Tensor | None:
+    def grad_parts(self) -> GradMatrix | None:
         """∇W = ``weight.grad``ᵀ, (d_g, d_a) = (embedding_dim, num_embeddings), a view; None before backward."""
         self._check_shapes()
         grad = self._weight_grad()
-        return None if grad is None else grad.mT
+        return None if grad is None else GradMatrix(grad.mT)
 
     def set_grad_matrix(self, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix transposed into ``weight.grad`` in place (its dtype kept)."""

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from hylo.capture import Reducer
 from hylo.config import SOLVER_NAMES, HyLoConfig, SolverName, resolve
 from hylo.distributed import Communicator, default_communicator
+from hylo.gradmatrix import GradMatrix
 from hylo.layers import CapturedCall, LayerBatch, LayerMath, LayerShape, Reduction
 from hylo.payload import CONTROL, Payload
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions
@@ -438,14 +439,14 @@ class HyLoPreconditioner:
             lr=None if config.lr is None or config.kl_clip is None else resolve("lr", config.lr, step),
         )
 
-    def _gradients(self) -> list[Tensor | None]:
+    def _gradients(self) -> list[GradMatrix | None]:
         """Each layer's ∇W, or None when it has no gradient since the previous ``step()``.
 
         A gradient is new when backward created or modified it after the previous step wrote
         (or left) it: the same tensor at the same version counter means no backward reached the
         layer (conditional computation), or that ``step()`` is being called twice.
         """
-        grads: list[Tensor | None] = []
+        grads: list[GradMatrix | None] = []
         for layer, seen in zip(self._layers, self._seen, strict=True):
             weight_grad = layer.math.grad_tensor()
             if weight_grad is None or (
@@ -453,10 +454,10 @@ class HyLoPreconditioner:
             ):
                 grads.append(None)
             else:
-                grads.append(layer.math.grad_matrix())
+                grads.append(layer.math.grad_parts())
         return grads
 
-    def _norms(self, grads: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+    def _norms(self, grads: list[GradMatrix | None]) -> tuple[Tensor, Tensor]:
         """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every present gradient is finite.
 
         One norm per layer in the layer's working dtype, no host synchronisation. Such a norm can
@@ -467,14 +468,14 @@ class HyLoPreconditioner:
         zero = torch.zeros((), dtype=torch.float64, device=device)
         norms = torch.stack(
             [
-                zero if g is None else torch.linalg.vector_norm(g.to(layer.math.dtype)).to(torch.float64)
+                zero if g is None else g.norm(layer.math.dtype).to(torch.float64)
                 for layer, g in zip(self._layers, grads, strict=True)
             ]
         )
         return norms, torch.isfinite(norms).all()
 
     def _agree(
-        self, step: int, grads: list[Tensor | None], capturing: list[bool], norms: Tensor, finite: Tensor
+        self, step: int, grads: list[GradMatrix | None], capturing: list[bool], norms: Tensor, finite: Tensor
     ) -> _Agreement:
         """This step's finiteness, layers present and layers with captured rows, identical on every rank.
 
@@ -523,16 +524,17 @@ class HyLoPreconditioner:
         names = [layer.name for layer in self._layers]
         return f"step {step}: no registered layer has a gradient ({names[:4]}): call step() after loss.backward()"
 
-    def _safe_norms(self, grads: list[Tensor | None]) -> tuple[Tensor, bool]:
+    def _safe_norms(self, grads: list[GradMatrix | None]) -> tuple[Tensor, bool]:
         """Norms (float64) and finiteness of every gradient from its largest entry m and ‖∇W/m‖·m, which
         cannot overflow before the final product; agreed over ranks (one more collective, on this path only)."""
         device = self._layers[0].math.weight.device
         norms, finite = [], []
-        for g in grads:
-            if g is None:
+        for parts in grads:
+            if parts is None:
                 norms.append(torch.zeros((), dtype=torch.float64, device=device))
                 finite.append(torch.ones((), dtype=torch.bool, device=device))
                 continue
+            g = parts.full()
             largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
             ok = torch.isfinite(largest)
             tiny = torch.finfo(torch.float64).tiny
@@ -548,7 +550,7 @@ class HyLoPreconditioner:
         self,
         step: int,
         values: _StepValues,
-        grads: list[Tensor | None],
+        grads: list[GradMatrix | None],
         agreed: _Agreement,
         is_update: bool,
         capturing: list[bool],
@@ -593,7 +595,7 @@ class HyLoPreconditioner:
             return self.config.strategy == "gradient" and self.comm.world_size > 1 and owner != UNSOLVED
         return state is not None
 
-    def _commit(self, step: int, outcome: _Outcome, grads: list[Tensor | None], traffic: dict[str, int]) -> None:
+    def _commit(self, step: int, outcome: _Outcome, grads: list[GradMatrix | None], traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
         for layer in self._layers:
             if layer.name in outcome.states:
@@ -629,14 +631,14 @@ class HyLoPreconditioner:
                 self._record_norms(step, outcome.norms, outcome.written)
             self._record(step, outcome, traffic)
 
-    def _warn_non_finite(self, step: int, grads: list[Tensor | None]) -> None:
+    def _warn_non_finite(self, step: int, grads: list[GradMatrix | None]) -> None:
         """Say which local layers hold non-finite gradients (silent when a GradScaler expects it)."""
         if self._grad_scaler is not None and self._grad_scaler.is_enabled():
             return  # the scaler found infs too: it skips the optimizer step and backs off
         bad = [
             layer.name
             for layer, g in zip(self._layers, grads, strict=True)
-            if g is not None and not bool(torch.isfinite(g).all())
+            if g is not None and not bool(g.all_finite())
         ]
         where = f"in {bad}" if bad else "on another rank"
         if bad and self.comm.world_size > 1:
@@ -698,7 +700,7 @@ class HyLoPreconditioner:
         self._recorder.norms.add(step, torch.stack((norms, trend.ema, after)), trend.last_trend, trend.critical)
 
     def _run_studies(
-        self, step: int, values: _StepValues, outcome: _Outcome, grads: list[Tensor | None]
+        self, step: int, values: _StepValues, outcome: _Outcome, grads: list[GradMatrix | None]
     ) -> _Study | None:
         """The rank and gradient-error studies when this update is sampled, with their traffic by tag."""
         if self._studies is None or self._recorder is None or not outcome.worked:
@@ -817,7 +819,7 @@ class HyLoPreconditioner:
                 outcome.owners[job.name] = result.owners[job.name]
 
     def _precondition(
-        self, ready: list[tuple[RegisteredLayer, Tensor]], outcome: _Outcome, values: _StepValues
+        self, ready: list[tuple[RegisteredLayer, GradMatrix]], outcome: _Outcome, values: _StepValues
     ) -> dict[str, Tensor]:
         """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back.
 
@@ -838,12 +840,11 @@ class HyLoPreconditioner:
         ok = torch.isfinite(sums)
         outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], (~ok).long())
         triples = [
-            (layer, grad, torch.where(ok[i], results[layer.name], grad.to(results[layer.name].dtype)))
-            for i, (layer, grad) in enumerate(ready)
+            (layer, grad, grad.fill_where_not(ok[i], results[layer.name])) for i, (layer, grad) in enumerate(ready)
         ]
         if values.kl_clip is not None:
             assert values.lr is not None
-            vg = torch.stack([(v * g).sum().to(torch.float64) for _, g, v in triples]).sum().abs() * values.lr**2
+            vg = torch.stack([g.dot(v) for _, g, v in triples]).sum().abs() * values.lr**2
             scale = torch.where(vg > 0, torch.sqrt(values.kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
             triples = [(layer, g, v * scale.to(v.dtype)) for layer, g, v in triples]
         watch.lap("precondition", [layer.name for layer, _, _ in triples])

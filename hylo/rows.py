@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hylo.gradmatrix import GradMatrix
+
 
 def sample_kernel(a: Tensor, g: Tensor) -> Tensor:
     """K = (A Aᵀ) ∘ (G Gᵀ): K_ij = u_iᵀ u_j with u_i = vec(g_i a_iᵀ)."""
@@ -72,11 +74,11 @@ class SampleRows(ABC):
         """Rows U_i · factors_i."""
 
     @abstractmethod
-    def project(self, grad: Tensor) -> Tensor:
+    def project(self, grad: GradMatrix) -> Tensor:
         """z_i = ⟨U_i, grad⟩ for a (d_g, d_a) matrix, in O(m·d_a·d_g)."""
 
     @abstractmethod
-    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
         """beta·grad + alpha·Σ_i coefficients_i U_i as a new (d_g, d_a) matrix, in one pass."""
 
     @abstractmethod
@@ -135,13 +137,13 @@ class FactoredRows(SampleRows):
         """g_i scaled (a_i kept), so U_i scales by ``factors_i``."""
         return FactoredRows(self.a, self.g * factors.to(self.g.dtype).unsqueeze(1))
 
-    def project(self, grad: Tensor) -> Tensor:
+    def project(self, grad: GradMatrix) -> Tensor:
         """g_iᵀ ∇W a_i."""
-        return ((self.g @ grad) * self.a).sum(dim=1)
+        return grad.row_products(self.g, self.a)
 
-    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·∇W + alpha·Gᵀ diag(c) A in one fused pass."""
-        return torch.addmm(grad, self.g.mT * coefficients, self.a, beta=beta, alpha=alpha)
+    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·∇W + alpha·Gᵀ diag(c) A (∇W added part by part: no concatenated copy)."""
+        return grad.add_to(self.g.mT * (coefficients * alpha) @ self.a, beta)
 
     def to(self, dtype: torch.dtype) -> FactoredRows:
         """The rows in ``dtype``."""
@@ -203,14 +205,13 @@ class DenseRows(SampleRows):
         """U_i · factors_i."""
         return DenseRows(self.u * factors.to(self.u.dtype).reshape(-1, 1, 1))
 
-    def project(self, grad: Tensor) -> Tensor:
-        """⟨U_i, ∇W⟩."""
-        return self._flat() @ grad.reshape(-1)
+    def project(self, grad: GradMatrix) -> Tensor:
+        """⟨U_i, ∇W⟩ (the exact rows' m·d_g·d_a numbers dwarf the one concatenated ∇W this takes)."""
+        return self._flat() @ grad.full().reshape(-1)
 
-    def combine(self, grad: Tensor, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
         """beta·∇W + alpha·Σ c_i U_i."""
-        summed = (coefficients @ self._flat()).reshape(grad.shape)
-        return torch.add(grad * beta, summed, alpha=alpha)
+        return grad.add_to((alpha * coefficients @ self._flat()).reshape(grad.shape), beta)
 
     def to(self, dtype: torch.dtype) -> DenseRows:
         """The rows in ``dtype``."""

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
+from hylo.gradmatrix import GradMatrix
 from hylo.payload import Payload
 from hylo.profiling import DISABLED, Stopwatch
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
@@ -172,7 +173,7 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, items: Sequence[tuple[str, HeldState, int, Tensor]], watch: Stopwatch = DISABLED
+        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], watch: Stopwatch = DISABLED
     ) -> dict[str, Tensor]:
         """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient".
 
@@ -186,7 +187,12 @@ class UpdateStage:
         if self.strategy == "gradient" and self.comm.world_size > 1:
             for src in range(self.comm.world_size):
                 owned = [(name, grad) for name, _, owner, grad in items if owner == src]
-                payload = Payload({(name, "grad"): results.get(name, torch.empty_like(grad)) for name, grad in owned})
+                payload = Payload(
+                    {
+                        (name, "grad"): results.get(name, torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+                        for name, grad in owned
+                    }
+                )
                 received = self.comm.broadcast(payload, src)
                 results.update((name, received[(name, "grad")]) for name, _ in owned)
                 names = [name for name, _ in owned]

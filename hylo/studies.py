@@ -26,6 +26,7 @@ from torch import Tensor
 
 from hylo.config import HyLoConfig, rows_for_ratio
 from hylo.distributed import Communicator
+from hylo.gradmatrix import GradMatrix
 from hylo.layers import Conv2dMath, LayerBatch, LayerMath
 from hylo.registry import RegisteredLayer
 from hylo.rows import SampleRows
@@ -136,7 +137,7 @@ class StudyRunner:
         step: int,
         names: Sequence[str],
         batches: Sequence[LayerBatch],
-        grads: Sequence[Tensor],
+        grads: Sequence[GradMatrix],
         context: UpdateContext,
         rank: bool,
         grad_error: bool,

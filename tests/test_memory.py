@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from hylo import HyLoPreconditioner
 from hylo.layers import Conv2dMath, LayerBatch, LinearMath
@@ -352,3 +353,37 @@ def test_kfac_reference_of_reduced_calls() -> None:
     x, s, ds = _reference_calls(twin, xs, target)
     ref = conv_reference(twin[0], x, s, ds)
     torch.testing.assert_close(grad_matrix(net[0]), dense_kfac(ref["A"], ref["G"], grad, 0.1), rtol=1e-9, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- no concatenated gradient
+class _Concatenations(TorchFunctionMode):
+    """Records the sizes of every torch.cat's output while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.cat, torch.concat, torch.concatenate):
+            self.sizes.append(out.numel())
+        return out
+
+
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kis"])
+def test_steps_read_the_bias_without_concatenating_the_gradient(solver: str) -> None:
+    """∇W = [weight | bias] is read part by part: no step between updates concatenates a gradient."""
+    model = _conv_mlp()
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=3, damping=0.1)
+    for step in range(3):
+        model.zero_grad()
+        F.cross_entropy(model(torch.randn(6, 1, 8, 8)), torch.randint(0, 5, (6,))).backward()
+        expected = [
+            state.precondition(grad_matrix(layer.math.module)) for layer in pre._layers if (state := layer.state)
+        ]
+        with _Concatenations() as mode:
+            pre.step()
+        if step:
+            assert mode.sizes == [], mode.sizes
+            for layer, v in zip(pre._layers, expected, strict=True):
+                torch.testing.assert_close(grad_matrix(layer.math.module), v, rtol=1e-5, atol=1e-7)

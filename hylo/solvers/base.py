@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import Tensor
 
+from hylo.gradmatrix import GradMatrix
 from hylo.layers import LayerBatch, LayerShape
 from hylo.payload import Payload, PayloadKey
 from hylo.profiling import DISABLED, Stopwatch
@@ -46,8 +47,8 @@ class LayerState(ABC):
     damping: float
 
     @abstractmethod
-    def precondition(self, grad: Tensor) -> Tensor:
-        """The preconditioned (d_g, d_a) gradient."""
+    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
+        """The preconditioned (d_g, d_a) gradient, from ∇W whole or as its weight and bias parts."""
 
     @abstractmethod
     def tensors(self) -> dict[str, Tensor]:

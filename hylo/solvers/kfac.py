@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from hylo.gradmatrix import GradMatrix
 from hylo.layers import LayerShape
 from hylo.numerics import eigh_many
 from hylo.payload import Payload
@@ -59,12 +60,12 @@ class KFACState(LayerState):
     evecs_g: Tensor
     damping: float
 
-    def precondition(self, grad: Tensor) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient."""
-        g = grad.to(self.evecs_a.dtype)
-        rotated = self.evecs_g.mT @ g @ self.evecs_a
+    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
+        """Preconditioned (d_g, d_a) gradient (∇W Q_a taken part by part: no concatenated copy)."""
+        parts = GradMatrix.of(grad)
+        rotated = self.evecs_g.mT @ parts.to(self.evecs_a.dtype).times(self.evecs_a)
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-        return (self.evecs_g @ rotated @ self.evecs_a.mT).to(grad.dtype)
+        return (self.evecs_g @ rotated @ self.evecs_a.mT).to(parts.dtype)
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and eigendecompositions by name."""

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from hylo.gradmatrix import GradMatrix
 from hylo.numerics import cholesky_many, spd_inverse_many
 from hylo.rows import SampleRows, rows_from_fields
 from hylo.solvers.base import LayerState, check_shapes
@@ -47,12 +48,13 @@ class LowRankState(LayerState):
     divisor: float
     damping: float
 
-    def precondition(self, grad: Tensor) -> Tensor:
+    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
         """Preconditioned (d_g, d_a) gradient in O(m·d_a·d_g)."""
-        work = grad.to(self.rows.dtype)
+        parts = GradMatrix.of(grad)
+        work = parts.to(self.rows.dtype)
         c = self.inner @ self.rows.project(work)
         inv_damping = 1.0 / self.damping
-        return self.rows.combine(work, c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
+        return self.rows.combine(work, c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
 
     def tensors(self) -> dict[str, Tensor]:
         """Rows and the inner matrix: O(m·w + m²) (w = d_a + d_g, or d_a·d_g for dense rows)."""

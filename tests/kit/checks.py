@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
+from hylo.gradmatrix import GradMatrix
 
 #: dtype of the models whose results are compared tightly.
 DT = torch.float64
@@ -39,6 +40,11 @@ def grad_matrix(module: nn.Module) -> Tensor:
     if module.bias is not None:
         grad = torch.cat([grad, module.bias.grad.reshape(-1, 1)], dim=1)
     return grad.detach().clone()
+
+
+def as_parts(matrix: Tensor, bias: bool) -> GradMatrix:
+    """A (d_g, d_a) matrix as the weight and bias parts a step reads ∇W in (the same arithmetic, bit for bit)."""
+    return GradMatrix(matrix[:, :-1].contiguous(), matrix[:, -1].contiguous()) if bias else GradMatrix(matrix)
 
 
 def grads(model: nn.Module) -> list[Tensor]:
