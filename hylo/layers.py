@@ -243,8 +243,7 @@ class Conv2dMath(LayerMath):
         self.kfc_exponent = kfc_exponent
         self.max_unfold_mb = max_unfold_mb
 
-    def _pads(self) -> list[int]:
-        """F.pad's (left, right, top, bottom) of the layer's padding."""
+    def _padded(self, x: Tensor) -> Tensor:
         conv = self.conv
         if isinstance(conv.padding, str):
             if conv.padding == "valid":
@@ -256,15 +255,12 @@ class Conv2dMath(LayerMath):
                     pads.append((total // 2, total - total // 2))
         else:
             pads = [(p, p) for p in conv.padding]
-        return [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
-
-    def _padded(self, x: Tensor) -> Tensor:
-        flat = self._pads()
+        flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
         if not any(flat):
             return x
-        if self.conv.padding_mode == "zeros":
+        if conv.padding_mode == "zeros":
             return F.pad(x, flat)
-        return F.pad(x, flat, mode=self.conv.padding_mode)
+        return F.pad(x, flat, mode=conv.padding_mode)
 
     @staticmethod
     def _batched(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
