@@ -368,6 +368,9 @@ def distributed(backend: str = "auto") -> Iterator[torch.device]:
     dist.init_process_group(("nccl" if cuda else "gloo") if backend == "auto" else backend)
     try:
         yield device
+        # every rank finishes before any tears the group down: gloo can abort a rank ("terminate
+        # called without an active exception") whose peer destroys the group under it
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
