@@ -1,23 +1,47 @@
 """hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo).
 
-The public API is what this module exports. The collaborators a user may inject or extend
-are in :mod:`hylo.distributed` (communicators) and :mod:`hylo.solvers` (solver families);
-every other module is internal and may change between releases.
+The public API is what this module exports: the preconditioner, its configuration and records,
+and the extension points — :func:`register_layer_type` (a layer type's math, subclassing
+:class:`hylo.layers.LayerMath`) and :func:`register_variant` (a low-rank row reduction,
+subclassing :class:`hylo.solvers.RowReduction`); docs/extending.md. The collaborators a user may
+inject are in :mod:`hylo.distributed` (communicators); every other module is internal and may
+change between releases.
 """
 
-from hylo.config import HyLoConfig
+from hylo.config import (
+    ConvConfig,
+    DistributedConfig,
+    HyLoConfig,
+    KFACConfig,
+    LowRankConfig,
+    PolicyConfig,
+    TelemetryConfig,
+)
 from hylo.distributed import CommunicationError
-from hylo.preconditioner import HyLoPreconditioner, LayerInfo, MemoryUsage
+from hylo.layers import LayerMath, register_layer_type
+from hylo.memory import MemoryUsage
+from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
+from hylo.solvers import RowReduction, register_variant
 from hylo.version import __version__
 
 __all__ = [
     "CommunicationError",
+    "ConvConfig",
     "Decision",
+    "DistributedConfig",
     "HyLoConfig",
     "HyLoPreconditioner",
+    "KFACConfig",
     "LayerInfo",
+    "LayerMath",
     "LayerStats",
+    "LowRankConfig",
     "MemoryUsage",
+    "PolicyConfig",
+    "RowReduction",
+    "TelemetryConfig",
     "__version__",
+    "register_layer_type",
+    "register_variant",
 ]

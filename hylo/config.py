@@ -1,47 +1,65 @@
-"""Typed options of the preconditioner: the one place defaults and checks live."""
+"""The preconditioner's options: one immutable :class:`HyLoConfig` made of typed sections.
+
+docs/usage.md, "Options". Each option is a field of one section — the top level (the solver,
+its cadence and damping), :class:`KFACConfig`, :class:`LowRankConfig`, :class:`ConvConfig`,
+:class:`PolicyConfig`, :class:`DistributedConfig` and :class:`TelemetryConfig` — and carries its
+documentation and its rule in the field's metadata, the one place its default, meaning and
+check live (:func:`options` lists them; the training scripts build their flags from it).
+Options are given flat (``HyLoConfig(damping=0.3, trend_window=50)``) or as sections
+(``HyLoConfig(policy=PolicyConfig(trend_window=50))``); every value is checked when the config
+is made, and a bad one is a ``ValueError`` naming the option.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 import re
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, ClassVar, Literal, TypeVar, cast, get_args, get_origin
 
-from hylo.layers import (
-    CONV_ROWS,
-    DAMPING_CONVENTIONS,
-    DEFAULT_KFC_EXPONENT,
-    DEFAULT_MAX_UNFOLD_MB,
-    ConvRows,
-    DampingConvention,
-)
+from hylo.layers.batch import DampingConvention
+from hylo.layers.conv import DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD_MB, ConvRows
 from hylo.records import LayerStats
-from hylo.solvers import LAYER_SOLVERS, LayerSolver
-
-#: What ``solver`` accepts: a layer solver, or ``"hybrid"`` to choose one per layer and update.
-SolverName = Literal[LayerSolver, "hybrid"]
-SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
-#: How owners share solved layers between ranks (see :class:`HyLoConfig`).
-Strategy = Literal["inverse", "gradient"]
-STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
-#: KIS's estimator (see :class:`HyLoConfig`).
-KISEstimator = Literal["unbiased", "hylo"]
-KIS_ESTIMATORS: tuple[KISEstimator, ...] = get_args(KISEstimator)
-
-#: The studies ``studies`` accepts (docs/design.md, "Studies").
-Study = Literal["grad_norm", "rank", "grad_error"]
-STUDIES: tuple[Study, ...] = get_args(Study)
-#: The methods ``grad_error_methods`` accepts.
-GradErrorMethod = Literal["kid", "kis", "kfac", "sngd"]
-GRAD_ERROR_METHODS: tuple[GradErrorMethod, ...] = get_args(GradErrorMethod)
+from hylo.solvers import HYBRID, solver_names, variant_names
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
 Hyper = float | Callable[[int], float]
 IntHyper = int | Callable[[int], int]
+#: How owners share solved layers between ranks (see :class:`DistributedConfig`).
+Strategy = Literal["inverse", "gradient"]
+#: KIS's estimator (see :class:`LowRankConfig`).
+KISEstimator = Literal["unbiased", "hylo"]
+#: The studies ``studies`` accepts (docs/profiling.md, "Studies").
+Study = Literal["grad_norm", "rank", "grad_error"]
+STUDIES: tuple[Study, ...] = get_args(Study)
+
+
+# --------------------------------------------------------------------------- rules
+@dataclass(frozen=True)
+class Rule:
+    """What an option's value must satisfy, and how the message says it (a string, or a callable for
+    rules whose choices are read when they are checked, such as the registered solvers)."""
+
+    holds: Callable[[Any], bool]
+    expected: str | Callable[[], str]
+
+    def check(self, name: str, value: Any, step: int | None = None) -> None:
+        """Raise ``ValueError`` naming ``name`` if ``value`` breaks the rule."""
+        try:
+            ok = bool(self.holds(value))
+        except (TypeError, ValueError, re.error):
+            ok = False
+        if not ok:
+            expected = self.expected() if callable(self.expected) else self.expected
+            where = "" if step is None else f" (returned by the callable at step {step})"
+            raise ValueError(f"{name} must be {expected}, got {value!r}{where}")
 
 
 def _is_bool(x: object) -> bool:
@@ -49,304 +67,213 @@ def _is_bool(x: object) -> bool:
     return isinstance(x, bool) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
 
 
-def _positive(x: float) -> bool:
-    return not _is_bool(x) and x > 0 and math.isfinite(x)
-
-
 def is_number(x: object) -> bool:
     """An int or float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "damping": (_positive, "a finite number > 0"),
-    "update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
-    "factor_update_freq": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
-    "factor_decay": (lambda x: not _is_bool(x) and 0.0 <= x < 1.0, "a number in [0, 1)"),
-    "kl_clip": (_positive, "a finite number > 0 (or None to disable)"),
-    "lr": (_positive, "a finite number > 0"),
-}
+def _number(x: object) -> bool:
+    return not _is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str)
 
 
-def _check_value(name: str, value: Any, step: int | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``value`` is not allowed for it."""
-    ok, expected = _CHECKS[name]
-    valid = False
-    try:
-        valid = bool(ok(value))
-    except TypeError:
-        valid = False
-    if not valid:
-        where = "" if step is None else f" (returned by the callable at step {step})"
-        raise ValueError(f"{name} must be {expected}, got {value!r}{where}")
+def _regexes(patterns: Any) -> bool:
+    if isinstance(patterns, str):
+        return False
+    for pattern in patterns:
+        re.compile(pattern)
+    return True
 
 
-def rows_for_ratio(ratio: float, rows: int) -> int:
-    """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
-    return min(rows, max(1, math.floor(ratio * rows)))
+POSITIVE = Rule(lambda x: _number(x) and 0 < x < math.inf, "a finite number > 0")
+NON_NEGATIVE = Rule(lambda x: _number(x) and 0 <= x < math.inf, "a finite number >= 0")
+COUNT = Rule(lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1")
+DECAY = Rule(lambda x: _number(x) and 0.0 <= x < 1.0, "a number in [0, 1)")
+RATIO = Rule(lambda x: _number(x) and 0.0 < x <= 1.0, "in (0, 1]")
+REGEXES = Rule(_regexes, "a sequence of valid regular expressions (not a single string)")
 
 
-def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
-    """Evaluate a constant-or-callable hyperparameter at ``step`` and validate the result."""
-    if callable(value):
-        result = value(step)
-        _check_value(name, result, step)
-        return result
-    return value
+def _solver(allow_hybrid: bool) -> Rule:
+    def holds(name: object) -> bool:
+        return name in solver_names() or (allow_hybrid and name == HYBRID)
+
+    return Rule(holds, lambda: f"one of {solver_names() + ((HYBRID,) if allow_hybrid else ())}")
+
+
+def _variant() -> Rule:
+    return Rule(
+        lambda name: name in variant_names(), lambda: f"a registered low-rank variant, one of {variant_names()}"
+    )
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    rule: Rule | None = None,
+    schedule: bool = False,
+    fixed: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field with its documentation and rule.
+
+    ``schedule``: a callable of the step is accepted (checked by the rule at each step, see
+    :func:`resolve`). ``fixed``: the option cannot change after the preconditioner is made
+    (:meth:`hylo.HyLoPreconditioner.reconfigure` refuses it). A Literal-typed option's rule is
+    its choices; ``None`` is accepted only where the type says ``| None``.
+    """
+    metadata = {"doc": doc, "rule": rule, "schedule": schedule, "fixed": fixed}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
-class HyLoConfig:
-    """Options of :class:`hylo.HyLoPreconditioner`.
+class OptionSpec:
+    """One option as :func:`options` describes it (what a command line or a docs table needs)."""
 
-    Attributes:
-        solver: ``"kfac"``, ``"sngd"``, ``"kid"``, ``"kis"`` or ``"hybrid"``.
-        update_freq: steps between factor/inverse updates (step 0 is an update step).
-        damping: Tikhonov damping λ > 0 of (F + λI).
-        factor_decay: running-average decay β of the K-FAC factors.
-        kl_clip: scale the whole preconditioned step by min(1, sqrt(kl_clip / (lr²·Σ v̂·∇W)));
-            None disables it.
-        lr: learning rate used by ``kl_clip`` (required when ``kl_clip`` is set).
-        skip_layers: module names or class names (regular expressions, full match) to leave alone.
-        rank_ratio: KID/KIS rows kept per rank, r = max(1, floor(ρ·n)); ρ in (0, 1].
-        rank: absolute rows kept per rank (overrides ``rank_ratio`` when set).
-        seed: seed of the generator that draws the KIS rows.
-        conv_rows: a convolution's low-rank rows: ``"sum"`` (rank-one surrogate of each
-            per-sample gradient with the right scale), ``"exact"`` (the true per-sample
-            gradients, m·d_a·d_g numbers per layer) or ``"mean"`` (HyLo's surrogate, L times
-            too small for L output positions); see docs/design.md, "Convolutions".
-        kfc_exponent: e of a convolution's K-FAC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over its L
-            output positions (1: Grosse & Martens' KFC; 2: fully correlated positions);
-            docs/design.md, "K-FAC conventions".
-        max_unfold_mb: the most megabytes of a convolution's unfolded patches in flight at
-            once: K-FAC's factor A, exact per-sample rows and the patch means are built in
-            chunks of samples (and of output rows, when one sample's patches exceed it) of at
-            most this size; docs/design.md, "Memory".
-        damping_convention: ``"hylo"`` (λ damps the Fisher of g = n·∂L/∂s, the same at every
-            batch size) or ``"kaisa"`` (every layer's Fisher divided by KAISA's ratio c: n² on
-            Linear, n²·L^(4+e) on Conv2d, so KAISA's damping and learning rate carry over and
-            ``solver="kfac"`` takes KAISA's eigen-method step).
-        kis_estimator: ``"unbiased"`` (priority sampling with Horvitz–Thompson weights,
-            divisor B) or ``"hylo"`` (HyLo's unweighted draw, divisor m).
-        factor_update_freq: steps between refreshes of K-FAC's running factors (KAISA's
-            ``factor_update_freq``); the factors are also refreshed at every update step.
-            None: only at update steps.
-        fidelity_budget: the hybrid policy gives a layer exact ``sngd`` (else ``kfac``) when that
-            costs at most this share of an average layer's forward+backward work over the
-            period; 0 turns the rule off.
-        comm_flops_per_byte: multiply-adds one byte of traffic is worth in the hybrid cost model
-            (the machine's compute rate over its network bandwidth); used when P > 1.
-        layer_solvers: per-layer overrides, ``{name regex (full match): solver}``; first match wins.
-        solver_fn: ``(layer_name, step, stats) -> solver`` called at update steps (see
-            :class:`hylo.LayerStats`); overrides the built-in hybrid rule.
-        adaptive: HyLo's fixed windows ``(a0, a1, a2)`` in epochs of I = ``iters_per_epoch`` steps:
-            KID iff step < I·a0 or I·a1 < step ≤ I·a2 (the 0-based step, as HyLo's code counts),
-            KIS otherwise; replaces the gradient-norm trend.
-        iters_per_epoch: steps per epoch, for ``adaptive``.
-        trend_decay: EMA decay of the per-layer gradient norm (and of its square); None: the
-            decay whose memory is the window, 1 − 2/(trend_window + 1).
-        trend_window: steps over which the EMA's relative change is measured.
-        critical_enter: a layer becomes critical (KID) when that change exceeds this (or
-            ``critical_noise`` times the change's measured noise, if larger).
-        critical_exit: a critical layer returns to KIS when the change falls below this (or
-            half the noise threshold, if larger).
-        critical_noise: z, the multiple of the change's noise (std) a change must exceed to
-            count; 0 disables the noise floor.
-        strategy: ``"inverse"`` (owners broadcast solved states; no traffic between updates) or
-            ``"gradient"`` (owners keep their states and broadcast preconditioned gradients
-            every step; less memory per rank).
-        bucket_cap_mb: largest flat buffer of one collective (default communicator only).
-        profile_dir: directory of the profiling and study CSVs (docs/design.md, "Profiling"):
-            ``timing-r{rank}.csv`` and ``steps-r{rank}.csv`` on every rank, ``decisions.csv``,
-            ``run.json`` and the studies' files on rank 0. None: nothing is timed or written.
-        studies: any of ``"grad_norm"`` (every step), ``"rank"`` and ``"grad_error"`` (sampled
-            update steps); they need ``profile_dir``.
-        profile_append: continue the files already in ``profile_dir`` (a resumed run) instead
-            of refusing them.
-        rank_every: run the rank study at every ``rank_every``-th update.
-        rank_top_k: eigenvalues of K/B written per layer (``sv_1`` … ``sv_k``).
-        grad_error_every: run the gradient-error study at every ``grad_error_every``-th update.
-        grad_error_methods: the methods compared with exact SNGD: ``"kid"``, ``"kis"``,
-            ``"kfac"`` and ``"sngd"`` (the run's own convolution rows).
-        grad_error_ratios: the ρ at which KID and KIS are measured; None: ``(rank_ratio,)``.
-        study_exact_rows_mb: largest gathered exact per-sample rows (m·d_a·d_g numbers) of a
-            convolution the studies build for their reference; above it they use ``conv_rows``.
-    """
+    name: str
+    #: The section's attribute on :class:`HyLoConfig` (``"kfac"``, …), or None at the top level.
+    section: str | None
+    #: The value's type with ``| None`` and a schedule's callable removed.
+    type: Any
+    optional: bool
+    default: Any
+    doc: str
+    #: The Literal's values, for an option with fixed choices.
+    choices: tuple[Any, ...] | None
+    schedule: bool
+    fixed: bool
 
-    solver: SolverName = "hybrid"
-    update_freq: IntHyper = 10
-    damping: Hyper = 1.0
-    factor_decay: Hyper = 0.95
-    kl_clip: Hyper | None = None
-    lr: Hyper | None = None
-    skip_layers: tuple[str, ...] = ()
-    rank_ratio: float = 0.1
-    rank: int | None = None
-    seed: int = 0
-    conv_rows: ConvRows = "sum"
-    kfc_exponent: float = DEFAULT_KFC_EXPONENT
-    max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB
-    damping_convention: DampingConvention = "hylo"
-    kis_estimator: KISEstimator = "unbiased"
-    factor_update_freq: IntHyper | None = None
-    fidelity_budget: float = 0.05
-    comm_flops_per_byte: float = 100.0
-    layer_solvers: Mapping[str, LayerSolver] = field(default_factory=dict)
-    solver_fn: Callable[[str, int, LayerStats], LayerSolver] | None = None
-    adaptive: tuple[int, int, int] | None = None
-    iters_per_epoch: int | None = None
-    trend_decay: float | None = None
-    trend_window: int = 100
-    critical_enter: float = 0.2
-    critical_exit: float = 0.1
-    critical_noise: float = 3.0
-    strategy: Strategy = "inverse"
-    bucket_cap_mb: float = 25.0
-    profile_dir: str | os.PathLike[str] | None = None
-    studies: tuple[Study, ...] = ()
-    profile_append: bool = False
-    rank_every: int = 1
-    rank_top_k: int = 10
-    grad_error_every: int = 1
-    grad_error_methods: tuple[GradErrorMethod, ...] = ("kid", "kis")
-    grad_error_ratios: tuple[float, ...] | None = None
-    study_exact_rows_mb: float = 256.0
+
+_NONE = type(None)
+
+
+def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    """The dataclass fields of a section class."""
+    return fields(cast(Any, cls))
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default value (its factory called)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING
+    return f.default_factory()
+
+
+def _spec(section: str | None, f: dataclasses.Field[Any], hint: Any) -> OptionSpec:
+    members = list(get_args(hint)) if get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    optional = _NONE in members
+    values = [m for m in members if m is not _NONE and Callable not in (m, get_origin(m))]
+    if not values:  # a callable option (solver_fn)
+        kind: Any = Callable
+    else:
+        kind = values[0] if len(values) == 1 else typing.Union[tuple(values)]  # noqa: UP007
+    members = values
+    flat = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
+    choices = tuple(flat) if flat else None
+    default = _default(f)
+    meta = f.metadata
+    return OptionSpec(f.name, section, kind, optional, default, meta["doc"], choices, meta["schedule"], meta["fixed"])
+
+
+def _choices_rule(spec: OptionSpec) -> Rule | None:
+    """A Literal option's rule: one of its choices."""
+    if spec.choices is None:
+        return None
+    choices = spec.choices
+    return Rule(lambda x: isinstance(x, str) and x in choices, f"one of {choices}")
+
+
+class Section:
+    """Base of the config's sections: checks every field by its rule, type and optionality."""
+
+    _specs: ClassVar[dict[str, OptionSpec]]
+    section_name: ClassVar[str | None] = None
+
+    @classmethod
+    def option_specs(cls) -> dict[str, OptionSpec]:
+        """This section's options by name (resolved once per class)."""
+        if "_specs" not in cls.__dict__:
+            hints = typing.get_type_hints(cls)
+            cls._specs = {
+                f.name: _spec(cls.section_name, f, hints[f.name]) for f in _fields(cls) if "doc" in f.metadata
+            }
+        return cls._specs
+
+    def _check_fields(self) -> None:
+        """Check every option's value by its rule (a schedule's callable is checked at each step)."""
+        for name, spec in self.option_specs().items():
+            value = getattr(self, name)
+            if (value is None and spec.optional) or (spec.schedule and callable(value)):
+                continue
+            rule = _RULES.get(name) or _choices_rule(spec)
+            if rule is not None:
+                rule.check(name, value)
+            elif value is None:
+                raise ValueError(f"{name} must not be None")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class KFACConfig(Section):
+    """The K-FAC family's options (docs/solvers.md, "K-FAC", "K-FAC conventions")."""
+
+    section_name: ClassVar[str | None] = "kfac"
+
+    factor_decay: Hyper = option(0.95, doc="running-average decay β of the K-FAC factors", rule=DECAY, schedule=True)
+    factor_update_freq: IntHyper | None = option(
+        None,
+        doc="steps between refreshes of K-FAC's running factors (KAISA's factor_update_freq); the factors are "
+        "also refreshed at every update step. None: only at update steps",
+        rule=COUNT,
+        schedule=True,
+    )
+    kfc_exponent: float = option(
+        DEFAULT_KFC_EXPONENT,
+        doc="e of a convolution's K-FAC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over its L output positions "
+        "(1: Grosse & Martens' KFC; 2: fully correlated positions)",
+        rule=Rule(lambda x: _number(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
+        fixed=True,
+    )
 
     def __post_init__(self) -> None:
-        if self.solver not in SOLVER_NAMES:
-            raise ValueError(f"solver must be one of {SOLVER_NAMES}, got {self.solver!r}")
-        for name in ("update_freq", "factor_update_freq", "damping", "factor_decay", "lr"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                _check_value(name, value)
-        if self.kl_clip is not None:
-            if not callable(self.kl_clip):
-                _check_value("kl_clip", self.kl_clip)
-            if self.lr is None:
-                raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
-        if isinstance(self.skip_layers, str):
-            raise ValueError("skip_layers must be a sequence of names, not a single string")
-        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        for pattern in self.skip_layers:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"skip_layers entry {pattern!r} is not a valid regular expression: {err}") from err
-        if isinstance(self.rank_ratio, bool) or not (
-            isinstance(self.rank_ratio, (int, float)) and 0.0 < self.rank_ratio <= 1.0
-        ):
-            raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
-            raise ValueError(f"rank must be an int >= 1 (rows kept per rank), got {self.rank!r}")
-        if isinstance(self.seed, bool) or not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        object.__setattr__(self, "seed", int(self.seed))
+        self._check_fields()
+        self._set("kfc_exponent", float(self.kfc_exponent))
 
-        if self.conv_rows not in CONV_ROWS:
-            raise ValueError(f"conv_rows must be one of {CONV_ROWS}, got {self.conv_rows!r}")
-        if _is_bool(self.kfc_exponent) or not (
-            isinstance(self.kfc_exponent, (int, float)) and 0.0 <= self.kfc_exponent <= 4.0
-        ):
-            raise ValueError(f"kfc_exponent must be a number in [0, 4], got {self.kfc_exponent!r}")
-        object.__setattr__(self, "kfc_exponent", float(self.kfc_exponent))
-        if _is_bool(self.max_unfold_mb) or not (
-            isinstance(self.max_unfold_mb, (int, float)) and 0 < self.max_unfold_mb < math.inf
-        ):
-            raise ValueError(f"max_unfold_mb must be a finite number > 0, got {self.max_unfold_mb!r}")
-        if self.damping_convention not in DAMPING_CONVENTIONS:
-            raise ValueError(
-                f"damping_convention must be one of {DAMPING_CONVENTIONS}, got {self.damping_convention!r}"
-            )
-        if self.kis_estimator not in KIS_ESTIMATORS:
-            raise ValueError(f"kis_estimator must be one of {KIS_ESTIMATORS}, got {self.kis_estimator!r}")
-        for name in ("fidelity_budget", "comm_flops_per_byte"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-        self._check_policy()
-        self._check_studies()
 
-    def _check_studies(self) -> None:
-        for name in ("studies", "grad_error_methods"):
-            if isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a sequence of names, not a single string")
-        object.__setattr__(self, "studies", tuple(self.studies))
-        object.__setattr__(self, "grad_error_methods", tuple(self.grad_error_methods))
-        unknown = [s for s in self.studies if s not in STUDIES]
-        if unknown:
-            raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
-        if self.studies and self.profile_dir is None:
-            raise ValueError(f"studies {self.studies} write CSV files: set profile_dir")
-        bad_methods = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
-        if bad_methods or not self.grad_error_methods:
-            raise ValueError(
-                f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {bad_methods or '()'}"
-            )
-        if self.profile_dir is not None and not isinstance(self.profile_dir, (str, os.PathLike)):
-            raise ValueError(f"profile_dir must be a path or None, got {self.profile_dir!r}")
-        for name in ("rank_every", "rank_top_k", "grad_error_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.grad_error_ratios is not None:
-            if isinstance(self.grad_error_ratios, (str, float, int)):
-                raise ValueError(f"grad_error_ratios must be a sequence of ratios, got {self.grad_error_ratios!r}")
-            ratios = tuple(self.grad_error_ratios)
-            if not ratios or not all(is_number(r) and 0.0 < r <= 1.0 for r in ratios):
-                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {self.grad_error_ratios!r}")
-            object.__setattr__(self, "grad_error_ratios", ratios)
-        if not (is_number(self.study_exact_rows_mb) and 0 <= self.study_exact_rows_mb < math.inf):
-            raise ValueError(f"study_exact_rows_mb must be a finite number >= 0, got {self.study_exact_rows_mb!r}")
+@dataclass(frozen=True)
+class LowRankConfig(Section):
+    """The low-rank solvers' options: how many rows KID and KIS keep, KIS's draws (docs/solvers.md, "KIS")."""
 
-    def _check_policy(self) -> None:
-        for pattern, solver in dict(self.layer_solvers).items():
-            if solver not in LAYER_SOLVERS:
-                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {LAYER_SOLVERS}, got {solver!r}")
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"layer_solvers key {pattern!r} is not a valid regular expression: {err}") from err
-        if self.solver_fn is not None and not callable(self.solver_fn):
-            raise ValueError("solver_fn must be callable (layer_name, step, stats) -> solver")
-        if self.adaptive is not None:
-            window = tuple(self.adaptive)
-            if (
-                len(window) != 3
-                or not all(isinstance(e, int) and e >= 0 for e in window)
-                or not (window[1] <= window[2])
-            ):
-                raise ValueError(f"adaptive must be three epochs (a0, a1, a2) with a1 <= a2, got {self.adaptive!r}")
-            object.__setattr__(self, "adaptive", window)
-            if not (isinstance(self.iters_per_epoch, int) and self.iters_per_epoch >= 1):
-                raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
-        if self.trend_decay is not None and not (is_number(self.trend_decay) and 0.0 <= self.trend_decay < 1.0):
-            raise ValueError(
-                f"trend_decay must be in [0, 1) (or None: matched to trend_window), got {self.trend_decay!r}"
-            )
-        if not (isinstance(self.trend_window, int) and self.trend_window >= 1):
-            raise ValueError(f"trend_window must be an int >= 1, got {self.trend_window!r}")
-        if not (0.0 < self.critical_exit <= self.critical_enter):
-            raise ValueError(
-                f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
-                f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
-            )
-        if not (is_number(self.critical_noise) and 0.0 <= self.critical_noise < math.inf):
-            raise ValueError(f"critical_noise must be a finite number >= 0, got {self.critical_noise!r}")
+    section_name: ClassVar[str | None] = "lowrank"
 
-    def override_for(self, layer: str) -> LayerSolver | None:
-        """The ``layer_solvers`` entry whose pattern fully matches ``layer`` first, if any."""
-        for pattern, solver in self.layer_solvers.items():
-            if re.fullmatch(pattern, layer):
-                return solver
-        return None
+    rank_ratio: float = option(0.1, doc="KID/KIS rows kept per rank, r = max(1, ⌊ρ·n⌋); ρ in (0, 1]", rule=RATIO)
+    rank: int | None = option(
+        None,
+        doc="absolute rows kept per rank (overrides rank_ratio when set)",
+        rule=Rule(COUNT.holds, "an int >= 1 (rows kept per rank)"),
+    )
+    seed: int = option(
+        0,
+        doc="seed of the generator that draws the KIS rows (and of the studies' draws)",
+        rule=Rule(
+            lambda x: not _is_bool(x) and isinstance(x, numbers.Integral) and 0 <= int(x) < 2**63,
+            "an int in [0, 2**63)",
+        ),
+    )
+    kis_estimator: KISEstimator = option(
+        "unbiased",
+        doc="KIS's estimator: 'unbiased' (priority sampling with Horvitz–Thompson weights, divisor B) or "
+        "'hylo' (HyLo's unweighted draw, divisor m)",
+    )
 
-    def initial_solver(self, layer: str) -> SolverName:
-        """A layer's solver before its first update: its override, else ``solver``."""
-        return self.override_for(layer) or self.solver
+    def __post_init__(self) -> None:
+        self._check_fields()
+        self._set("seed", int(self.seed))
 
     def rows_kept(self, local_rows: int) -> int:
         """Rows r each rank keeps for KID/KIS out of ``local_rows``."""
@@ -354,9 +281,356 @@ class HyLoConfig:
             return min(self.rank, local_rows)
         return rows_for_ratio(self.rank_ratio, local_rows)
 
+
+@dataclass(frozen=True)
+class ConvConfig(Section):
+    """How a convolution's rows are built (docs/solvers.md, "Convolutions"; docs/design.md, "Memory")."""
+
+    section_name: ClassVar[str | None] = "conv"
+
+    conv_rows: ConvRows = option(
+        "sum",
+        doc="a convolution's low-rank rows: 'sum' (rank-one surrogate of each per-sample gradient with the right "
+        "scale), 'exact' (the true per-sample gradients, m·d_a·d_g numbers per layer) or 'mean' (HyLo's "
+        "surrogate, L times too small for L output positions)",
+        fixed=True,
+    )
+    max_unfold_mb: float = option(
+        DEFAULT_MAX_UNFOLD_MB,
+        doc="the most megabytes of a convolution's unfolded patches in flight at once (K-FAC's factor A, exact "
+        "rows and patch means are built in chunks of at most this size)",
+        rule=POSITIVE,
+        fixed=True,
+    )
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+
+
+@dataclass(frozen=True)
+class PolicyConfig(Section):
+    """How each layer's solver is chosen at an update (docs/hybrid-policy.md)."""
+
+    section_name: ClassVar[str | None] = "policy"
+
+    layer_solvers: Mapping[str, str] = option(
+        doc="per-layer overrides, {name regex (full match): solver}; first match wins", default_factory=dict
+    )
+    solver_fn: Callable[[str, int, LayerStats], str] | None = option(
+        None,
+        doc="(layer_name, step, stats) -> solver, called at update steps (see hylo.LayerStats); overrides the "
+        "built-in hybrid rule",
+        rule=Rule(callable, "callable (layer_name, step, stats) -> solver"),
+    )
+    fidelity_budget: float = option(
+        0.05,
+        doc="the hybrid policy gives a layer exact sngd (else kfac) when that costs at most this share of an "
+        "average layer's forward+backward work over the period; 0 turns the rule off",
+        rule=NON_NEGATIVE,
+    )
+    comm_flops_per_byte: float = option(
+        100.0,
+        doc="multiply-adds one byte of traffic is worth in the hybrid cost model (compute rate over network "
+        "bandwidth); used when P > 1",
+        rule=NON_NEGATIVE,
+    )
+    adaptive: tuple[int, int, int] | None = option(
+        None,
+        doc="HyLo's fixed windows (a0, a1, a2) in epochs of iters_per_epoch steps: the critical variant iff "
+        "step < I·a0 or I·a1 < step <= I·a2 (0-based step), the stable one otherwise; replaces the trend",
+        rule=Rule(
+            lambda w: len(tuple(w)) == 3 and all(isinstance(e, int) and e >= 0 for e in w) and w[1] <= w[2],
+            "three epochs (a0, a1, a2) with a1 <= a2",
+        ),
+    )
+    iters_per_epoch: int | None = option(None, doc="steps per epoch, for adaptive", rule=COUNT)
+    trend_decay: float | None = option(
+        None,
+        doc="EMA decay of each layer's gradient norm (and its square); None: 1 − 2/(trend_window + 1)",
+        rule=Rule(DECAY.holds, "in [0, 1) (or None: matched to trend_window)"),
+    )
+    trend_window: int = option(100, doc="steps over which the EMA's relative change is measured", rule=COUNT)
+    critical_enter: float = option(
+        0.2,
+        doc="a layer becomes critical when the change exceeds this (or critical_noise × its noise, if larger)",
+        rule=POSITIVE,
+    )
+    critical_exit: float = option(
+        0.1,
+        doc="a critical layer becomes stable when the change falls below this (or half the noise threshold)",
+        rule=POSITIVE,
+    )
+    critical_noise: float = option(
+        3.0, doc="z, the multiple of the change's noise (std) a change must exceed; 0 disables", rule=NON_NEGATIVE
+    )
+    critical_variant: str = option("kid", doc="the low-rank variant of a layer in the critical regime", rule=_variant())
+    stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=_variant())
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        for pattern, solver in dict(self.layer_solvers).items():
+            if solver not in solver_names():
+                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {solver_names()}, got {solver!r}")
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(f"layer_solvers key {pattern!r} is not a valid regular expression: {err}") from err
+        if self.adaptive is not None:
+            self._set("adaptive", tuple(self.adaptive))
+            if self.iters_per_epoch is None:
+                raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
+        if not self.critical_exit <= self.critical_enter:
+            raise ValueError(
+                f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
+                f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
+            )
+
+    def override_for(self, layer: str) -> str | None:
+        """The ``layer_solvers`` entry whose pattern fully matches ``layer`` first, if any."""
+        for pattern, solver in self.layer_solvers.items():
+            if re.fullmatch(pattern, layer):
+                return solver
+        return None
+
+    @property
+    def decay(self) -> float:
+        """The trend's EMA decay: ``trend_decay``, or the one whose memory is ``trend_window`` steps."""
+        return window_decay(self.trend_window) if self.trend_decay is None else self.trend_decay
+
+
+@dataclass(frozen=True)
+class DistributedConfig(Section):
+    """How ranks share the work (docs/distributed.md)."""
+
+    section_name: ClassVar[str | None] = "distributed"
+
+    strategy: Strategy = option(
+        "inverse",
+        doc="'inverse' (owners broadcast solved states; no traffic between updates) or 'gradient' (owners keep "
+        "their states and broadcast preconditioned gradients every step; less memory per rank)",
+        fixed=True,
+    )
+    bucket_cap_mb: float = option(
+        25.0, doc="largest flat buffer of one collective (default communicator only)", rule=POSITIVE, fixed=True
+    )
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+
+
+def _path(x: object) -> bool:
+    return isinstance(x, (str, os.PathLike))
+
+
+@dataclass(frozen=True)
+class TelemetryConfig(Section):
+    """Profiling and the paper's studies (docs/profiling.md)."""
+
+    section_name: ClassVar[str | None] = "telemetry"
+
+    profile_dir: str | os.PathLike[str] | None = option(
+        None,
+        doc="directory of the profiling and study CSVs (timing-r{rank}.csv and steps-r{rank}.csv on every rank; "
+        "decisions.csv, run.json and the studies' files on rank 0). None: nothing is timed or written",
+        rule=Rule(_path, "a path or None"),
+        fixed=True,
+    )
+    profile_append: bool = option(
+        False,
+        doc="continue the files already in profile_dir (a resumed run) instead of refusing them",
+        rule=Rule(lambda x: isinstance(x, bool), "a bool"),
+        fixed=True,
+    )
+    studies: tuple[Study, ...] = option(
+        (),
+        doc="any of 'grad_norm' (every step), 'rank' and 'grad_error' (sampled update steps); they need profile_dir",
+        rule=Rule(lambda s: not isinstance(s, str) and all(x in STUDIES for x in s), f"drawn from {STUDIES}"),
+        fixed=True,
+    )
+    rank_every: int = option(1, doc="run the rank study at every rank_every-th update", rule=COUNT)
+    rank_top_k: int = option(10, doc="eigenvalues of K/B written per layer (sv_1 … sv_k)", rule=COUNT, fixed=True)
+    grad_error_every: int = option(
+        1, doc="run the gradient-error study at every grad_error_every-th update", rule=COUNT
+    )
+    grad_error_methods: tuple[str, ...] = option(
+        ("kid", "kis"),
+        doc="the solvers compared with exact SNGD by the gradient-error study (any registered solver; 'sngd' "
+        "measures the run's own convolution rows)",
+        rule=Rule(
+            lambda m: not isinstance(m, str) and len(m) > 0 and all(x in solver_names() for x in m),
+            "a non-empty selection of the registered solvers",
+        ),
+    )
+    grad_error_ratios: tuple[float, ...] | None = option(
+        None,
+        doc="the ρ at which row-reducing solvers (KID, KIS) are measured; None: (rank_ratio,)",
+        rule=Rule(
+            lambda r: not isinstance(r, (str, float, int)) and len(r) > 0 and all(RATIO.holds(x) for x in r),
+            "ratios in (0, 1]",
+        ),
+    )
+    study_exact_rows_mb: float = option(
+        256.0,
+        doc="largest gathered exact per-sample rows (m·d_a·d_g numbers) of a convolution the studies build for "
+        "their reference; above it they use conv_rows",
+        rule=NON_NEGATIVE,
+    )
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        for name in ("studies", "grad_error_methods", "grad_error_ratios"):
+            if getattr(self, name) is not None:
+                self._set(name, tuple(getattr(self, name)))
+        if self.studies and self.profile_dir is None:
+            raise ValueError(f"studies {self.studies} write CSV files: set profile_dir")
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "kfac": KFACConfig,
+    "lowrank": LowRankConfig,
+    "conv": ConvConfig,
+    "policy": PolicyConfig,
+    "distributed": DistributedConfig,
+    "telemetry": TelemetryConfig,
+}
+
+
+@dataclass(frozen=True, init=False)
+class HyLoConfig(Section):
+    """Options of :class:`hylo.HyLoPreconditioner` (docs/usage.md, "Options").
+
+    Give options flat (``HyLoConfig(solver="kfac", factor_decay=0.9)``), as sections
+    (``HyLoConfig(kfac=KFACConfig(factor_decay=0.9))``) or both (flat options apply on top of
+    the sections given). Read them through the sections (``config.kfac.factor_decay``);
+    :meth:`replace` makes a changed copy. :func:`options` lists every option with its meaning.
+    """
+
+    solver: str = option(
+        HYBRID,
+        doc="'kfac', 'sngd', 'kid', 'kis' (or a registered variant), or 'hybrid' to choose one per layer and update",
+        rule=_solver(allow_hybrid=True),
+    )
+    update_freq: IntHyper = option(
+        10, doc="steps between curvature updates (step 0 is an update step)", rule=COUNT, schedule=True
+    )
+    damping: Hyper = option(1.0, doc="Tikhonov damping λ > 0 of (F + λI)", rule=POSITIVE, schedule=True)
+    kl_clip: Hyper | None = option(
+        None,
+        doc="scale the whole preconditioned step by min(1, sqrt(kl_clip / (lr²·Σ v̂·∇W))); None disables it",
+        rule=Rule(POSITIVE.holds, "a finite number > 0 (or None to disable)"),
+        schedule=True,
+    )
+    lr: Hyper | None = option(
+        None, doc="learning rate used by kl_clip (required when kl_clip is set)", rule=POSITIVE, schedule=True
+    )
+    skip_layers: tuple[str, ...] = option(
+        (), doc="module names or class names (regular expressions, full match) to leave alone", rule=REGEXES, fixed=True
+    )
+    damping_convention: DampingConvention = option(
+        "hylo",
+        doc="'hylo' (λ damps the Fisher of g = n·∂L/∂s, the same at every batch size) or 'kaisa' (every layer's "
+        "Fisher divided by KAISA's ratio c, so KAISA's damping and learning rate carry over)",
+        fixed=True,
+    )
+    kfac: KFACConfig = field(default_factory=KFACConfig)
+    lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    conv: ConvConfig = field(default_factory=ConvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def __init__(self, **options: Any) -> None:
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in options.items():
+            if key in SECTIONS:
+                if not isinstance(value, SECTIONS[key]):
+                    raise ValueError(f"{key} must be a {SECTIONS[key].__name__}, got {type(value).__name__}")
+                continue
+            section = _SECTION_OF.get(key, ...)
+            if section is ...:
+                known = sorted(_SECTION_OF)
+                close = [name for name in known if name.startswith(key[:4])][:3]
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise TypeError(f"unknown hylo option {key!r}{hint} (see hylo.config.options())")
+            if section is None:
+                self._set(key, value)
+            else:
+                sections[section][key] = value
+        for f in fields(self):
+            if f.name in SECTIONS:
+                base: Any = options.get(f.name) or SECTIONS[f.name]()
+                self._set(f.name, dataclasses.replace(base, **sections[f.name]) if sections[f.name] else base)
+            elif f.name not in options:
+                self._set(f.name, _default(f))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.skip_layers, str):
+            raise ValueError("skip_layers must be a sequence of names, not a single string")
+        self._check_fields()
+        self._set("skip_layers", tuple(self.skip_layers))
+        if self.kl_clip is not None and self.lr is None:
+            raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
+
+    def replace(self, **options: Any) -> HyLoConfig:
+        """A copy with ``options`` (flat names or sections) changed, checked like a new config."""
+        return dataclasses.replace(self, **options)
+
+    def value(self, name: str) -> Any:
+        """The value of option ``name`` (a flat name, whatever its section)."""
+        section = _SECTION_OF[name]
+        return getattr(self if section is None else getattr(self, section), name)
+
+    def initial_solver(self, layer: str) -> str:
+        """A layer's solver before its first update: its override, else ``solver``."""
+        return self.policy.override_for(layer) or self.solver
+
     def constants(self) -> dict[str, Any]:
-        """The options that are plain values (callables are left out; paths as strings), for ``state_dict``."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
-        if values["profile_dir"] is not None:
+        """Every option that is a plain value, by flat name (callables left out; paths as strings)."""
+        values = {spec.name: self.value(spec.name) for spec in options()}
+        values = {name: value for name, value in values.items() if not callable(value)}
+        if values.get("profile_dir") is not None:
             values["profile_dir"] = os.fspath(values["profile_dir"])
         return values
+
+
+#: The top level and every section, in the order :func:`options` lists them.
+_CLASSES: tuple[type[Section], ...] = (HyLoConfig, *SECTIONS.values())
+
+
+def options() -> list[OptionSpec]:
+    """Every option of :class:`HyLoConfig`, top level first, then section by section."""
+    return [spec for cls in _CLASSES for spec in cls.option_specs().values()]
+
+
+#: Each option's section (None: the top level) and rule, by flat name; an option name is defined once.
+_SECTION_OF: dict[str, str | None] = {}
+_RULES: dict[str, Rule] = {}
+for _cls in _CLASSES:
+    for _field in _fields(_cls):
+        if "doc" not in _field.metadata:
+            continue
+        if _field.name in _SECTION_OF or _field.name in SECTIONS:
+            raise ImportError(f"option name {_field.name!r} is defined twice")
+        _SECTION_OF[_field.name] = _cls.section_name
+        if _field.metadata["rule"] is not None:
+            _RULES[_field.name] = _field.metadata["rule"]
+
+
+def rows_for_ratio(ratio: float, rows: int) -> int:
+    """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
+    return min(rows, max(1, math.floor(ratio * rows)))
+
+
+def window_decay(window: int) -> float:
+    """EMA decay whose effective memory is ``window`` steps: 1 − 2/(window + 1)."""
+    return 1.0 - 2.0 / (window + 1)
+
+
+def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
+    """Evaluate option ``name`` — a constant or a callable of the step — at ``step``, checked by its rule."""
+    if callable(value):
+        result = value(step)
+        _RULES[name].check(name, result, step)
+        return result
+    return value

@@ -2,25 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from hylo.solvers import LayerSolver
-
 #: Why a solver was chosen (see :class:`Decision`).
-#: ``"planned"``: the backward reduced the layer's calls for the other family than the update's decision
+#: ``"planned"``: the backward reduced the layer's calls for another family than the update's decision
 #: (docs/design.md, "Memory"), so the update keeps the family the data was reduced for.
 Reason = Literal["override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable", "planned"]
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
-@dataclass(frozen=True)
-class LayerStats:
+class _Costs:
+    """The named costs of the built-in columns, read from a ``costs`` mapping."""
+
+    __slots__ = ()
+
+    costs: Mapping[str, float]
+    #: The low-rank variant the layer's regime calls for (the policy's critical or stable variant).
+    lowrank: str
+
+    @property
+    def cost_kfac(self) -> float:
+        """K-FAC's cost."""
+        return self.costs["kfac"]
+
+    @property
+    def cost_lowrank(self) -> float:
+        """The cost of the low-rank variant the regime calls for (``lowrank``)."""
+        return self.costs[self.lowrank]
+
+    @property
+    def cost_sngd(self) -> float:
+        """Exact SNGD's cost."""
+        return self.costs["sngd"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStats(_Costs):
     """What a policy knows of one layer at an update step (the argument of ``solver_fn``).
 
-    Costs are the hybrid cost model's multiply-adds per update period (traffic included when
-    P > 1): ``cost_lowrank`` is that of the low-rank variant the regime calls for (``kid``
-    when critical, else ``kis``), and ``budget`` what a solver may cost to be taken for fidelity.
+    ``costs`` are the hybrid cost model's multiply-adds per update period of every registered
+    solver (traffic included when P > 1; docs/hybrid-policy.md, "Cost model"); ``lowrank`` names
+    the variant the regime calls for (``cost_lowrank`` is its cost), and ``budget`` is what a
+    solver may cost to be taken for fidelity.
     """
 
     name: str
@@ -35,22 +60,21 @@ class LayerStats:
     grad_norm: float
     trend: float | None
     critical: bool
-    cost_kfac: float
-    cost_lowrank: float
-    cost_sngd: float
+    costs: Mapping[str, float]
+    lowrank: str
     budget: float
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One layer's solver at one update step and why (an entry of ``decision_log``)."""
+@dataclass(frozen=True, slots=True)
+class Decision(_Costs):
+    """One layer's solver at one update step and why (an entry of ``decision_log``), with the costs it
+    weighed by solver and the low-rank variant its regime called for."""
 
     step: int
     layer: str
-    solver: LayerSolver
+    solver: str
     reason: Reason
     critical: bool
     trend: float | None
-    cost_kfac: float
-    cost_lowrank: float
-    cost_sngd: float
+    costs: Mapping[str, float]
+    lowrank: str

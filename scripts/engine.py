@@ -156,7 +156,7 @@ class RunConfig:
     adaptive: tuple[int, int, int] | None = None
     trend_window: int = 100
     conv_rows: str = "sum"
-    kfc_exponent: float = hylo.HyLoConfig.kfc_exponent
+    kfc_exponent: float = hylo.KFACConfig.kfc_exponent
     damping_convention: str = "hylo"
     kis_estimator: str = "unbiased"
     factor_update_freq: int | None = None

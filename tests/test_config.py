@@ -122,11 +122,11 @@ def test_invalid_rank(value: float) -> None:
 
 
 def test_rows_kept() -> None:
-    assert HyLoConfig(rank_ratio=0.1).rows_kept(64) == 6
-    assert HyLoConfig(rank_ratio=1e-9).rows_kept(64) == 1
-    assert HyLoConfig(rank_ratio=1.0).rows_kept(64) == 64
-    assert HyLoConfig(rank_ratio=0.1, rank=9).rows_kept(64) == 9  # rank overrides rank_ratio
-    assert HyLoConfig(rank=100).rows_kept(64) == 64
+    assert HyLoConfig(rank_ratio=0.1).lowrank.rows_kept(64) == 6
+    assert HyLoConfig(rank_ratio=1e-9).lowrank.rows_kept(64) == 1
+    assert HyLoConfig(rank_ratio=1.0).lowrank.rows_kept(64) == 64
+    assert HyLoConfig(rank_ratio=0.1, rank=9).lowrank.rows_kept(64) == 9  # rank overrides rank_ratio
+    assert HyLoConfig(rank=100).lowrank.rows_kept(64) == 64
 
 
 # --------------------------------------------------------------------------- policy options
@@ -164,8 +164,8 @@ def test_policy_options_are_validated(options: dict[str, Any]) -> None:
 )
 def test_trend_options_accept_valid_values(options: dict[str, Any]) -> None:
     config = HyLoConfig(**options)
-    assert config.trend_decay == options.get("trend_decay")  # None by default: matched to the window
-    assert config.critical_noise == options.get("critical_noise", 3.0)
+    assert config.policy.trend_decay == options.get("trend_decay")  # None by default: matched to the window
+    assert config.policy.critical_noise == options.get("critical_noise", 3.0)
     HyLoPreconditioner(mlp(), **options)
 
 

@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hylo import HyLoPreconditioner
+from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.layers import (
     EmbeddingMath,
     LayerBatch,
     OneHotRows,
-    supported_math,
+    layer_math,
     unsupported_reason,
 )
-from hylo.rows import FactoredRows
+from hylo.layers.rows import FactoredRows
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, rel_err
 from tests.kit.reference import dense_kfac, dense_natural_gradient
 
@@ -161,7 +161,7 @@ def hylo_matrix(net: EmbNet) -> Tensor:
 def test_embedding_math_shapes_and_factors() -> None:
     """d_g = embedding_dim, d_a = num_embeddings; A = diag(counts) by bincount; rows are one-hot."""
     emb = nn.Embedding(V, D, padding_idx=3, dtype=DT)
-    math = supported_math(emb)
+    math = layer_math(emb, HyLoConfig())
     assert isinstance(math, EmbeddingMath)
     assert (math.d_g, math.d_a, math.bias) == (D, V, None)
     idx = torch.tensor([[1, 3, 1, 4], [3, 0, 1, 10]])
@@ -180,7 +180,7 @@ def test_embedding_math_shapes_and_factors() -> None:
     assert isinstance(rows, OneHotRows)
     assert rows.tokens.tolist() == [1, -1, 1, 4, -1, 0, 1, 10]  # padding marked −1
     assert math.row_work(8, 8) == 8.0 * V
-    batch = LayerBatch.collect(math, [(idx, grad_out)], lambda n: n)
+    batch = LayerBatch.of(math, [(idx, grad_out)], lambda n: n)
     assert batch.shape(1).d_a == V and batch.shape(1).rows == 8
 
 

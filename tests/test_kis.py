@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from hylo.distributed.payload import Payload
 from hylo.layers import LayerBatch, LinearMath
-from hylo.payload import Payload
+from hylo.solvers import family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
-from hylo.solvers.lowrank import LowRankFamily
 from hylo.solvers.reduce import priority_sample
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
 from tests.kit.checks import DT, rel_err
@@ -51,7 +51,7 @@ def fisher(x: Tensor, grad_out: Tensor) -> Tensor:
 def gathered_update(x: Tensor, grad_out: Tensor, counts: list[int], r: int, seed: int, estimator: str) -> LowRankUpdate:
     """The KIS solve input of one layer split over ``len(counts)`` ranks, gathered in rank order."""
     layer = nn.Linear(D_IN, D_OUT, bias=False, dtype=DT)
-    family = LowRankFamily()
+    family = family_of("kis")
     contributions: list[Payload] = []
     start = 0
     for rank, count in enumerate(counts):
@@ -59,12 +59,12 @@ def gathered_update(x: Tensor, grad_out: Tensor, counts: list[int], r: int, seed
         start += count
         # each rank's output gradients are those of its local mean loss: count/B times the global ones
         local = grad_out[part] * (x.shape[0] / count)
-        batch = LayerBatch.collect(LinearMath(layer), [(x[part], local)], lambda n: min(r, n))
+        batch = LayerBatch.of(LinearMath(layer), [(x[part], local)], lambda n: min(r, n))
         context = UpdateContext(rank=rank, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator)
         contributions.append(family.contribute([UpdateJob("fc", "kis", batch, None)], context).payload)
     received = Payload({key: torch.cat([c[key] for c in contributions]) for key in contributions[0]})
     context = UpdateContext(rank=0, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator)
-    job = UpdateJob("fc", "kis", LayerBatch.collect(LinearMath(layer), [(x, grad_out)], lambda n: n), None)
+    job = UpdateJob("fc", "kis", LayerBatch.of(LinearMath(layer), [(x, grad_out)], lambda n: n), None)
     (update,) = family.prepare([job], received, context)
     return update
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo import HyLoPreconditioner
-from hylo.rows import FactoredRows
+from hylo.layers import FACTORS, ROWS
+from hylo.layers.rows import FactoredRows
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
 from tests.kit.models import batch, mlp, one_step
 from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
@@ -108,11 +109,11 @@ def test_conv_followed_by_inplace_relu(solver: str) -> None:
     # the hook reduced the call from the pre-ReLU gradient (rows or factors with g = ∂L/∂s, unscaled)
     assert record.call is not None and record.inputs is None
     if solver == "sngd":
-        assert isinstance(record.call.lowrank, FactoredRows)
-        torch.testing.assert_close(record.call.lowrank.g * 4, conv_ref["g_sum"], rtol=1e-12, atol=1e-14)
+        assert isinstance(record.call.reduced.get(ROWS), FactoredRows)
+        torch.testing.assert_close(record.call.reduced.get(ROWS).g * 4, conv_ref["g_sum"], rtol=1e-12, atol=1e-14)
     else:
-        assert record.call.factors is not None
-        torch.testing.assert_close(record.call.factors[1] * 16 / 4, conv_ref["G"], rtol=1e-12, atol=1e-14)
+        assert record.call.reduced.get(FACTORS) is not None
+        torch.testing.assert_close(record.call.reduced.get(FACTORS)[1] * 16 / 4, conv_ref["G"], rtol=1e-12, atol=1e-14)
     a, g = linear_rows(ref[3], flat, logits.grad)
     if solver == "sngd":
         expected_conv = dense_sngd(conv_ref["a"], conv_ref["g_sum"], grads[0], damping)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from hylo.rows import FactoredRows
+from hylo.layers.rows import FactoredRows
 from hylo.solvers.reduce import kid_skeleton
 from tests.kit.cases import LINEAR_SHAPES, conv_case, linear_case, scheduled_damping_steps
 from tests.kit.checks import DT, assert_rel_close, grad_matrix, rel_err
@@ -368,7 +368,7 @@ def test_memory_usage_is_m_rows_plus_m_squared(solver: str, option: dict, dtype:
     x, img = torch.randn(n, 40, dtype=dtype), torch.randn(n, 3, 5, 5, dtype=dtype)
     (lin(x).square().mean() + conv(img).square().mean()).backward()
     pre.step()
-    m = HyLoConfig(**option).rows_kept(n)
+    m = HyLoConfig(**option).lowrank.rows_kept(n)
     dims = {"lin": (40 + 1, 30), "conv": (3 * 3 * 3, 8)}
     usage = pre.memory_usage()
     elem = torch.finfo(dtype).bits // 8

@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from hylo import HyLoPreconditioner
-from hylo.layers import Conv2dMath, LayerBatch, LinearMath
-from hylo.rows import DenseRows, FactoredRows
+from hylo.layers import FACTORS, ROWS, Conv2dMath, LayerBatch, LinearMath
+from hylo.layers.rows import DenseRows, FactoredRows
+from hylo.solvers import family_of
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.reference import conv_reference, dense_kfac, linear_rows
 
@@ -86,23 +87,25 @@ def test_conv_calls_reduced_in_the_hook_equal_raw_and_reference(case: str, solve
     expected_bytes = 0
     for call, n in zip(calls, MICRO_BATCHES, strict=True):  # what each call holds: its rows and/or factor sums
         assert call.raw is None
-        expected_bytes += (n * (d_a + d_g) if call.lowrank is not None else 0) * DT.itemsize
-        expected_bytes += (d_a**2 + d_g**2 if call.factors is not None else 0) * DT.itemsize
+        expected_bytes += (n * (d_a + d_g) if call.reduced.get(ROWS) is not None else 0) * DT.itemsize
+        expected_bytes += (d_a**2 + d_g**2 if call.reduced.get(FACTORS) is not None else 0) * DT.itemsize
     assert pre.memory_breakdown().captured[layer.name] == expected_bytes
-    reduced = LayerBatch.collect(layer.math, calls, pre.config.rows_kept)
+    reduced = LayerBatch.of(layer.math, calls, pre.config.lowrank.rows_kept)
 
     x, s, ds = _reference_calls(twin, xs, target)
     ref = conv_reference(twin[0], x, s, ds)
-    raw = LayerBatch.collect(layer.math, [(x, ds)], pre.config.rows_kept)
+    raw = LayerBatch.of(layer.math, [(x, ds)], pre.config.lowrank.rows_kept)
     assert (reduced.rows, reduced.kfac_rows) == (raw.rows, raw.kfac_rows) == (x.shape[0], x.shape[0] * s[0, 0].numel())
     if solver == "kfac":
-        assert all(call.factors is not None and call.lowrank is None for call in reduced.calls)
-        for got, today, expected in zip(reduced.kfac_factors(), raw.kfac_factors(), (ref["A"], ref["G"]), strict=True):
+        assert all(call.reduced.get(FACTORS) is not None and call.reduced.get(ROWS) is None for call in reduced.calls)
+        for got, today, expected in zip(
+            reduced.collect(FACTORS), raw.collect(FACTORS), (ref["A"], ref["G"]), strict=True
+        ):
             torch.testing.assert_close(got, today, rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
     else:
-        assert all(call.lowrank is not None for call in reduced.calls)
-        got, today = reduced.lowrank_rows(), raw.lowrank_rows()
+        assert all(call.reduced.get(ROWS) is not None for call in reduced.calls)
+        got, today = reduced.collect(ROWS), raw.collect(ROWS)
         assert isinstance(got, FactoredRows) and isinstance(today, FactoredRows)
         for field, expected in (("a", ref["a"]), ("g", ref["g_sum"])):
             torch.testing.assert_close(getattr(got, field), getattr(today, field), rtol=1e-12, atol=1e-14)
@@ -123,8 +126,8 @@ def test_linear_kfac_calls_reduce_to_factors_when_smaller(bias: bool) -> None:
     for x, t in zip(xs, target, strict=True):
         (net(x) - t).square().mean().backward()
     layer = pre._layers[0]
-    reduced = LayerBatch.collect(layer.math, layer.capture.calls(), pre.config.rows_kept)
-    assert all(call.raw is None and call.factors is not None for call in reduced.calls)
+    reduced = LayerBatch.of(layer.math, layer.capture.calls(), pre.config.lowrank.rows_kept)
+    assert all(call.raw is None and call.reduced.get(FACTORS) is not None for call in reduced.calls)
 
     inputs, grads = [], []
     for x, t in zip(xs, target, strict=True):
@@ -135,8 +138,8 @@ def test_linear_kfac_calls_reduce_to_factors_when_smaller(bias: bool) -> None:
         grads.append(s.grad)
     a, g = linear_rows(twin[0], torch.cat(inputs), torch.cat(grads))
     expected = (a.mT @ a / a.shape[0], g.mT @ g / a.shape[0])
-    today = LayerBatch.collect(LinearMath(twin[0]), [(torch.cat(inputs), torch.cat(grads))], pre.config.rows_kept)
-    for got, raw, ref in zip(reduced.kfac_factors(), today.kfac_factors(), expected, strict=True):
+    today = LayerBatch.of(LinearMath(twin[0]), [(torch.cat(inputs), torch.cat(grads))], pre.config.lowrank.rows_kept)
+    for got, raw, ref in zip(reduced.collect(FACTORS), today.collect(FACTORS), expected, strict=True):
         torch.testing.assert_close(got, raw, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
 
@@ -297,7 +300,7 @@ def test_update_keeps_the_family_the_backward_reduced_for(monkeypatch: pytest.Mo
 
     model = _small_conv_head()
     pre = HyLoPreconditioner(model, solver="hybrid", **options)
-    monkeypatch.setattr(pre, "_forecast", lambda: ["lowrank"] * len(pre._layers))
+    monkeypatch.setattr(pre._planner, "forecast", lambda config: [family_of("kid")] * len(pre._layers))
     F.cross_entropy(model(x), y).backward()
     pre.step()
     conv_decision = next(d for d in pre.decision_log if d.layer == "0")
@@ -316,10 +319,10 @@ def test_forecast_for_kfac_keeps_rows_for_a_lowrank_decision(monkeypatch: pytest
     model = _small_conv_head()
     x, y = torch.randn(64, 2, 2, 2, dtype=DT), torch.randint(0, 3, (64,))
     pre = HyLoPreconditioner(model, solver="hybrid", update_freq=1, damping=0.1, fidelity_budget=1e9)
-    monkeypatch.setattr(pre, "_forecast", lambda: ["kfac"] * len(pre._layers))
+    monkeypatch.setattr(pre._planner, "forecast", lambda config: [family_of("kfac")] * len(pre._layers))
     F.cross_entropy(model(x), y).backward()
     (call,) = pre._layers[0].capture.calls()
-    assert call.factors is not None and call.lowrank is not None
+    assert call.reduced.get(FACTORS) is not None and call.reduced.get(ROWS) is not None
     pre.step()
     assert [(d.solver, d.reason) for d in pre.decision_log] == [("sngd", "fidelity")] * 2
 

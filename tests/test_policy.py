@@ -26,8 +26,9 @@ from torch import Tensor, nn
 
 import hylo.preconditioner as preconditioner_module
 from hylo import HyLoConfig, HyLoPreconditioner, LayerStats
-from hylo.policy import SolverPolicy
-from hylo.solvers import LAYER_SOLVERS, LayerShape, family_of
+from hylo.layers import LayerShape
+from hylo.policy import SolverPolicy, is_dynamic
+from hylo.solvers import LAYER_SOLVERS, family_of
 from hylo.solvers.kfac import EIGH_COST
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.harness import run_distributed
@@ -84,7 +85,7 @@ def test_cost_kfac_cheaper_for_small_layers(d_a: int, d_g: int, n: int, n_k: int
     assert lowrank_cost("kis", d_a, d_g, n, r, f) < c_kid
     assert c_kfac < c_kid, (c_kfac, c_kid)
     config = HyLoConfig(solver="hybrid", update_freq=f, fidelity_budget=0.0)
-    (decision,) = SolverPolicy(config, ["layer"]).decide(0, [LayerShape(d_a, d_g, n, n_k, r)], f, 1)
+    (decision,) = SolverPolicy(["layer"]).decide(0, [LayerShape(d_a, d_g, n, n_k, r)], f, 1, config)
     assert (decision.solver, decision.reason) == ("kfac", "cost")
     assert (decision.cost_kfac, decision.cost_lowrank) == (c_kfac, c_kid)  # critical at step 0: KID's cost
     assert decision.cost_sngd == lowrank_cost("sngd", d_a, d_g, n, r, f)
@@ -95,16 +96,16 @@ def test_cost_lowrank_cheaper_for_wide_layers(d_a: int, d_g: int, n: int, n_k: i
     c_kfac, c_kid = kfac_cost(d_a, d_g, n_k, f), lowrank_cost("kid", d_a, d_g, n, r, f)
     assert c_kid < c_kfac, (c_kfac, c_kid)
     config = HyLoConfig(solver="hybrid", update_freq=f, trend_window=1, fidelity_budget=0.0)
-    policy = SolverPolicy(config, ["layer"])
+    policy = SolverPolicy(["layer"])
     shape = LayerShape(d_a, d_g, n, n_k, r)
-    (first,) = policy.decide(0, [shape], f, 1)
+    (first,) = policy.decide(0, [shape], f, 1, config)
     assert (first.solver, first.reason, first.critical) == ("kid", "critical", True)  # no history yet
     assert first.cost_lowrank == c_kid
     # A stable gradient norm afterwards → stable → KIS, charged only for the row norms it computes.
-    policy.trend.observe(torch.tensor([3.0], dtype=DT))
-    policy.decide(f, [shape], f, 1)
-    policy.trend.observe(torch.tensor([3.0], dtype=DT))
-    (later,) = policy.decide(2 * f, [shape], f, 1)
+    policy.trend.observe(torch.tensor([3.0], dtype=DT), config.policy.decay)
+    policy.decide(f, [shape], f, 1, config)
+    policy.trend.observe(torch.tensor([3.0], dtype=DT), config.policy.decay)
+    (later,) = policy.decide(2 * f, [shape], f, 1, config)
     assert (later.solver, later.reason, later.critical, later.trend) == ("kis", "stable", False, 0.0)
     assert later.cost_lowrank == lowrank_cost("kis", d_a, d_g, n, r, f)
     assert c_kid - later.cost_lowrank == n * r * (d_a + d_g) + n * r**2 - n * (d_a + d_g)
@@ -121,7 +122,7 @@ def test_cost_formulas_recomputed_by_hand() -> None:
     assert (factors, eighs, rotations) == (2_751_463_424, 391_915_765_760, 241_591_910_400)
     shape = LayerShape(d_a, d_g, n, n, r)
     assert family_of("kfac").cost(shape, "kfac").per_period(f) == 636_259_139_584 == factors + eighs + rotations
-    # KID: n² (d_a + d_g) + n r² + m² (d_a + d_g) + m³ + f · 2 m d_a d_g, m = r on one rank
+    # KID: n r (d_a + d_g) + n r² + m² (d_a + d_g) + m³ + f · 2 m d_a d_g, m = r on one rank
     local_kernel = 128 * 48 * 5120  # 31 457 280: r columns of the n×n kernel
     pivots = 128 * 48**2  # 294 912
     gathered_kernel = 48**2 * 5120  # 11 796 480
@@ -153,7 +154,7 @@ def test_exact_conv_rows_are_charged_for_their_width_and_traffic_when_distribute
     assert lowrank.per_period(f, 100.0) - lowrank.per_period(f) == 100.0 * lowrank.bytes
     # the policy adds the traffic only when P > 1
     config = HyLoConfig(solver="hybrid", fidelity_budget=0.0, comm_flops_per_byte=100.0)
-    (d,) = SolverPolicy(config, ["layer"]).decide(0, [spread], f, 4)
+    (d,) = SolverPolicy(["layer"]).decide(0, [spread], f, 4, config)
     assert d.cost_sngd == lowrank.per_period(f, 100.0)
 
 
@@ -165,21 +166,22 @@ def test_fidelity_first_where_exact_is_affordable() -> None:
     conv = LayerShape(577, 64, n, n * 64, 12)
     classifier = LayerShape(65, 10, n, n, 12)
     average = f * (3 * n * 64 * 577 * 64 + 3 * n * 65 * 10) / 2
-    cheap_only = SolverPolicy(HyLoConfig(solver="hybrid", fidelity_budget=0.0), ["conv", "fc"])
-    assert [d.solver for d in cheap_only.decide(0, [conv, classifier], f, 1)] == ["kid", "kid"]
-    policy = SolverPolicy(HyLoConfig(solver="hybrid"), ["conv", "fc"])
-    decisions = policy.decide(0, [conv, classifier], f, 1)
+    cheap_only = HyLoConfig(solver="hybrid", fidelity_budget=0.0)
+    policy = SolverPolicy(["conv", "fc"])
+    assert [d.solver for d in policy.decide(0, [conv, classifier], f, 1, cheap_only)] == ["kid", "kid"]
+    hybrid = HyLoConfig(solver="hybrid")
+    decisions = policy.decide(0, [conv, classifier], f, 1, hybrid)
     assert [(d.solver, d.reason) for d in decisions] == [("sngd", "fidelity"), ("sngd", "fidelity")]
     assert all(d.cost_sngd <= 0.05 * average for d in decisions)
     # A budget too small for SNGD on the classifier but enough for K-FAC gives K-FAC.
     c_sngd, c_kfac = decisions[1].cost_sngd, decisions[1].cost_kfac
     assert c_kfac < c_sngd
     budget = (c_kfac + c_sngd) / 2 / average
-    middle = SolverPolicy(HyLoConfig(solver="hybrid", fidelity_budget=budget), ["conv", "fc"])
-    assert [(d.solver, d.reason) for d in middle.decide(0, [conv, classifier], f, 1)][1] == ("kfac", "fidelity")
+    middle = HyLoConfig(solver="hybrid", fidelity_budget=budget)
+    assert [(d.solver, d.reason) for d in policy.decide(0, [conv, classifier], f, 1, middle)][1] == ("kfac", "fidelity")
     # Many ranks: the gathered SNGD solve (m = 64·128) is no longer negligible; the cost rule decides.
     wide = [LayerShape(577, 64, n, n * 64, 12, 64), LayerShape(65, 10, n, n, 12, 64)]
-    assert all(d.reason != "fidelity" or d.solver == "kfac" for d in policy.decide(0, wide, f, 64))
+    assert all(d.reason != "fidelity" or d.solver == "kfac" for d in policy.decide(0, wide, f, 64, hybrid))
 
 
 def test_preconditioner_picks_by_cost_on_real_layers() -> None:
@@ -323,7 +325,7 @@ def test_solver_fn_receives_sensible_layer_stats() -> None:
 
     decay = 0.5
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=3, rank_ratio=0.5, solver_fn=fn, trend_decay=decay)
-    assert pre._policy.dynamic  # a solver_fn makes decisions data-dependent even with a fixed solver
+    assert is_dynamic(pre.config)  # a solver_fn makes decisions data-dependent even with a fixed solver
     gen = torch.Generator().manual_seed(3)
     norms: dict[str, list[float]] = {"conv": [], "fc": []}
     for step in range(7):
@@ -377,7 +379,7 @@ def test_layer_override_with_fixed_solver() -> None:
         m = copy.deepcopy(model)
         pre = HyLoPreconditioner(m, update_freq=2, rank_ratio=1.0, damping=0.1, **options)
         if key == "mixed":
-            assert not pre._policy.dynamic
+            assert not is_dynamic(pre.config)
             assert [pre.solver_of(n) for n in ("fc1", "fc2", "head")] == ["kis", "kfac", "kis"]
         grads = []
         for step in range(3):

@@ -663,12 +663,12 @@ def test_profiling_off_costs_no_sync_and_writes_nothing(tmp_path: Path, monkeypa
 
     off, pre = syncs(None)
     assert off[1] == off[2] == 1, off
-    assert pre._recorder is None and pre._studies is None and not pre._watch.enabled
+    assert pre._telemetry.recorder is None and pre._telemetry.studies is None and not pre._telemetry.watch.enabled
     assert list(tmp_path.iterdir()) == []
 
     on, pre = syncs(tmp_path / "profile")
     assert on[1] == on[2] == 1, on
-    assert pre._recorder is not None
+    assert pre._telemetry.recorder is not None
     pre.close()
 
 
@@ -729,7 +729,7 @@ def test_close_flushes_once_and_stops_recording(tmp_path: Path) -> None:
     train(model, pre, range(4, 7))  # training continues, unrecorded
     pre.close()
     assert _snapshot(tmp_path) == closed
-    assert pre._recorder is None
+    assert pre._telemetry.recorder is None
 
 
 def test_remove_closes(tmp_path: Path) -> None:
@@ -737,7 +737,7 @@ def test_remove_closes(tmp_path: Path) -> None:
     model, pre = _profiled(tmp_path, studies=("grad_norm",))
     train(model, pre, range(4))
     pre.remove()
-    assert pre._recorder is None
+    assert pre._telemetry.recorder is None
     assert list(read(tmp_path, "steps-r0.csv").step) == [0, 1, 2, 3]
     assert list(read(tmp_path, "grad-norm.csv").step.unique()) == [0, 1, 2, 3]
     pre.close()

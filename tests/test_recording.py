@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hylo import profiling
-from hylo.profiling import Stopwatch
-from hylo.recording import CsvLog, existing_files
+from hylo.telemetry import profiling
+from hylo.telemetry.profiling import Stopwatch
+from hylo.telemetry.recording import CsvLog, existing_files
 
 
 def test_laps_split_by_weight_and_sum_to_the_total(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from hylo.rows import DenseRows, FactoredRows, sample_kernel
+from hylo.layers.rows import DenseRows, FactoredRows, sample_kernel
 from hylo.solvers.reduce import kid_skeleton, kis_select, pivoted_cholesky
 from tests.kit.checks import DT
 from tests.kit.reference import u_rows

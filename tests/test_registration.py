@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.config import resolve
-from hylo.registry import register_layers
+from hylo.layers.registry import register_layers
 from tests.kit.checks import DT
 from tests.kit.models import backward, batch, mlp
 
@@ -36,7 +36,7 @@ def _names(pre: HyLoPreconditioner) -> list[str]:
 # --------------------------------------------------------------------------- MultiheadAttention
 def test_multihead_attention_at_the_root_registers_its_projections_once() -> None:
     mha = nn.MultiheadAttention(8, 2, dtype=DT)
-    found = register_layers(mha, (), lambda name: True, lambda name: "sngd")
+    found = register_layers(mha, HyLoConfig(solver="sngd"), lambda name: True)
     assert [layer.name for layer in found.layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
     assert found.unsupported == [] and len(found.taps) == 1
     assert not mha.out_proj._forward_hooks  # captured by the attention's tap, never by a hook of its own
@@ -258,7 +258,7 @@ def test_callable_returning_a_bool_raises(name: str) -> None:
 @pytest.mark.parametrize("seed", [0, 2**63 - 1, np.int64(5)])
 def test_valid_seeds_are_plain_ints(seed: int) -> None:
     config = HyLoConfig(seed=seed)
-    assert type(config.seed) is int and config.seed == seed
+    assert type(config.lowrank.seed) is int and config.lowrank.seed == seed
 
 
 # --------------------------------------------------------------------------- pending captures

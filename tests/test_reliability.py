@@ -122,13 +122,13 @@ def test_overflowing_curvature_keeps_the_previous_state(solver: str) -> None:
     messages = _step_quietly(pre)
     assert any("non-finite curvature" in m and "fc1" in m for m in messages), messages
     assert pre._layers[0].state is states["fc1"]
-    assert pre._needs_update
+    assert pre._planner.needs_update
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     model.zero_grad()
     x, y = batch(2)
     F.cross_entropy(model(x.float()), y).backward()
     assert not _step_quietly(pre)
-    assert pre._layers[0].state is not states["fc1"] and not pre._needs_update
+    assert pre._layers[0].state is not states["fc1"] and not pre._planner.needs_update
 
 
 # --------------------------------------------------------------------------- 6. finiteness that cannot overflow
@@ -402,7 +402,7 @@ def test_grad_scaler_step_with_infs_is_skipped_quietly() -> None:
     scaler.step(opt)
     scaler.update()
     assert_same_tensors([p.detach() for p in model.parameters()], weights)  # the scaler skipped the step
-    assert scaler.get_scale() == 2.0**15 and pre._needs_update
+    assert scaler.get_scale() == 2.0**15 and pre._planner.needs_update
 
 
 def test_grad_scaler_argument_is_checked() -> None:
@@ -428,7 +428,7 @@ def _nan_on_one_rank(rank: int, world: int, strategy: str) -> dict[str, Any]:
             torch.equal(a, b) or (torch.isnan(a).any() and torch.equal(a.isnan(), b.isnan()))
             for a, b in zip(grads(model), raw, strict=True)
         )
-    return {"messages": messages, "unchanged": unchanged, "steps": pre.steps, "updates": pre._updates}
+    return {"messages": messages, "unchanged": unchanged, "steps": pre.steps, "updates": pre._planner.updates}
 
 
 @pytest.mark.parametrize("strategy", ["inverse", "gradient"])

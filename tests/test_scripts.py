@@ -171,7 +171,7 @@ def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
     assert pre is not None
     try:
-        c = pre.config
+        c = pre.config.telemetry
         assert str(c.profile_dir) == log_dir and c.studies == ("rank", "grad_error")
         assert (c.rank_every, c.grad_error_every) == (3, 3) and c.grad_error_ratios == (0.05, 0.2)
         assert c.grad_error_methods == ("kis", "kfac")
@@ -221,7 +221,7 @@ def test_kfac_convention_flags_reach_the_preconditioner() -> None:
     pre = make_preconditioner(build_model("cnn"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
     assert pre is not None
     try:
-        assert (pre.config.kfc_exponent, pre.config.damping_convention) == (2.0, "kaisa")
+        assert (pre.config.kfac.kfc_exponent, pre.config.damping_convention) == (2.0, "kaisa")
     finally:
         pre.remove()
     default = _parse([])

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 
 import hylo
 from hylo import HyLoPreconditioner
-from hylo.registry import UNSOLVED
+from hylo.checkpoint import READ_FORMATS, STATE_FORMAT
 from hylo.solvers import LayerState, RemoteState
-from hylo.statedict import READ_FORMATS, STATE_FORMAT
+from hylo.state import UNSOLVED
 from tests.kit.checks import assert_same_tensors, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
 from tests.kit.models import classifier_convnet, classifier_inputs, mlp, run
@@ -130,7 +130,7 @@ def _everything(pre: HyLoPreconditioner) -> dict[str, Any]:
         "state_dict": copy.deepcopy(pre.state_dict()),
         "config": pre.config,
         "generator": pre._generator.get_state(),
-        "flags": (pre._needs_update, pre._agree_after_load, pre._capture_cache, pre._updates),
+        "flags": (pre._planner.needs_update, pre._planner.step, pre._planner.updates),
         "layers": [(layer.solver, layer.owner) for layer in pre._layers],
     }
 
@@ -233,7 +233,7 @@ def test_owner_outside_the_world_is_reset(solver: str) -> None:
     run(model2, pre2, range(2))
     pre2.load_state_dict(saved)
     assert [info.owner for info in pre2.layer_info()] == [0, 0]
-    assert not pre2._needs_update  # full states are used as they are
+    assert not pre2._planner.needs_update  # full states are used as they are
     run(model2, pre2, range(2, 5))
     assert_same_tensors(state_snapshot(pre2), state_snapshot(pre))
 
@@ -258,7 +258,7 @@ def test_remote_entry_of_another_rank_is_recomputed_from_its_carried_factors(car
     pre2 = HyLoPreconditioner(model2, update_freq=3, **options)
     pre2.load_state_dict(saved)
     fc2 = pre2._layers[1]
-    assert fc2.owner == UNSOLVED and pre2._needs_update
+    assert fc2.owner == UNSOLVED and pre2._planner.needs_update
     assert isinstance(fc2.state, RemoteState) if carry else fc2.state is None
     run(model2, pre2, [2])
     assert [d.step for d in pre2.decision_log] == [2, 2]

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 import hylo
-from hylo.rows import FactoredRows
-from hylo.studies import kernel_spectrum, numerical_ranks
+from hylo.layers.rows import FactoredRows
+from hylo.telemetry.studies import kernel_spectrum, numerical_ranks
 from tests.kit.checks import grad_matrix
 from tests.kit.reference import dense_kfac, dense_natural_gradient, per_sample_matrices
 

@@ -168,7 +168,7 @@ def test_trend_window_reaches_hylo() -> None:
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
     assert pre is not None
     try:
-        assert pre.config.trend_window == 7
+        assert pre.config.policy.trend_window == 7
     finally:
         pre.remove()
 

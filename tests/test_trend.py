@@ -26,8 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from hylo.policy import GradNormTrend, SolverPolicy
-from hylo.solvers import LayerShape
+from hylo.config import PolicyConfig
+from hylo.layers import LayerShape
+from hylo.policy import SolverPolicy, in_critical_window
+from hylo.trend import GradNormTrend
 from tests.kit.checks import DT, HOST_SYNCS, counting_host_syncs, grad_matrix
 from tests.kit.models import regression_data, sequential, wide_model
 
@@ -47,12 +49,33 @@ def noisy_norms(steps: int, seed: int = 0) -> list[float]:
     return [-math.log(1.0 - rng.random()) for _ in range(steps)]
 
 
-def config_trend(**options: Any) -> GradNormTrend:
-    """A one-layer trend built from ``HyLoConfig(**options)`` (defaults otherwise)."""
-    return SolverPolicy(HyLoConfig(**options), ["layer"]).trend
+class BoundTrend:
+    """A :class:`GradNormTrend` of ``n`` layers called with the policy options a preconditioner would pass."""
+
+    def __init__(self, n: int, **options: Any) -> None:
+        self.trend = GradNormTrend(n)
+        self.config = PolicyConfig(**options)
+
+    @property
+    def decay(self) -> float:
+        return self.config.decay
+
+    def observe(self, norms: torch.Tensor, present: torch.Tensor | None = None) -> None:
+        self.trend.observe(norms, self.config.decay, present)
+
+    def sample(self, step: int) -> tuple[list[float], list[float | None], list[bool]]:
+        return self.trend.sample(step, self.config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trend, name)
 
 
-def run_trend(trend: GradNormTrend, norms: list[float], update_freq: int) -> list[tuple[int, float | None, bool]]:
+def config_trend(**options: Any) -> BoundTrend:
+    """A one-layer trend with the hybrid policy's ``options`` (defaults otherwise)."""
+    return BoundTrend(1, **options)
+
+
+def run_trend(trend: BoundTrend, norms: list[float], update_freq: int) -> list[tuple[int, float | None, bool]]:
     """Observe every step, sample every ``update_freq``-th: (step, trend, critical) per sample."""
     out = []
     for step, norm in enumerate(norms):
@@ -104,7 +127,7 @@ def reference_trend(
 
 # ============================================================================ 1. bookkeeping
 def test_default_decay_memory_is_the_window() -> None:
-    assert HyLoConfig().trend_decay is None and HyLoConfig().critical_noise == 3.0
+    assert HyLoConfig().policy.trend_decay is None and HyLoConfig().policy.critical_noise == 3.0
     assert config_trend().decay == pytest.approx(1 - 2 / 101)
     assert config_trend(trend_window=9).decay == pytest.approx(0.8)
     assert config_trend(trend_window=9, trend_decay=0.5).decay == 0.5
@@ -116,7 +139,7 @@ def test_default_decay_memory_is_the_window() -> None:
 
 def test_grad_norm_trend_window_and_hysteresis_unit() -> None:
     """Sampling every 3 steps, window 5: reference = newest sample at least 5 steps old."""
-    trend = GradNormTrend(2, decay=0.0, window=5, enter=0.2, exit_=0.1, z=3.0)  # decay 0: EMA = last norm, no noise
+    trend = BoundTrend(2, trend_decay=0.0, trend_window=5)  # decay 0: EMA = last norm, no noise
     # layer 0: 1, 1, 1, 1.15, 1.3225 (15 %/sample: hovers), 10 (jump), 10, 10
     # layer 1: constant 2 (stable once a window of history exists)
     norms0 = [1.0, 1.0, 1.0, 1.15, 1.15**2, 10.0, 10.0, 10.0, 10.0]
@@ -144,7 +167,7 @@ def test_grad_norm_trend_window_and_hysteresis_unit() -> None:
     _, trends, critical = results[7]  # 10 vs 10 → back to KIS
     assert trends[0] == 0.0 and critical == [False, False]
     # hover while critical: a critical layer stays critical at 0.15
-    t2 = GradNormTrend(1, decay=0.0, window=1, enter=0.2, exit_=0.1, z=3.0)
+    t2 = BoundTrend(1, trend_decay=0.0, trend_window=1)
     for step, value in enumerate([1.0, 1.15, 1.15**2, 1.15**3, 1.0, 1.0]):
         t2.observe(torch.tensor([value], dtype=DT))
         _, trends, critical = t2.sample(step)
@@ -155,7 +178,7 @@ def test_grad_norm_trend_window_and_hysteresis_unit() -> None:
 def test_noise_floor_raises_both_thresholds() -> None:
     """Same trend, different noise: z·s > enter keeps a layer stable, z·s/2 > exit lets it leave."""
     # two layers whose EMAs move by the same 30 % over the window; layer 1 alternates ±0.9 around it
-    trend = GradNormTrend(2, decay=0.5, window=4, enter=0.2, exit_=0.1, z=3.0)
+    trend = BoundTrend(2, trend_decay=0.5, trend_window=4)
     critical = []
     for step in range(12):
         level = 1.0 if step < 8 else 1.3
@@ -307,7 +330,7 @@ def test_trend_observe_and_sample_do_not_sync_per_layer(monkeypatch: pytest.Monk
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("host sync inside GradNormTrend.observe")
 
-    trend = GradNormTrend(5, decay=None, window=2, enter=0.2, exit_=0.1, z=3.0)
+    trend = BoundTrend(5, trend_decay=None, trend_window=2)
     with monkeypatch.context() as m:
         for name in HOST_SYNCS:
             m.setattr(torch.Tensor, name, forbidden)
@@ -449,13 +472,13 @@ BOUNDARIES = {0: "kid", 19: "kid", 20: "kis", 50: "kis", 51: "kid", 70: "kid", 7
 def test_adaptive_windows_count_steps_as_hylo_does() -> None:
     """I = 10, (a0, a1, a2) = (2, 5, 7): KID iff step < 20 or 50 < step ≤ 70, through SolverPolicy."""
     config = HyLoConfig(adaptive=(2, 5, 7), iters_per_epoch=10)
-    policy = SolverPolicy(config, ["wide"])
+    policy = SolverPolicy(["wide"])
     expected = hylo_reference_flags(2, 5, 7, 10, 100)
     assert {s: expected[s] for s in BOUNDARIES} == BOUNDARIES
     wide = LayerShape(512, 512, rows=32, kfac_rows=32, kept_local=3)
     for step in range(100):
-        assert ("kid" if policy.epoch_window_kid(step) else "kis") == expected[step], step
-        (decision,) = policy.decide(step, [wide], 1, 1)
+        assert ("kid" if in_critical_window(step, config.policy) else "kis") == expected[step], step
+        (decision,) = policy.decide(step, [wide], 1, 1, config)
         assert decision.cost_lowrank < decision.cost_kfac
         assert (decision.solver, decision.reason) == (expected[step], "epoch window"), step
     # not the epoch (step // I) compared with a1, a2: those differ at the window edges

@@ -29,10 +29,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from hylo.gradmatrix import GradMatrix
-from hylo.layers import LayerBatch, LayerShape
-from hylo.payload import Payload, PayloadKey
-from hylo.profiling import DISABLED, Stopwatch
+from hylo.distributed.payload import Payload, PayloadKey
+from hylo.layers.batch import LayerBatch, LayerShape
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.statistics import CallStatistic
+from hylo.telemetry.profiling import DISABLED, Stopwatch
 
 
 def _nbytes(tensors: Mapping[str, Tensor]) -> int:
@@ -177,10 +178,23 @@ class SolverFamily(ABC, Generic[PreparedT]):
 
     #: The family's name (states carry it).
     name: ClassVar[str]
-    #: The solver names this family runs.
-    solvers: ClassVar[tuple[str, ...]]
     #: The type of this family's solved states.
     state_type: ClassVar[type[LayerState]]
+    #: The statistic of every captured call this family's updates read (docs/design.md, "Memory").
+    statistic: ClassVar[CallStatistic[Any]]
+
+    @property
+    @abstractmethod
+    def solvers(self) -> tuple[str, ...]:
+        """The solver names this family runs, in registration order."""
+
+    def reduces_rows(self, solver: str) -> bool:
+        """Whether ``solver`` keeps r of a rank's n rows (``rank_ratio``/``rank``), as KID and KIS do."""
+        return False
+
+    def solves_rows(self, solver: str) -> bool:
+        """Whether ``solver`` solves on the layer's per-sample rows (the low-rank family's solvers)."""
+        return False
 
     @abstractmethod
     def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:

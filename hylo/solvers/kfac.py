@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hylo.gradmatrix import GradMatrix
-from hylo.layers import LayerShape
+from hylo.distributed.payload import Payload
+from hylo.layers.batch import LayerShape
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.statistics import FACTORS
 from hylo.numerics import eigh_many
-from hylo.payload import Payload
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -133,14 +134,19 @@ class KFACFamily(SolverFamily[KFACFactors]):
     """K-FAC: batch factors averaged over ranks, blended, eigendecomposed by the owner."""
 
     name = "kfac"
-    solvers = ("kfac",)
     state_type = KFACState
+    statistic = FACTORS
+
+    @property
+    def solvers(self) -> tuple[str, ...]:
+        """``"kfac"``."""
+        return ("kfac",)
 
     def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
         """Each layer's batch factors, weighted by its sample count in the mean over ranks."""
         share = Contribution(Exchange.MEAN, Payload())
         for job in jobs:
-            factor_a, factor_g = job.batch.kfac_factors()
+            factor_a, factor_g = job.batch.collect(FACTORS)
             context.watch.lap("capture", job.name)
             share.payload.add(job.name, {"factor_a": factor_a, "factor_g": factor_g})
             share.weights[(job.name, "factor_a")] = share.weights[(job.name, "factor_g")] = float(job.batch.rows)

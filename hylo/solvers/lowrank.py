@@ -12,7 +12,8 @@ variant      local reduction (r rows of n)                 divisor D          in
 ``kis``      (``kis_estimator="hylo"``) sample ∝ ‖U_i‖²     m = Σ r_p          none
 ===========  ============================================  =================  =====================
 
-A new variant is a :class:`RowReduction` here and an entry in :data:`VARIANTS`.
+A variant is a :class:`RowReduction`; the built-in ones are registered in :mod:`hylo.solvers`,
+and :func:`hylo.register_variant` adds one from user code (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from hylo.layers import LayerBatch, LayerShape
-from hylo.payload import Payload
-from hylo.rows import SampleRows, rows_from_fields
+from hylo.distributed.payload import Payload
+from hylo.layers.batch import LayerBatch, LayerShape
+from hylo.layers.rows import SampleRows, rows_from_fields
+from hylo.layers.statistics import ROWS
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -43,7 +45,14 @@ _SEED_STRIDE = 7919
 
 
 class RowReduction(ABC):
-    """How one low-rank variant reduces a rank's rows and turns the gathered rows into a solve."""
+    """How one low-rank variant reduces a rank's rows and turns the gathered rows into a solve (public:
+    subclass it and register it with :func:`hylo.register_variant`, docs/extending.md).
+
+    On every rank, :meth:`reduce` keeps r of the rank's n per-sample gradients (r from
+    ``rank_ratio``/``rank``, or n when :attr:`keeps_all`), optionally with interpolation weights
+    W_p; after the all-gather, :meth:`update` turns every rank's kept rows into the SMW solve's
+    input. The solve and the preconditioned gradient are the family's (docs/solvers.md, "SNGD").
+    """
 
     #: Whether the variant keeps every row (``r = n``) instead of the configured rank.
     keeps_all: ClassVar[bool] = False
@@ -146,23 +155,37 @@ def _solve_work(m: int, row_width: int) -> float:
     return float(m) ** 2 * row_width + float(m) ** 3
 
 
-#: The low-rank variants by solver name.
-VARIANTS: dict[str, RowReduction] = {"sngd": ExactRows(), "kid": SkeletonRows(), "kis": SampledRows()}
-
-
 class LowRankFamily(SolverFamily[LowRankUpdate]):
-    """SNGD/KID/KIS: local reduction, one all-gather of the kept rows, an SMW solve on the owner."""
+    """SNGD/KID/KIS and registered variants: local reduction, one all-gather of the kept rows, an SMW
+    solve on the owner."""
 
     name = "lowrank"
-    solvers = tuple(VARIANTS)
     state_type = LowRankState
+    statistic = ROWS
+
+    def __init__(self) -> None:
+        #: The variants by solver name, in registration order.
+        self.variants: dict[str, RowReduction] = {}
+
+    @property
+    def solvers(self) -> tuple[str, ...]:
+        """The registered variants' names."""
+        return tuple(self.variants)
+
+    def reduces_rows(self, solver: str) -> bool:
+        """Every variant but those that keep all rows (SNGD)."""
+        return not self.variants[solver].keeps_all
+
+    def solves_rows(self, solver: str) -> bool:
+        """Every variant."""
+        return True
 
     def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
         """Per layer: the kept rows' fields, KID's flattened W_p and this rank's [n, r]."""
         payload = Payload()
         for index, job in enumerate(jobs):
-            variant = VARIANTS[job.solver]
-            rows = job.batch.lowrank_rows()
+            variant = self.variants[job.solver]
+            rows = job.batch.collect(ROWS)
             context.watch.lap("capture", job.name)
             n, r = rows.count, self.rows_kept(job.batch, job.solver)
             seed = (context.seed + _SEED_STRIDE * index + context.rank) % 2**63
@@ -184,12 +207,12 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         for job, layer_counts in zip(jobs, counts, strict=True):
             fields = received.fields(job.name)
             rows = rows_from_fields(fields, job.batch.math.d_g, job.batch.math.d_a)
-            prepared.append(VARIANTS[job.solver].update(rows, layer_counts, fields.get("weights"), context))
+            prepared.append(self.variants[job.solver].update(rows, layer_counts, fields.get("weights"), context))
         return prepared
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:
         """n for ``sngd``, the configured r for ``kid``/``kis``."""
-        return batch.rows if VARIANTS[solver].keeps_all else batch.kept
+        return batch.rows if self.variants[solver].keeps_all else batch.kept
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """Rows and local reduction; gathered kernel m²·w and SMW m³; apply 2 m d_a d_g a step.
@@ -197,7 +220,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         m = P·n for ``sngd`` and P·r for ``kid``/``kis``; w = d_a + d_g for factored rows and
         d_a·d_g for dense ones. With P > 1 every rank receives the m gathered rows and M.
         """
-        variant = VARIANTS[solver]
+        variant = self.variants[solver]
         m = shape.world_size * (shape.rows if variant.keeps_all else shape.kept_local)
         exchanged = float(m) * shape.row_width + float(m) ** 2 if shape.world_size > 1 else 0.0
         return CostEstimate(

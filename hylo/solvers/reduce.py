@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hylo.rows import SampleRows
+from hylo.layers.rows import SampleRows
 
 
 def priority_sample(weights: Tensor, r: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

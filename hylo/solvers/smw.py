@@ -22,9 +22,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hylo.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.rows import SampleRows, rows_from_fields
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.rows import SampleRows, rows_from_fields
 from hylo.solvers.base import LayerState, check_shapes
 
 

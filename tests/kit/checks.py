@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from hylo.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix
 
 #: dtype of the models whose results are compared tightly.
 DT = torch.float64

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from hylo.capture import LayerCapture, Record, watch_gradient
-from hylo.layers import LinearMath
+from hylo.layers.capture import LayerCapture, Record, watch_gradient
+from hylo.layers.linear import LinearMath
 
 #: The input projections in their packing order, then the output projection.
 PROJECTIONS = ("q", "k", "v", "out")
@@ -79,13 +79,13 @@ class ProjectionMath(LinearMath):
         """The whole parameter's ``.grad`` (shared by q, k and v when packed)."""
         return self._parameter().grad
 
-    def _weight_grad(self) -> Tensor | None:
+    def weight_grad(self) -> Tensor | None:
         grad = self._parameter().grad
         if grad is None:
             return None
         return grad[self._slice] if self._packed else grad
 
-    def _bias_grad(self) -> Tensor | None:
+    def bias_grad(self) -> Tensor | None:
         bias = self.module.in_proj_bias
         if not isinstance(bias, Tensor) or bias.grad is None:
             return None

@@ -1,5 +1,8 @@
 """The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path of one step").
 
+The strategy (``"inverse"`` or ``"gradient"``, :class:`~hylo.config.DistributedConfig`) is passed to
+each call: the stage keeps no option of its own.
+
 At an update step, for P ranks, with layers grouped by solver family:
 
 1. every family reduces its layers' batches locally and launches its collective at once
@@ -27,11 +30,11 @@ from torch import Tensor
 
 from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
-from hylo.gradmatrix import GradMatrix
-from hylo.payload import Payload
-from hylo.profiling import DISABLED, Stopwatch
+from hylo.distributed.payload import Payload
+from hylo.layers.gradmatrix import GradMatrix
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
+from hylo.telemetry.profiling import DISABLED, Stopwatch
 
 
 @dataclass
@@ -58,12 +61,11 @@ class UpdateResult:
 class UpdateStage:
     """Runs the update and the per-step preconditioning across ranks for a list of layers."""
 
-    def __init__(self, strategy: Strategy, comm: Communicator) -> None:
-        self.strategy = strategy
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
     # ---------------------------------------------------------------- update
-    def update(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
+    def update(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
         """Solve every job; see the module docstring for the phases (timed on ``context.watch``)."""
         watch = context.watch
         prepared: dict[str, Any] = {}
@@ -83,7 +85,7 @@ class UpdateStage:
             solutions.update(zip(mine, exchange.family.solve([prepared[name] for name in mine], context), strict=True))
             watch.lap("solve", mine, [exchange.family.solve_cost(prepared[name]) for name in mine])
 
-        if self.strategy == "inverse" and self.comm.world_size > 1:
+        if strategy == "inverse" and self.comm.world_size > 1:
             states = self._share(jobs, owners, prepared, solutions, context)
         else:
             states = {}
@@ -94,11 +96,11 @@ class UpdateStage:
                 else:
                     states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
             watch.lap("solve", [job.name for job in jobs])
-        rejected = self._rejected(jobs, states)
+        rejected = self._rejected(jobs, states, strategy)
         watch.lap("check")
         return UpdateResult(states, owners, rejected)
 
-    def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> UpdateResult:
+    def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families
         that :attr:`~hylo.solvers.base.SolverFamily.refreshes`), one collective per family, no solve."""
         watch = context.watch
@@ -109,7 +111,7 @@ class UpdateStage:
             refreshed = exchange.family.refresh(exchange.members, received, context)
             states.update(zip(exchange.names, refreshed, strict=True))
             watch.lap("reduce", exchange.names, exchange.sizes)
-        rejected = self._rejected(jobs, states)
+        rejected = self._rejected(jobs, states, strategy)
         watch.lap("check")
         return UpdateResult(states, {}, rejected)
 
@@ -156,7 +158,7 @@ class UpdateStage:
             watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return states
 
-    def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState]) -> list[str]:
+    def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], strategy: Strategy) -> list[str]:
         """Layers whose new state is non-finite, agreed on by all ranks (one host sync)."""
         device = jobs[0].batch.math.weight.device
         flags = torch.stack(
@@ -167,13 +169,13 @@ class UpdateStage:
                 for job in jobs
             ]
         )
-        if self.comm.world_size > 1 and self.strategy == "gradient":
+        if self.comm.world_size > 1 and strategy == "gradient":
             flags = self.comm.all_true(flags)
         return [job.name for job, ok in zip(jobs, flags.tolist(), strict=True) if not ok]
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], watch: Stopwatch = DISABLED
+        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], strategy: Strategy, watch: Stopwatch = DISABLED
     ) -> dict[str, Tensor]:
         """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient".
 
@@ -184,7 +186,7 @@ class UpdateStage:
             if isinstance(state, LayerState):
                 results[name] = state.precondition(grad)
                 watch.lap("precondition", name)
-        if self.strategy == "gradient" and self.comm.world_size > 1:
+        if strategy == "gradient" and self.comm.world_size > 1:
             for src in range(self.comm.world_size):
                 owned = [(name, grad) for name, _, owner, grad in items if owner == src]
                 payload = Payload(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hylo.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix
 
 
 def sample_kernel(a: Tensor, g: Tensor) -> Tensor:
@@ -241,3 +241,49 @@ def concat_rows(parts: Sequence[SampleRows]) -> SampleRows:
     if len(dense) == len(parts):
         return DenseRows(torch.cat([part.u for part in dense]))
     raise TypeError("the calls of one layer produced rows of different forms")
+
+
+@dataclass(frozen=True)
+class OneHotRows(FactoredRows):
+    """Factored rows whose a_i are one-hot (zero for padding), with their token indices kept.
+
+    The same rows as :class:`FactoredRows` (``fields``, the projection and the apply use ``a``),
+    but the kernel's activation part a_iᵀ a_j is δ(t_i = t_j) from the indices, O(m²) instead
+    of O(m²·V), and the row norms skip the one-hot matrix. Selection, rescaling and dtype
+    changes keep the indices, so KID's local kernel and KIS's norms (docs/design.md, "KID",
+    "KIS") run on them; after the all-gather the rows are plain :class:`FactoredRows`.
+    """
+
+    #: (m,) token of each row, −1 for a zero row (a padding token).
+    tokens: Tensor
+
+    def _present(self) -> Tensor:
+        return self.tokens >= 0
+
+    def kernel(self) -> Tensor:
+        """δ(t_i = t_j) (G Gᵀ), zero on padding rows: the same numbers as (A Aᵀ) ∘ (G Gᵀ)."""
+        return self.kernel_columns(torch.arange(self.count, device=self.tokens.device))
+
+    def kernel_columns(self, index: Tensor) -> Tensor:
+        """Columns ``index`` of the kernel: δ(t_i = t_j) (G G_Jᵀ), zero on padding rows."""
+        chosen = self.tokens.index_select(0, index)
+        same = (self.tokens.unsqueeze(1) == chosen.unsqueeze(0)) & self._present().unsqueeze(1)
+        return same.to(self.g.dtype) * (self.g @ self.g.index_select(0, index).mT)
+
+    def sq_norms(self) -> Tensor:
+        """‖g_i‖², zero on padding rows."""
+        return self.g.square().sum(dim=1) * self._present().to(self.g.dtype)
+
+    def select(self, index: Tensor) -> OneHotRows:
+        """The rows at ``index``."""
+        return OneHotRows(
+            self.a.index_select(0, index), self.g.index_select(0, index), self.tokens.index_select(0, index)
+        )
+
+    def scaled(self, factors: Tensor) -> OneHotRows:
+        """g_i scaled (a_i kept), so U_i scales by ``factors_i``."""
+        return OneHotRows(self.a, self.g * factors.to(self.g.dtype).unsqueeze(1), self.tokens)
+
+    def to(self, dtype: torch.dtype) -> OneHotRows:
+        """The rows in ``dtype`` (the indices unchanged)."""
+        return OneHotRows(self.a.to(dtype), self.g.to(dtype), self.tokens)

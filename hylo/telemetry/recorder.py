@@ -1,4 +1,4 @@
-"""What a preconditioner writes into ``profile_dir``: one method per file (docs/design.md, "Profiling").
+"""What a preconditioner writes into ``profile_dir``: one method per file (docs/profiling.md, "Files").
 
 Every rank: ``timing-r{rank}.csv`` (per update step and layer) and ``steps-r{rank}.csv`` (per
 step). Rank 0: ``decisions.csv``, ``run.json`` and the studies' ``grad-norm.csv``,
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hylo.profiling import PHASES, STEP_SLOTS, StepTimes
-from hylo.recording import CsvLog, ProfileFiles
 from hylo.records import Decision
-from hylo.studies import RANK_LEVELS, ErrorRecord, RankRecord
+from hylo.telemetry.profiling import PHASES, STEP_SLOTS, StepTimes
+from hylo.telemetry.recording import CsvLog, ProfileFiles
+from hylo.telemetry.studies import RANK_LEVELS, ErrorRecord, RankRecord
 
 _PHASE_MS = tuple(f"{phase}_ms" for phase in PHASES)
 TIMING_COLUMNS = (
@@ -48,6 +48,12 @@ DECISION_COLUMNS = (
     "cost_sngd",
     "critical",
 )
+
+
+def decision_columns(extra: Sequence[str]) -> tuple[str, ...]:
+    """Columns of decisions.csv: :data:`DECISION_COLUMNS`, then ``cost_<name>`` of each ``extra`` solver
+    (the variants registered beyond the built-in ones)."""
+    return (*DECISION_COLUMNS, *(f"cost_{name}" for name in extra))
 
 
 def rank_columns(top_k: int) -> tuple[str, ...]:
@@ -105,6 +111,7 @@ class Recorder:
         studies: Sequence[str],
         top_k: int,
         run: dict[str, object],
+        extra_solvers: Sequence[str] = (),
     ) -> None:
         self.files = ProfileFiles(directory, rank, append)
         self.timing = self.files.open(f"timing-r{rank}.csv", TIMING_COLUMNS)
@@ -113,7 +120,7 @@ class Recorder:
         self.norms: NormBuffer | None = None
         self.decisions = self.rank = self.errors = None
         if self.lead:
-            self.decisions = self.files.open("decisions.csv", DECISION_COLUMNS)
+            self.decisions = self.files.open("decisions.csv", decision_columns(extra_solvers))
             if "grad_norm" in studies:
                 self.norms = NormBuffer(names)
                 self.files.open("grad-norm.csv", GRAD_NORM_COLUMNS, self.norms.write)
@@ -123,6 +130,7 @@ class Recorder:
                 self.errors = self.files.open("grad-error.csv", GRAD_ERROR_COLUMNS)
             self.files.write_run(run)
         self.top_k = top_k
+        self.extra_solvers = tuple(extra_solvers)
 
     def record_step(self, step: int, kind: str, times: StepTimes, bytes_sent: int) -> None:
         """The step's row of steps-r{rank}.csv."""
@@ -155,8 +163,20 @@ class Recorder:
         if self.decisions is None:
             return
         for d in decisions:
+            extra = (d.costs.get(name) for name in self.extra_solvers)
             self.decisions.add(
-                (d.step, d.layer, d.solver, d.reason, d.trend, d.cost_kfac, d.cost_lowrank, d.cost_sngd, d.critical)
+                (
+                    d.step,
+                    d.layer,
+                    d.solver,
+                    d.reason,
+                    d.trend,
+                    d.cost_kfac,
+                    d.cost_lowrank,
+                    d.cost_sngd,
+                    d.critical,
+                    *extra,
+                )
             )
 
     def record_rank(self, step: int, records: Sequence[RankRecord]) -> None:

@@ -1,4 +1,12 @@
-"""Finding the layers of a model that hylo preconditions, and their per-layer state."""
+"""Which modules hylo preconditions: the layer-type registry and the walk over a model.
+
+A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/design.md,
+"Layer types"). The built-in types are ``nn.Linear``, ``nn.Conv2d`` (groups = 1) and
+``nn.Embedding``, and ``nn.MultiheadAttention``, whose four projections are registered as Linear
+layers through an attention tap (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a
+type from user code (docs/extending.md); a module's type is looked up along its class's method
+resolution order, so a subclass of a registered class is supported unless registered itself.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
@@ -13,37 +22,159 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from hylo.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
-from hylo.capture import LayerCapture
-from hylo.config import SolverName
-from hylo.layers import (
-    DEFAULT_KFC_EXPONENT,
-    DEFAULT_MAX_UNFOLD_MB,
-    ConvRows,
-    LayerMath,
-    supported_math,
-    unsupported_reason,
-)
-from hylo.solvers import HeldState
+from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
+from hylo.layers.capture import LayerCapture
+from hylo.layers.conv import Conv2dMath
+from hylo.layers.embedding import EmbeddingMath
+from hylo.layers.linear import LinearMath
+from hylo.layers.math import LayerMath
 
-#: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
-UNSOLVED = -1
+if TYPE_CHECKING:
+    from hylo.config import HyLoConfig
+
+#: Builds a layer type's math for one module, or returns None when this module cannot be preconditioned.
+MathFactory = Callable[[nn.Module, "HyLoConfig"], LayerMath | None]
+#: Why a module of a registered type that the factory refused stays with the optimizer.
+UnsupportedReason = Callable[[nn.Module], str]
 
 
-@dataclass
-class RegisteredLayer:
-    """One preconditioned layer: its math, its hooks, its solver and what it holds.
+@dataclass(frozen=True)
+class LayerType:
+    """A registered module class: how to build its math, and why a refused instance is left alone."""
 
-    ``solver`` is the configured solver until the first update, then the one the latest
-    update used; ``owner`` is the rank that solved ``state`` (the one place it is kept).
+    module_class: type[nn.Module]
+    math: MathFactory
+    unsupported: UnsupportedReason | None = None
+
+
+class LayerTypeHandle:
+    """Returned by :func:`register_layer_type`: ``remove()`` restores what was registered before."""
+
+    def __init__(self, module_class: type[nn.Module], previous: LayerType | None) -> None:
+        self._module_class = module_class
+        self._previous = previous
+        self._removed = False
+
+    def remove(self) -> None:
+        """Unregister the type (or restore the entry it replaced); idempotent."""
+        if self._removed:
+            return
+        self._removed = True
+        if self._previous is None:
+            _LAYER_TYPES.pop(self._module_class, None)
+        else:
+            _LAYER_TYPES[self._module_class] = self._previous
+
+
+_LAYER_TYPES: dict[type[nn.Module], LayerType] = {}
+
+
+def register_layer_type(
+    module_class: type[nn.Module], math: MathFactory, *, unsupported: UnsupportedReason | None = None
+) -> LayerTypeHandle:
+    """Precondition modules of ``module_class`` (and of its subclasses) with ``math(module, config)``.
+
+    ``math`` returns a :class:`~hylo.layers.math.LayerMath` for the module, or None when this
+    instance cannot be preconditioned; ``unsupported(module)`` then says why (in ``summary()`` and
+    the constructor's warning). Registering a class again replaces its entry; the returned
+    handle's ``remove()`` undoes the registration. Preconditioners made before keep their layers.
     """
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise ValueError(f"register_layer_type needs an nn.Module subclass, got {module_class!r}")
+    if not callable(math):
+        raise ValueError(f"register_layer_type: math must be callable (module, config) -> LayerMath, got {math!r}")
+    if unsupported is not None and not callable(unsupported):
+        raise ValueError(f"register_layer_type: unsupported must be callable (module) -> str, got {unsupported!r}")
+    if issubclass(module_class, nn.MultiheadAttention):
+        raise ValueError("nn.MultiheadAttention is registered through its projections; it cannot be replaced")
+    previous = _LAYER_TYPES.get(module_class)
+    _LAYER_TYPES[module_class] = LayerType(module_class, math, unsupported)
+    return LayerTypeHandle(module_class, previous)
+
+
+def layer_type_of(module: nn.Module) -> LayerType | None:
+    """The registered type of ``module``: the first class of its method resolution order that is registered."""
+    for cls in type(module).__mro__:
+        found = _LAYER_TYPES.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
+def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
+    """The math of ``module`` by its registered type, or None when its type is not registered or refuses it."""
+    layer_type = layer_type_of(module)
+    math = None if layer_type is None else layer_type.math(module, config)
+    if math is not None and not isinstance(math, LayerMath):
+        raise ValueError(
+            f"the math registered for {type(module).__name__} returned {type(math).__name__}, "
+            "not a hylo.layers.LayerMath"
+        )
+    return math
+
+
+def supported_types() -> list[str]:
+    """The registered module classes by name, and ``MultiheadAttention`` (for messages)."""
+    return [cls.__name__ for cls in _LAYER_TYPES] + ["MultiheadAttention"]
+
+
+def _conv2d(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
+    assert isinstance(module, nn.Conv2d)
+    if module.groups != 1:
+        return None
+    return Conv2dMath(module, config.conv.conv_rows, config.kfac.kfc_exponent, config.conv.max_unfold_mb)
+
+
+def _conv2d_refused(module: nn.Module) -> str:
+    assert isinstance(module, nn.Conv2d)
+    return f"grouped/depthwise Conv2d (groups={module.groups}) is not supported"
+
+
+def _embedding(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
+    assert isinstance(module, nn.Embedding)
+    return None if module.sparse or module.scale_grad_by_freq else EmbeddingMath(module)
+
+
+def _embedding_refused(module: nn.Module) -> str:
+    assert isinstance(module, nn.Embedding)
+    kind = type(module).__name__
+    if module.sparse:
+        return (
+            f"{kind}(sparse=True) produces sparse gradients and hylo preconditions dense ones: it stays with the "
+            "optimizer; set sparse=False to precondition it"
+        )
+    return (
+        f"{kind}(scale_grad_by_freq=True) divides each token's gradient by its count in the batch, so the "
+        "per-token gradients are not the rows hylo's curvature is built from: it stays with the optimizer"
+    )
+
+
+register_layer_type(nn.Linear, lambda module, config: LinearMath(module))
+register_layer_type(nn.Conv2d, _conv2d, unsupported=_conv2d_refused)
+register_layer_type(nn.Embedding, _embedding, unsupported=_embedding_refused)
+
+
+def unsupported_reason(module: nn.Module) -> str:
+    """Why a module with matrix parameters is left unregistered (for the summary and warning)."""
+    layer_type = layer_type_of(module)
+    if layer_type is not None and layer_type.unsupported is not None:
+        return layer_type.unsupported(module)
+    kind = type(module).__name__
+    if isinstance(module, nn.EmbeddingBag):
+        return (
+            f"{kind} pools the tokens of each bag ({module.mode}), which hylo does not model: it stays with the "
+            "optimizer; nn.Embedding is supported"
+        )
+    return f"{kind} is not a supported layer type ({', '.join(supported_types())}; see hylo.register_layer_type)"
+
+
+@dataclass(frozen=True)
+class FoundLayer:
+    """A module hylo preconditions: its name, its math and its capture hooks."""
 
     name: str
     math: LayerMath
     capture: LayerCapture
-    solver: SolverName
-    state: HeldState | None = None
-    owner: int = 0
 
 
 @dataclass
@@ -53,7 +184,7 @@ class Registration:
     ``taps`` are the hooks of attention modules whose projections are registered layers.
     """
 
-    layers: list[RegisteredLayer] = field(default_factory=list)
+    layers: list[FoundLayer] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     taps: list[AttentionTap] = field(default_factory=list)
@@ -131,7 +262,6 @@ def _register_attention(
     attention: nn.MultiheadAttention,
     skip: Callable[[str, nn.Module], bool],
     should_capture: Callable[[str], bool],
-    initial_solver: Callable[[str], SolverName],
     result: Registration,
 ) -> None:
     """Register the q/k/v/out projections of one attention module as Linear layers (docs/design.md, "Attention")."""
@@ -154,7 +284,7 @@ def _register_attention(
             continue
         capture = LayerCapture(None, functools.partial(should_capture, layer_name), layer_name)
         captures[part] = capture
-        result.layers.append(RegisteredLayer(layer_name, math, capture, initial_solver(layer_name)))
+        result.layers.append(FoundLayer(layer_name, math, capture))
     for extra in ("bias_k", "bias_v"):
         if getattr(attention, extra, None) is not None:
             result.skipped.append((f"{name}.{extra}" if name else extra, "a bias vector: stays with the optimizer"))
@@ -221,20 +351,12 @@ def _check_lazy(model: nn.Module, skip: Callable[[str, nn.Module], bool], inner:
         )
 
 
-def register_layers(
-    model: nn.Module,
-    skip_layers: tuple[str, ...],
-    should_capture: Callable[[str], bool],
-    initial_solver: Callable[[str], SolverName],
-    conv_rows: ConvRows = "sum",
-    kfc_exponent: float = DEFAULT_KFC_EXPONENT,
-    max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
-) -> Registration:
+def register_layers(model: nn.Module, config: HyLoConfig, should_capture: Callable[[str], bool]) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
 
     ``should_capture(name)`` says whether layer ``name`` captures at the current step.
     """
-    skip = _matcher(skip_layers)
+    skip = _matcher(config.skip_layers)
     model = _unwrap(model)
     inner = _internal_modules(model)
     _check_lazy(model, skip, inner)
@@ -245,7 +367,7 @@ def register_layers(
             if id(module) in inner:
                 continue
             if isinstance(module, nn.MultiheadAttention):
-                _register_attention(name, module, skip, should_capture, initial_solver, result)
+                _register_attention(name, module, skip, should_capture, result)
                 continue
             parametrized = _parametrized_reason(module)
             if parametrized is None and next(module.parameters(recurse=False), None) is None:
@@ -263,7 +385,7 @@ def register_layers(
                     (name, f"weight tied to {others}: its gradient sums every use, so it stays with the optimizer")
                 )
                 continue
-            math = supported_math(module, conv_rows, kfc_exponent, max_unfold_mb)
+            math = layer_math(module, config)
             kept = None if math is not None else _stays_with_optimizer(module)
             if kept is not None:
                 result.skipped.append((name, kept))
@@ -276,7 +398,7 @@ def register_layers(
                 result.skipped.append((name, "weight does not require grad"))
                 continue
             capture = LayerCapture(module, functools.partial(should_capture, name), name)
-            result.layers.append(RegisteredLayer(name, math, capture, initial_solver(name)))
+            result.layers.append(FoundLayer(name, math, capture))
     except BaseException:
         result.remove()  # leave no hooks behind
         raise

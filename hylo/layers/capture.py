@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from hylo.layers import Call, CapturedCall
+from hylo.layers.statistics import Call, CapturedCall
 
 #: Reduces a call's (input, output gradient) in its gradient hook (docs/design.md, "Memory").
 Reducer = Callable[[Tensor, Tensor], CapturedCall]

@@ -1,4 +1,4 @@
-"""The paper's studies at sampled update steps (docs/design.md, "Studies").
+"""The paper's studies at sampled update steps (docs/profiling.md, "Studies").
 
 Both studies start from the **reference**: the exact SNGD solve on the update's gathered
 batch — every rank's rows, divisor B — run through the same solver families and stage as
@@ -10,15 +10,16 @@ run's ``conv_rows`` form (``"sngd-sum"``/``"sngd-mean"``).
 
 - **rank**: the eigenvalues of K/B (K the reference rows' kernel) and the numerical rank at
   90/99/99.9% of their sum (the trace).
-- **grad_error**: for each method (``kid``/``kis`` on the reference rows with r = ⌊ρ·n⌋ per
-  rank, ``kfac`` from the batch's own factors, ``sngd`` on the run's conv rows) the relative
-  error ‖v − v_ref‖/‖v_ref‖ of the preconditioned gradient against the reference's.
+- **grad_error**: for each method the relative error ‖v − v_ref‖/‖v_ref‖ of the preconditioned
+  gradient against the reference's: a solver that keeps r of n rows (KID, KIS, a registered
+  variant) on the reference rows with r = ⌊ρ·n⌋ per rank at each ratio ρ, one that solves on all
+  rows (SNGD) on the run's own rows, and K-FAC from the batch's own factors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,14 @@ from torch import Tensor
 
 from hylo.config import HyLoConfig, rows_for_ratio
 from hylo.distributed import Communicator
-from hylo.gradmatrix import GradMatrix
-from hylo.layers import Conv2dMath, LayerBatch, LayerMath
-from hylo.registry import RegisteredLayer
-from hylo.rows import SampleRows
+from hylo.distributed.stage import UpdateStage
+from hylo.layers.batch import LayerBatch
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.math import LayerMath
+from hylo.layers.rows import SampleRows
+from hylo.solvers import family_of
 from hylo.solvers.base import LayerState, UpdateContext, UpdateJob
 from hylo.solvers.smw import LowRankState
-from hylo.stage import UpdateStage
 
 #: Shares of the trace at which rank-analysis.csv reports the numerical rank.
 RANK_LEVELS = (0.9, 0.99, 0.999)
@@ -81,25 +83,24 @@ class ErrorRecord:
 class StudyRunner:
     """Runs the rank and gradient-error studies at an update step; rank 0 gets the records."""
 
-    def __init__(self, config: HyLoConfig, comm: Communicator, layers: Sequence[RegisteredLayer]) -> None:
-        self.config = config
+    def __init__(self, comm: Communicator, layers: Mapping[str, LayerMath]) -> None:
         self.comm = comm
-        self.stage = UpdateStage("inverse", comm)
+        self.stage = UpdateStage(comm)
         self._exact: dict[str, LayerMath] = {}
         self._form: dict[str, str] = {}
-        for layer in layers:
-            math_ = layer.math
-            if isinstance(math_, Conv2dMath) and not math_.dense_rows:
-                self._exact[layer.name] = Conv2dMath(math_.conv, "exact", math_.kfc_exponent, math_.max_unfold_mb)
-                self._form[layer.name] = f"sngd-{math_.rows}"
+        for name, math_ in layers.items():
+            exact = math_.exact_rows_math()
+            if exact is not None:
+                self._exact[name] = exact
+                self._form[name] = f"sngd-{math_.rows_form}"
             else:
-                self._form[layer.name] = "sngd-exact"
+                self._form[name] = "sngd-exact"
 
     def _reference_batches(
-        self, names: Sequence[str], batches: Sequence[LayerBatch]
+        self, names: Sequence[str], batches: Sequence[LayerBatch], config: HyLoConfig
     ) -> tuple[list[LayerBatch], list[str]]:
         """Each layer's batch with exact per-sample rows where every rank can afford them, and its name."""
-        cap = self.config.study_exact_rows_mb * 2**20
+        cap = config.telemetry.study_exact_rows_mb * 2**20
         affordable = torch.tensor(
             [
                 name in self._exact
@@ -125,7 +126,7 @@ class StudyRunner:
     ) -> dict[str, LayerState]:
         """The states of ``solver`` on ``batches`` (every rank holds every state); non-finite ones left out."""
         jobs = [UpdateJob(name, solver, batch, None) for name, batch in zip(names, batches, strict=True)]
-        result = self.stage.update(jobs, context)
+        result = self.stage.update(jobs, context, "inverse")
         return {
             name: state
             for name, state in result.states.items()
@@ -139,12 +140,13 @@ class StudyRunner:
         batches: Sequence[LayerBatch],
         grads: Sequence[GradMatrix],
         context: UpdateContext,
+        config: HyLoConfig,
         rank: bool,
         grad_error: bool,
     ) -> tuple[list[RankRecord], list[ErrorRecord]]:
         """The studies' records for this update (empty on ranks other than 0; every rank takes part)."""
-        context = dataclasses.replace(context, seed=(self.config.seed * 1_000_003 + step) % 2**62)
-        reference_batches, forms = self._reference_batches(names, batches)
+        context = dataclasses.replace(context, seed=(config.lowrank.seed * 1_000_003 + step) % 2**62)
+        reference_batches, forms = self._reference_batches(names, batches, config)
         reference = self._solve(names, "sngd", reference_batches, context)
         lead = self.comm.rank == 0
         rank_records: list[RankRecord] = []
@@ -160,7 +162,7 @@ class StudyRunner:
                         state.rows.count,
                         form,
                         numerical_ranks(spectrum),
-                        spectrum[: self.config.rank_top_k].tolist(),
+                        spectrum[: config.telemetry.rank_top_k].tolist(),
                     )
                 )
         if not grad_error:
@@ -168,12 +170,13 @@ class StudyRunner:
 
         grad_of = dict(zip(names, grads, strict=True))
         targets = {name: state.precondition(grad_of[name]) for name, state in reference.items()} if lead else {}
-        ratios = self.config.grad_error_ratios or (self.config.rank_ratio,)
+        ratios = config.telemetry.grad_error_ratios or (config.lowrank.rank_ratio,)
         rows: list[tuple[str, str, float | None]] = []
         errors: list[Tensor] = []
-        for method in self.config.grad_error_methods:
-            for ratio in ratios if method in ("kid", "kis") else (None,):
-                if method == "sngd":
+        for method in config.telemetry.grad_error_methods:
+            family = family_of(method)
+            for ratio in ratios if family.reduces_rows(method) else (None,):
+                if family.solves_rows(method) and ratio is None:  # exact SNGD on the run's own rows
                     method_batches = list(batches)
                 elif ratio is None:
                     method_batches = list(reference_batches)

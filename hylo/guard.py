@@ -1,0 +1,217 @@
+"""What every rank agrees on before a step changes anything (docs/reliability.md, "Transactional steps").
+
+The guard finds each layer's gradient (new since the previous step, or absent), measures its
+norm, and agrees across ranks, in one small all-reduce per step, on whether every gradient is
+finite, which layers have a gradient, which have captured rows and which statistics each layer's
+calls can give (docs/design.md, "Memory"). It also keeps the per-layer count of steps whose
+preconditioned gradient overflowed (they use the raw gradient) and reports them at updates.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hylo.distributed import Communicator
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.statistics import CallStatistic, CapturedCall
+from hylo.state import RegisteredLayer
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on at a step: all gradients finite, layers with a gradient, layers with rows."""
+
+    finite: bool
+    present: list[bool]
+    rows: list[bool]
+    #: Per statistic, whether every rank's calls of each layer can give it (docs/design.md, "Memory").
+    gives: dict[CallStatistic[Any], list[bool]]
+    #: Each layer's ‖∇W‖ in float64 (0 where absent), re-measured without overflow where needed.
+    norms: Tensor
+
+
+class Guard:
+    """Gradients, norms, finiteness and agreement of one preconditioner's layers."""
+
+    def __init__(self, layers: Sequence[RegisteredLayer], comm: Communicator) -> None:
+        self.layers = list(layers)
+        self.comm = comm
+        # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
+        self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self.layers)
+        self._warned_no_rows: set[str] = set()
+        #: Per layer, steps whose preconditioned gradient overflowed since the last report.
+        self.fallbacks = torch.zeros(len(self.layers), dtype=torch.long)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layers' tensors live."""
+        return self.layers[0].math.weight.device
+
+    def gradients(self) -> list[GradMatrix | None]:
+        """Each layer's ∇W, or None when it has no gradient since the previous ``step()``.
+
+        A gradient is new when backward created or modified it after the previous step wrote
+        (or left) it: the same tensor at the same version counter means no backward reached the
+        layer (conditional computation), or that ``step()`` is being called twice.
+        """
+        grads: list[GradMatrix | None] = []
+        for layer, seen in zip(self.layers, self._seen, strict=True):
+            weight_grad = layer.math.grad_tensor()
+            if weight_grad is None or (
+                seen is not None and seen[0]() is weight_grad and seen[1] == weight_grad._version
+            ):
+                grads.append(None)
+            else:
+                grads.append(layer.math.grad_parts())
+        return grads
+
+    def mark_seen(self) -> None:
+        """Remember every layer's gradient tensor and version after a step wrote them back."""
+        for i, layer in enumerate(self.layers):  # after every write: attention's q, k and v share one .grad
+            weight_grad = layer.math.grad_tensor()
+            self._seen[i] = None if weight_grad is None else (weakref.ref(weight_grad), weight_grad._version)
+
+    def norms(self, grads: Sequence[GradMatrix | None]) -> tuple[Tensor, Tensor]:
+        """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every present gradient is finite.
+
+        One norm per layer in the layer's working dtype, no host synchronisation. Such a norm can
+        overflow for a huge finite gradient: when one is not finite, :meth:`_safe_norms`
+        re-measures them all in a form that cannot.
+        """
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch.stack(
+            [
+                zero if g is None else g.norm(layer.math.dtype).to(torch.float64)
+                for layer, g in zip(self.layers, grads, strict=True)
+            ]
+        )
+        return norms, torch.isfinite(norms).all()
+
+    def agree(
+        self,
+        step: int,
+        grads: Sequence[GradMatrix | None],
+        capturing: Sequence[bool],
+        statistics: Sequence[CallStatistic[Any]],
+    ) -> Agreement:
+        """This step's finiteness, layers present, layers with captured rows and the ``statistics`` their
+        calls can give, identical on every rank.
+
+        One host synchronisation; with P > 1 ranks, one all-reduce of a few flags, every step: the
+        decision to skip or to update is then the same on every rank (docs/reliability.md,
+        "Agreement"). Usage errors (no gradient at all, ``step()`` twice without a backward) raise on
+        every rank.
+        """
+        norms, finite = self.norms(grads)
+        n = len(self.layers)
+        present = [g is not None for g in grads]
+        calls = [
+            [CapturedCall.of(layer.math, call) for call in layer.capture.calls()] if c and p else []
+            for layer, c, p in zip(self.layers, capturing, present, strict=True)
+        ]
+        rows = [any(call.rows for call in mine) for mine in calls]
+        gives = {statistic: [all(call.gives(statistic) for call in mine) for mine in calls] for statistic in statistics}
+        usable = any(present)
+        if self.comm.world_size > 1:
+            paths = [flag for statistic in statistics for flag in gives[statistic]] if any(capturing) else []
+            local = torch.tensor(
+                [usable, *present, *(not r for r in rows), *paths], dtype=torch.bool, device=self.device
+            )
+            flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
+            all_finite, all_usable = flags[0], flags[1]
+            present = flags[2 : 2 + n]
+            rows = [not none for none in flags[2 + n : 2 + 2 * n]]
+            if paths:
+                gives = {s: flags[2 + (2 + k) * n : 2 + (3 + k) * n] for k, s in enumerate(statistics)}
+        else:
+            all_finite, all_usable = bool(finite.item()) if usable else True, usable
+        if not all_usable:
+            raise RuntimeError(self._no_gradient_message(step, usable))
+        if not all_finite:  # rare: re-measure in a form that cannot overflow, then agree again
+            norms, all_finite = self._safe_norms(grads)
+        return Agreement(bool(all_finite), present, rows, gives, norms)
+
+    def _no_gradient_message(self, step: int, usable: bool) -> str:
+        if usable:
+            return f"step {step}: another rank has no gradient for any registered layer; every rank stops here"
+        stale = [layer.name for layer in self.layers if layer.math.grad_tensor() is not None]
+        if stale:
+            return (
+                f"step {step}: no gradient has changed since the previous step() (layers {stale[:4]}): "
+                "step() was called twice without a loss.backward() in between"
+            )
+        names = [layer.name for layer in self.layers]
+        return f"step {step}: no registered layer has a gradient ({names[:4]}): call step() after loss.backward()"
+
+    def _safe_norms(self, grads: Sequence[GradMatrix | None]) -> tuple[Tensor, bool]:
+        """Norms (float64) and finiteness of every gradient from its largest entry m and ‖∇W/m‖·m, which
+        cannot overflow before the final product; agreed over ranks (one more collective, on this path only)."""
+        norms, finite = [], []
+        for parts in grads:
+            if parts is None:
+                norms.append(torch.zeros((), dtype=torch.float64, device=self.device))
+                finite.append(torch.ones((), dtype=torch.bool, device=self.device))
+                continue
+            g = parts.full()
+            largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
+            ok = torch.isfinite(largest)
+            tiny = torch.finfo(torch.float64).tiny
+            scaled = torch.linalg.vector_norm(g.to(torch.float64) / largest.clamp_min(tiny))
+            norms.append(torch.where(ok, scaled * largest, largest))
+            finite.append(ok)
+        agreed = torch.stack(finite).all()
+        if self.comm.world_size > 1:
+            agreed = self.comm.all_true(agreed.reshape(1))[0]
+        return torch.stack(norms), bool(agreed.item())
+
+    def warn_non_finite(self, step: int, grads: Sequence[GradMatrix | None]) -> None:
+        """Say which local layers hold non-finite gradients."""
+        bad = [
+            layer.name
+            for layer, g in zip(self.layers, grads, strict=True)
+            if g is not None and not bool(g.all_finite())
+        ]
+        where = f"in {bad}" if bad else "on another rank"
+        if bad and self.comm.world_size > 1:
+            where += f" on rank {self.comm.rank}"
+        warnings.warn(
+            f"step {step}: non-finite gradients {where}; gradients left unpreconditioned and stored state untouched",
+            stacklevel=4,
+        )
+
+    def warn_no_rows(self, step: int, layers: Sequence[RegisteredLayer]) -> None:
+        """Warn once per layer that has a gradient but whose hooks captured nothing at an update."""
+        new = [layer.name for layer in layers if layer.name not in self._warned_no_rows]
+        if not new:
+            return
+        self._warned_no_rows.update(new)
+        warnings.warn(
+            f"step {step}: layers {new} have gradients but their hooks captured no rows (is the module "
+            "called in train mode, with autograd enabled, through its own forward?); they keep their "
+            "previous state (unpreconditioned until they have one). Warned once per layer.",
+            stacklevel=4,
+        )
+
+    def count_fallbacks(self, indices: list[int], counts: Tensor) -> None:
+        """Add a step's fallbacks (1 per layer whose result was not finite), without a host sync."""
+        self.fallbacks = self.fallbacks.to(counts.device)
+        self.fallbacks[indices] += counts
+
+    def report_fallbacks(self, step: int) -> None:
+        """Warn (at an update, where the host syncs anyway) about layers that fell back to their raw gradient."""
+        counts = self.fallbacks.tolist()
+        if any(counts):
+            self.fallbacks.zero_()
+            listed = {layer.name: c for layer, c in zip(self.layers, counts, strict=True) if c}
+            warnings.warn(
+                f"step {step}: the preconditioned gradient of {listed} (layer: steps) was not finite although "
+                "the gradient was; those steps used the raw gradient. Raise damping?",
+                stacklevel=4,
+            )

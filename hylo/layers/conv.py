@@ -1,0 +1,199 @@
+"""``nn.Conv2d`` with groups == 1: KFC factors and per-sample rows (docs/design.md, "Convolutions")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hylo.layers.math import LayerMath, with_ones
+from hylo.layers.rows import DenseRows, FactoredRows, SampleRows
+
+#: How a convolution's per-sample gradients become low-rank rows (docs/design.md, "Convolutions").
+ConvRows = Literal["sum", "exact", "mean"]
+CONV_ROWS: tuple[ConvRows, ...] = get_args(ConvRows)
+#: The exponent e of a convolution's KFC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ], chosen by measurement
+#: against the true per-sample Fisher (docs/design.md, "K-FAC conventions").
+DEFAULT_KFC_EXPONENT = 1.0
+#: The default cap on a convolution's unfolded patches in flight at once (docs/design.md, "Memory").
+DEFAULT_MAX_UNFOLD_MB = 32.0
+
+
+class Conv2dMath(LayerMath):
+    """``nn.Conv2d`` with groups == 1 (stride, dilation, any padding and padding mode).
+
+    K-FAC uses the KFC factors (docs/design.md, "K-FAC conventions"): A = mean over samples and
+    output positions of the unfolded patches' outer product; G = L^e × the mean over samples and
+    positions of g gᵀ (g = n·∂L/∂s per position, L output positions, e = ``kfc_exponent``), so
+    the Fisher block is approximated by L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ]. e = 1 is Grosse & Martens'
+    KFC (derivatives uncorrelated across positions), e = 2 fully correlated derivatives.
+
+    The low-rank rows approximate the true per-sample gradient U_i = Σ_p g_ip a_ipᵀ over the
+    L output positions p (docs/design.md, "Convolutions"), by ``rows``:
+
+    - ``"sum"``: U_i ≈ (Σ_p g_ip)(mean_p a_ip)ᵀ — rank one, the right scale (the default);
+    - ``"exact"``: U_i itself (:class:`DenseRows`; n·d_a·d_g numbers, one batched matmul);
+    - ``"mean"``: HyLo's surrogate (mean_p g_ip)(mean_p a_ip)ᵀ, L times too small.
+
+    A 1×1 kernel on a 1×1 image reduces to Linear in every mode and at every exponent.
+    """
+
+    def __init__(
+        self,
+        module: nn.Conv2d,
+        rows: ConvRows = "sum",
+        kfc_exponent: float = DEFAULT_KFC_EXPONENT,
+        max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
+    ) -> None:
+        super().__init__(module)
+        self.conv = module
+        self.rows = rows
+        self.rows_form = rows
+        self.dense_rows = rows == "exact"
+        self.kfc_exponent = kfc_exponent
+        self.max_unfold_mb = max_unfold_mb
+
+    def _padded(self, x: Tensor) -> Tensor:
+        conv = self.conv
+        if isinstance(conv.padding, str):
+            if conv.padding == "valid":
+                pads = [(0, 0), (0, 0)]
+            else:  # "same": PyTorch puts the extra element on the right/bottom
+                pads = []
+                for k, d in zip(conv.kernel_size, conv.dilation, strict=True):
+                    total = d * (k - 1)
+                    pads.append((total // 2, total - total // 2))
+        else:
+            pads = [(p, p) for p in conv.padding]
+        flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
+        if not any(flat):
+            return x
+        if conv.padding_mode == "zeros":
+            return F.pad(x, flat)
+        return F.pad(x, flat, mode=conv.padding_mode)
+
+    @staticmethod
+    def _batched(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Unbatched (C, H, W) calls become a batch of one."""
+        if x.dim() == 3:
+            return x.unsqueeze(0), grad_out.unsqueeze(0)
+        return x, grad_out
+
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Samples for the low-rank path; samples × output positions for K-FAC."""
+        x, grad_out = self._batched(x, grad_out)
+        return x.shape[0], x.shape[0] * grad_out.shape[2] * grad_out.shape[3]
+
+    def _blocks(self, x: Tensor, out_hw: tuple[int, int]) -> Iterator[tuple[slice, slice, Tensor]]:
+        """(samples, output rows, the padded input rows they read) in blocks whose patches fit ``max_unfold_mb``.
+
+        A block's unfolded patches are ns·(r1 − r0)·W_out·d_a numbers: a block holds whole
+        samples when one sample's patches fit, else one sample and as many output rows as fit
+        (at least one). Each block pads only its own samples, in the working dtype.
+        """
+        (kh, _), (sh, _), (dh, _) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        n, (ho, wo) = x.shape[0], out_hw
+        cap = self.max_unfold_mb * 2**20
+        row_bytes = wo * self.d_a * self.dtype.itemsize
+        out_rows = max(1, min(ho, int(cap // row_bytes)))
+        samples = max(1, min(n, int(cap // (row_bytes * ho)))) if out_rows == ho else 1
+        for s0 in range(0, n, samples):
+            padded = self._padded(x[s0 : s0 + samples].to(self.dtype))
+            for r0 in range(0, ho, out_rows):
+                r1 = min(ho, r0 + out_rows)
+                block = padded[:, :, r0 * sh : (r1 - 1) * sh + dh * (kh - 1) + 1]
+                yield slice(s0, s0 + samples), slice(r0, r1), block
+
+    def _unfold(self, block: Tensor) -> Tensor:
+        """A block's patches (ns, L_block, C·kh·kw), without the bias column."""
+        conv = self.conv
+        return F.unfold(block, conv.kernel_size, dilation=conv.dilation, stride=conv.stride).transpose(1, 2)
+
+    def _patch_sum(self, block: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """Sum over a block's output positions of each patch entry (ns, C·kh·kw), without unfolding."""
+        (kh, kw), (sh, sw), (dh, dw) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        ho, wo = out_hw
+        sums = [
+            block[:, :, i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw].sum(
+                dim=(2, 3)
+            )
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        return torch.stack(sums, dim=-1).reshape(block.shape[0], -1)
+
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
+        """Per-sample rows in the configured mode (see the class docstring), g scaled by ``scale``.
+
+        Built block by block (:meth:`_blocks`): exact rows accumulate Σ_p g_ip a_ipᵀ over the
+        blocks' patches; the surrogates' patch means never unfold.
+        """
+        x, grad_out = self._batched(x, grad_out)
+        dtype, (ho, wo) = self.dtype, (grad_out.shape[2], grad_out.shape[3])
+        n, columns = x.shape[0], self.d_a - (1 if self.bias is not None else 0)
+        if self.rows == "exact":
+            u = torch.zeros(n, self.d_g, self.d_a, dtype=dtype, device=x.device)
+            for samples, out_rows, block in self._blocks(x, (ho, wo)):
+                g = grad_out[samples, :, out_rows].to(dtype).flatten(2) * scale  # (ns, d_g, L_block)
+                u[samples, :, :columns] += torch.bmm(g, self._unfold(block))
+                if self.bias is not None:
+                    u[samples, :, columns] += g.sum(dim=2)
+            return DenseRows(u)
+        a = torch.zeros(n, columns, dtype=dtype, device=x.device)
+        for samples, out_rows, block in self._blocks(x, (ho, wo)):
+            a[samples] += self._patch_sum(block, (out_rows.stop - out_rows.start, wo))
+        a /= ho * wo
+        if self.bias is not None:
+            a = with_ones(a)
+        reduce_positions = torch.sum if self.rows == "sum" else torch.mean
+        g = reduce_positions(grad_out.to(dtype), dim=(2, 3)) * scale
+        return FactoredRows(a, g)
+
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """Exact: the per-sample products n·L·d_a·d_g; surrogates: one pass over the patches."""
+        if self.rows == "exact":
+            return float(kfac_rows) * self.d_a * self.d_g
+        return float(kfac_rows) * (self.d_a + self.d_g)
+
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Σ over samples and positions of patch outer products, and L^(e−1) × that of g gᵀ (g = scale·∂L/∂s).
+
+        Divided by n·L and by n (:class:`LayerBatch`), they are E_p[a aᵀ] and L^e·E_p[g gᵀ]. Both
+        sums run block by block (:meth:`_blocks`), so at most ``max_unfold_mb`` of patches (and
+        the matching output gradients) are in flight; the bias column's entries come from the
+        patch sums, never from a widened copy of the patches.
+        """
+        x, grad_out = self._batched(x, grad_out)
+        dtype, (ho, wo) = self.dtype, (grad_out.shape[2], grad_out.shape[3])
+        columns = self.d_a - (1 if self.bias is not None else 0)
+        factor_a = torch.zeros(self.d_a, self.d_a, dtype=dtype, device=x.device)
+        factor_g = torch.zeros(self.d_g, self.d_g, dtype=dtype, device=x.device)
+        for samples, out_rows, block in self._blocks(x, (ho, wo)):
+            patches = self._unfold(block).reshape(-1, columns)
+            factor_a[:columns, :columns].addmm_(patches.mT, patches)
+            g = grad_out[samples, :, out_rows].to(dtype).transpose(0, 1).reshape(self.d_g, -1) * scale
+            factor_g.addmm_(g, g.mT)
+            if self.bias is not None:
+                sums = patches.sum(dim=0)
+                factor_a[:columns, columns] += sums
+                factor_a[columns, :columns] += sums
+                factor_a[columns, columns] += patches.shape[0]
+        if self.kfc_exponent != 1.0:
+            factor_g *= float(ho * wo) ** (self.kfc_exponent - 1.0)
+        return factor_a, factor_g
+
+    def exact_rows_math(self) -> Conv2dMath | None:
+        """The same convolution with ``rows="exact"`` (None when its rows already are)."""
+        if self.dense_rows:
+            return None
+        exact = Conv2dMath(self.conv, "exact", self.kfc_exponent, self.max_unfold_mb)
+        exact.name = self.name
+        return exact
+
+    def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
+        """c = n²·L^(4+e): KAISA divides patches and raw output gradients by L before its position means."""
+        positions = kfac_rows / rows
+        return float(rows) ** 2 * positions ** (4.0 + self.kfc_exponent)

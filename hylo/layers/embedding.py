@@ -1,0 +1,111 @@
+"""``nn.Embedding`` as a Linear on one-hot inputs (docs/design.md, "Embeddings")."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.math import LayerMath
+from hylo.layers.rows import OneHotRows
+
+
+class EmbeddingMath(LayerMath):
+    """``nn.Embedding`` as a Linear on one-hot inputs (docs/design.md, "Embeddings").
+
+    s_i = Eᵀ onehot(t_i) for the token t_i at every position of the index tensor (any shape:
+    (B, T), (T,), ...), so hylo's matrix is W = ``weight``ᵀ of shape (d_g, d_a) =
+    (``embedding_dim``, ``num_embeddings``), a_i = onehot(t_i) and g_i = n·∂L/∂s_i over the
+    n token rows of the step, exactly as for a Linear applied over leading dimensions.
+
+    - K-FAC: A = diag(token counts)/n, built with ``bincount`` in O(n) (no one-hot product);
+      it is held as a dense V×V matrix because the K-FAC family stores and decomposes dense
+      factors: V² numbers per factor and an O(V³) eigendecomposition, affordable for
+      vocabularies of a few thousand, not for a 50k one (the cost model charges d_a³ = V³, so
+      the hybrid policy keeps large vocabularies on the low-rank path).
+    - Low-rank: one factored row per token with a_i the one-hot row (:class:`OneHotRows`), so
+      the kernel's activation part a_iᵀ a_j is δ(t_i = t_j). The rows are built with one
+      ``scatter`` into an n×V zero matrix: n·V numbers (8 MB for 2,048 tokens and V = 1,024 in
+      float32; :meth:`row_work` charges them). The local kernel (KID) and row norms (KIS) use
+      the indices: O(n·r·d_g) and O(n·d_g). After the all-gather the rows are plain factored
+      rows, so the gathered kernel costs O(m²(V + d_g)) and the projection and apply
+      O(m·V·d_g) a step, as for a Linear with d_a = V — fine for character/byte vocabularies;
+      for V in the tens of thousands the n×V rows themselves are the limit.
+    - ``padding_idx``: torch gives the padding row a zero gradient, so padding tokens are rows
+      with a_i = 0 (they count in n, like any row of a Linear whose input is zero, but add
+      nothing to A, to the kernel or to the preconditioned gradient, whose padding column
+      stays exactly 0). Their output gradients enter G, as a Linear's would.
+
+    ``sparse=True`` and ``scale_grad_by_freq=True`` are refused at registration
+    (:func:`unsupported_reason`); ``max_norm`` is fine (it renormalises the weight in place,
+    outside autograd). The indices are integers, so the working dtype is the weight's
+    (float32 at least).
+    """
+
+    def __init__(self, module: nn.Embedding) -> None:
+        super().__init__(module)
+        self.embedding = module
+        self.d_g = int(module.embedding_dim)
+        self.d_a = int(module.num_embeddings)
+
+    def _tokens(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Flat token indices and, with ``padding_idx``, which of them are not padding."""
+        tokens = x.reshape(-1).to(torch.long)
+        pad = self.embedding.padding_idx
+        return tokens, None if pad is None else tokens != pad
+
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Every token (every position of the index tensor, padding included) is a row for both paths."""
+        rows = x.numel()
+        return rows, rows
+
+    def _g(self, grad_out: Tensor, scale: float) -> Tensor:
+        return grad_out.reshape(-1, self.d_g).to(self.dtype) * scale
+
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> OneHotRows:
+        """a_i = onehot(t_i) (zero for padding tokens), g_i = scale·∂L/∂s_i: an n×V one-hot matrix."""
+        tokens, keep = self._tokens(x)
+        dtype = self.dtype
+        a = torch.zeros(tokens.shape[0], self.d_a, dtype=dtype, device=tokens.device)
+        ones = a.new_ones(tokens.shape[0], 1) if keep is None else keep.to(dtype).unsqueeze(1)
+        a.scatter_(1, tokens.unsqueeze(1), ones)
+        marked = tokens if keep is None else torch.where(keep, tokens, -1)
+        return OneHotRows(a, self._g(grad_out, scale), marked)
+
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """The n×V one-hot matrix written (n·d_a numbers)."""
+        return float(rows) * self.d_a
+
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Σ a aᵀ = diag(counts of each token, padding excluded) by ``bincount``; Σ g gᵀ over every token."""
+        tokens, keep = self._tokens(x)
+        dtype = self.dtype
+        if keep is None:
+            counts = torch.bincount(tokens, minlength=self.d_a).to(dtype)
+        else:
+            counts = torch.bincount(tokens, weights=keep.to(dtype), minlength=self.d_a).to(dtype)
+        g = self._g(grad_out, scale)
+        return torch.diag(counts), g.mT @ g
+
+    def weight_grad(self) -> Tensor | None:
+        """The weight's (V, D) gradient, written in place; ``ValueError`` if it is sparse."""
+        grad = self.weight.grad
+        if grad is not None and grad.layout != torch.strided:
+            raise ValueError(
+                f"layer {self.name!r}: the embedding's gradient is sparse ({grad.layout}); hylo preconditions "
+                "dense gradients only: keep sparse=False on a registered nn.Embedding"
+            )
+        return grad
+
+    def grad_parts(self) -> GradMatrix | None:
+        """∇W = ``weight.grad``ᵀ, (d_g, d_a) = (embedding_dim, num_embeddings), a view; None before backward."""
+        self._check_shapes()
+        grad = self.weight_grad()
+        return None if grad is None else GradMatrix(grad.mT)
+
+    def set_grad_matrix(self, matrix: Tensor) -> None:
+        """Write a (d_g, d_a) matrix transposed into ``weight.grad`` in place (its dtype kept)."""
+        self._check_shapes()
+        grad = self.weight_grad()
+        assert grad is not None
+        grad.copy_(matrix.mT)

@@ -1,0 +1,160 @@
+"""The per-layer-type contract: how a layer's inputs and output gradients become rows and factors.
+
+docs/design.md, "Notation": a layer has weight W of shape (d_g, d_a); with a bias, the bias is
+W's last column and every activation row gets a trailing 1. From a mean-reduced loss over n rows,
+``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ. When a layer runs several times in one step
+(gradient accumulation, shared weights) n is the step's total, passed in as ``scale`` by the caller.
+
+:class:`LayerMath` is public: a new layer type is a subclass registered with
+:func:`hylo.register_layer_type` (docs/extending.md). The built-in types are in
+:mod:`hylo.layers.linear`, :mod:`hylo.layers.conv`, :mod:`hylo.layers.embedding` and
+:mod:`hylo.layers.attention`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.rows import SampleRows
+from hylo.numerics import working_dtype
+
+
+def with_ones(a: Tensor) -> Tensor:
+    """Rows of ``a`` with a trailing 1 (the bias column of hylo's W)."""
+    return torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+
+
+class LayerMath(ABC):
+    """Shapes, rows, Kronecker factors and gradient access of one supported module (docs/extending.md).
+
+    A layer type implements :meth:`row_counts`, :meth:`lowrank_rows`, :meth:`row_work` and
+    :meth:`kfac_factors` from one call's input and output gradient. Where the module's parameters
+    are not a Linear's ``weight`` (d_g × d_in) and ``bias``, it also says which tensors form hylo's
+    W (the :attr:`weight` and :attr:`bias` properties) and where ∇W is read and written in place
+    (:meth:`weight_grad`, :meth:`bias_grad`, as views of the parameters' ``.grad``, and
+    :meth:`grad_tensor`). The rest has defaults: :attr:`dense_rows`, :attr:`rows_form`,
+    :meth:`kaisa_ratio`, :meth:`exact_rows_math`, :attr:`module_type`.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        #: The layer's name in messages (the registry sets the module's name in the model).
+        self.name = type(module).__name__
+        weight, bias = self.weight, self.bias
+        self._shapes = (tuple(weight.shape), None if bias is None else tuple(bias.shape))
+        self.d_g = int(weight.shape[0])
+        self.d_a = int(weight[0].numel()) + (1 if bias is not None else 0)
+
+    @property
+    def weight(self) -> Tensor:
+        """The module's current weight (read on every access: replacing the Parameter is followed)."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The module's current bias, or None (also for modules without a ``bias`` attribute)."""
+        bias = getattr(self.module, "bias", None)
+        return bias if isinstance(bias, Tensor) else None
+
+    def _check_shapes(self) -> None:
+        """Raise ``ValueError`` if the weight or bias no longer has its shape at registration."""
+        bias = self.bias
+        now = (tuple(self.weight.shape), None if bias is None else tuple(bias.shape))
+        if now != self._shapes:
+            raise ValueError(
+                f"layer {self.name!r}: weight/bias shapes are now {now[0]}/{now[1]}, registered as "
+                f"{self._shapes[0]}/{self._shapes[1]}; hylo's factor sizes are fixed at registration: "
+                "create a new HyLoPreconditioner after changing a layer's shape"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of factor and kernel math for this layer (float32 at least)."""
+        return working_dtype(self.weight.dtype)
+
+    @abstractmethod
+    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
+        """Rows of the low-rank path (samples) and of the K-FAC factors (incl. positions)."""
+
+    #: Whether the low-rank rows are whole per-sample gradient matrices (:class:`DenseRows`).
+    dense_rows: bool = False
+    #: What the low-rank rows are, in the studies' ``reference`` column: ``"exact"`` per-sample gradients,
+    #: or the name of a surrogate (a convolution's ``conv_rows``).
+    rows_form: str = "exact"
+
+    @abstractmethod
+    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
+        """Per-sample gradients of one call (output gradients scaled by ``scale``) for the SMW solvers."""
+
+    @abstractmethod
+    def row_work(self, rows: int, kfac_rows: int) -> float:
+        """Multiply-adds to build the low-rank rows of ``rows`` samples (``kfac_rows`` positions)."""
+
+    @abstractmethod
+    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Unnormalised Kronecker factors Σ a aᵀ (d_a×d_a) and Σ g gᵀ (d_g×d_g), g scaled by ``scale``.
+
+        Divide the first by the K-FAC row count and the second by the sample count (see
+        :meth:`row_counts`) summed over the step's calls.
+        """
+
+    def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
+        """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""
+        return float(rows) ** 2
+
+    def exact_rows_math(self) -> LayerMath | None:
+        """The same layer with rows that are its exact per-sample gradients, where :meth:`lowrank_rows` are
+        a surrogate (the studies' reference); None when they already are exact."""
+        return None
+
+    @property
+    def module_type(self) -> str:
+        """The layer's kind in summaries: the module's class name."""
+        return type(self.module).__name__
+
+    def grad_tensor(self) -> Tensor | None:
+        """The ``.grad`` whose identity and version tell that a backward reached the layer."""
+        return self.weight.grad
+
+    def weight_grad(self) -> Tensor | None:
+        """The weight's gradient (written in place), or None."""
+        return self.weight.grad
+
+    def bias_grad(self) -> Tensor | None:
+        """The bias's gradient (written in place), or None."""
+        bias = self.bias
+        return None if bias is None else bias.grad
+
+    def grad_parts(self) -> GradMatrix | None:
+        """∇W as views of the weight's and bias's gradients (docs/design.md, "Memory"), or None before backward."""
+        self._check_shapes()
+        weight_grad, bias = self.weight_grad(), self.bias
+        if weight_grad is None:
+            return None
+        bias_grad = None
+        if bias is not None:
+            bias_grad = self.bias_grad()
+            if bias_grad is None:
+                bias_grad = torch.zeros_like(bias)
+        return GradMatrix(weight_grad.reshape(self.d_g, -1), None if bias_grad is None else bias_grad.reshape(-1))
+
+    def grad_matrix(self) -> Tensor | None:
+        """∇W as one (d_g, d_a) matrix, bias last (a copy when there is a bias), or None before backward."""
+        parts = self.grad_parts()
+        return None if parts is None else parts.full()
+
+    def set_grad_matrix(self, matrix: Tensor) -> None:
+        """Write a (d_g, d_a) matrix back into the parameters' ``.grad`` in place."""
+        self._check_shapes()
+        weight_grad, bias_grad = self.weight_grad(), self.bias_grad()
+        assert weight_grad is not None
+        n_weight = self.d_a - (1 if self.bias is not None else 0)
+        weight_grad.copy_(matrix[:, :n_weight].reshape(weight_grad.shape))
+        if bias_grad is not None:
+            bias_grad.copy_(matrix[:, n_weight].reshape(bias_grad.shape))

@@ -1,0 +1,169 @@
+"""The cadence of a run and what each layer's hooks keep at a step (docs/design.md, "Memory").
+
+The planner owns the run's position — the step count, the number of updates, whether an update
+is owed — and answers, for the current step:
+
+- **cadence**: is it an update step (``step % update_freq == 0``, or an update is owed), and which
+  layers refresh K-FAC's running factors (``factor_update_freq``);
+- **capture plan**: what each layer's gradient hook reduces a call to — the statistic of each
+  family the layer may take (:class:`~hylo.layers.statistics.CapturePlan`), or nothing (raw calls,
+  for a user ``solver_fn`` and at study updates, whose reference needs raw calls). Under the hybrid
+  policy a layer keeps its low-rank rows always and K-FAC's factors where the policy's
+  **forecast** (its rule on this step's row counts and the current critical flags, the trend not
+  sampled) picks K-FAC;
+- **reconciliation**: after the policy's one decision per update, a layer whose calls every rank
+  reduced for one family only, but decided for another, keeps the family its data serves (reason
+  ``"planned"``).
+
+Everything here is a pure function of the config, the layers and the planner's counters: the
+cadence and the plans are computed once per step, at its first hook or at ``step()``, and no
+collective is ever issued from a hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hylo.config import HyLoConfig, resolve
+from hylo.layers.batch import LayerShape
+from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
+from hylo.policy import SolverPolicy, is_dynamic
+from hylo.records import Decision
+from hylo.solvers import FAMILIES, SolverFamily, family_of
+from hylo.state import RegisteredLayer
+
+#: Every family's statistic, in the order of the families (the agreement's flags follow it).
+STATISTICS: tuple[CallStatistic[Any], ...] = tuple(dict.fromkeys(family.statistic for family in FAMILIES))
+
+
+class Planner:
+    """The run's cadence counters and each step's capture plans."""
+
+    def __init__(self, layers: Sequence[RegisteredLayer], policy: SolverPolicy, world_size: int) -> None:
+        self.layers = list(layers)
+        self.policy = policy
+        self.world_size = world_size
+        #: ``step()`` calls so far (the current step's index).
+        self.step = 0
+        #: Update steps so far (the studies sample by it).
+        self.updates = 0
+        #: Whether the next step must update whatever the cadence (a rejected or missing state).
+        self.needs_update = False
+        self._cadence: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
+        self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
+
+    def reset(self) -> None:
+        """Forget the current step's cadence and plans (after a load or a new config)."""
+        self._cadence = (-1, False, frozenset())
+        self._plans = (-1, [])
+
+    def cadence(self, config: HyLoConfig) -> tuple[bool, frozenset[str]]:
+        """This step's (update?, layers refreshing their running statistics), computed once per step.
+
+        An update step captures every layer. Otherwise, at a ``factor_update_freq`` step, the
+        layers whose family keeps running statistics (K-FAC) capture and refresh them.
+        """
+        step, update, refreshing = self._cadence
+        if step != self.step:
+            freq = resolve("update_freq", config.update_freq, self.step)
+            update = self.needs_update or self.step % freq == 0
+            refreshing = frozenset()
+            factor_freq = config.kfac.factor_update_freq
+            if not update and factor_freq is not None:
+                if self.step % resolve("factor_update_freq", factor_freq, self.step) == 0:
+                    refreshing = frozenset(
+                        layer.name
+                        for layer in self.layers
+                        if layer.state is not None and family_of(layer.solver).refreshes
+                    )
+            self._cadence = (self.step, update, refreshing)
+        return update, refreshing
+
+    def capturing(self, config: HyLoConfig, name: str | None = None) -> bool:
+        """Whether this step captures (layer ``name``'s, or any layer's) inputs and output gradients."""
+        update, refreshing = self.cadence(config)
+        return update or (bool(refreshing) if name is None else name in refreshing)
+
+    def plan(self, index: int, config: HyLoConfig, study_due: bool, scale: float) -> CapturePlan | None:
+        """What layer ``index``'s calls are reduced to at this step (None: kept raw), fixed at the step's
+        first backward hook; ``scale`` multiplies the output gradients (1 over the loss scale)."""
+        step, plans = self._plans
+        if step != self.step:
+            plans = self._make_plans(config, study_due, scale)
+            self._plans = (self.step, plans)
+        return plans[index]
+
+    def _make_plans(self, config: HyLoConfig, study_due: bool, scale: float) -> list[CapturePlan | None]:
+        update, refreshing = self.cadence(config)
+        if not update:
+            kept = frozenset(family.statistic for family in FAMILIES if family.refreshes)
+            return [CapturePlan(kept, scale) if layer.name in refreshing else None for layer in self.layers]
+        if study_due:
+            return [None] * len(self.layers)
+        fixed = [self._fixed_family(layer.name, config) for layer in self.layers]
+        forecast: list[SolverFamily] | None = None
+        plans: list[CapturePlan | None] = []
+        for i, family in enumerate(fixed):
+            if family is not None:
+                plans.append(CapturePlan(frozenset({family.statistic}), scale))
+            elif config.policy.solver_fn is not None:
+                plans.append(None)  # a user's rule sees the step's stats only at step(): keep the calls raw
+            else:
+                forecast = forecast or self.forecast(config)
+                # the hybrid rule's low-rank path stays open (rows are cheap) beside the forecast's family
+                lowrank = {family_of(config.policy.critical_variant), family_of(config.policy.stable_variant)}
+                plans.append(CapturePlan(frozenset(f.statistic for f in {*lowrank, forecast[i]}), scale))
+        return plans
+
+    @staticmethod
+    def _fixed_family(name: str, config: HyLoConfig) -> SolverFamily | None:
+        """The family of a layer whose solver is fixed (an override, or a fixed solver without ``solver_fn``)."""
+        forced = config.policy.override_for(name)
+        if forced is not None or not is_dynamic(config):
+            return family_of(forced or config.solver)
+        return None
+
+    def forecast(self, config: HyLoConfig) -> list[SolverFamily]:
+        """The family the policy is expected to give each layer, on the rows captured so far."""
+        shapes = []
+        for layer in self.layers:
+            counts = [CapturedCall.of(layer.math, call) for call in layer.capture.calls()]
+            rows, kfac_rows = sum(c.rows for c in counts), sum(c.kfac_rows for c in counts)
+            for record in layer.capture.pending():
+                assert record.inputs is not None
+                grad_like = record.inputs if record.out_shape is None else torch.empty(record.out_shape, device="meta")
+                more = layer.math.row_counts(record.inputs, grad_like)
+                rows, kfac_rows = rows + more[0], kfac_rows + more[1]
+            kept = config.lowrank.rows_kept(rows) if rows else 0
+            shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, self.world_size))
+        freq = resolve("update_freq", config.update_freq, self.step)
+        return self.policy.forecast(self.step, shapes, freq, self.world_size, config)
+
+    def reconcile(
+        self, decisions: Sequence[Decision], gives: dict[CallStatistic[Any], list[bool]], config: HyLoConfig
+    ) -> list[Decision]:
+        """``decisions`` moved, where needed, to a family every rank's calls of the layer can serve.
+
+        ``gives[statistic][i]``: whether layer i's calls give ``statistic`` on every rank. A decision
+        whose family's statistic is missing takes the first family whose statistic is there, with
+        the solver the policy gives that family in the layer's regime (reason ``"planned"``).
+        """
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        reconciled = []
+        for decision in decisions:
+            i = index[decision.layer]
+            if not gives[family_of(decision.solver).statistic][i]:
+                served = [family for family in FAMILIES if gives[family.statistic][i]]
+                if served:
+                    decision = self.policy.substitute(decision, served[0], config)
+            reconciled.append(decision)
+        return reconciled
+
+    def advance(self, update: bool, needs_update: bool) -> None:
+        """Move to the next step after a successful one."""
+        self.step += 1
+        self.updates += int(update)
+        self.needs_update = needs_update

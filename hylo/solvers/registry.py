@@ -1,0 +1,76 @@
+"""Solver names and the families that run them; public registration of low-rank variants.
+
+docs/design.md, "Solver families". The update stage groups layers by family and calls the
+family interface (:class:`~hylo.solvers.base.SolverFamily`); nothing outside this package, the
+configuration and the hybrid policy tests a solver's or a family's name. The built-in solvers are
+``kfac`` (the K-FAC family) and the low-rank family's variants ``sngd``, ``kid`` and ``kis``;
+:func:`register_variant` adds a low-rank variant from user code (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import re
+
+from hylo.solvers.base import SolverFamily
+from hylo.solvers.kfac import KFACFamily
+from hylo.solvers.lowrank import ExactRows, LowRankFamily, RowReduction, SampledRows, SkeletonRows
+
+#: The low-rank family: its variants are the registered row reductions.
+LOWRANK = LowRankFamily()
+#: The families, in the order the stage launches their collectives (K-FAC's all-reduce first,
+#: so that it overlaps the low-rank local reductions).
+FAMILIES: tuple[SolverFamily, ...] = (KFACFamily(), LOWRANK)
+#: What ``solver="hybrid"`` asks for: a solver per layer and update, chosen by the policy.
+HYBRID = "hybrid"
+#: The built-in solvers, in their fixed order (the first entries of :func:`solver_names`).
+LAYER_SOLVERS: tuple[str, ...] = ("kfac", "sngd", "kid", "kis")
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+LOWRANK.variants.update({"sngd": ExactRows(), "kid": SkeletonRows(), "kis": SampledRows()})
+
+
+def solver_names() -> tuple[str, ...]:
+    """Every solver one layer can run: the built-in ones, then registered variants in registration order."""
+    return tuple(name for family in FAMILIES for name in family.solvers)
+
+
+def family_of(solver: str) -> SolverFamily:
+    """The family that runs ``solver``; ``ValueError`` for an unknown name."""
+    for family in FAMILIES:
+        if solver in family.solvers:
+            return family
+    raise ValueError(f"unknown solver {solver!r}; expected one of {solver_names()}")
+
+
+def variant_names() -> tuple[str, ...]:
+    """The low-rank variants (the solvers that work on per-sample rows)."""
+    return LOWRANK.solvers
+
+
+class VariantHandle:
+    """Returned by :func:`register_variant`: ``remove()`` unregisters the variant."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def remove(self) -> None:
+        """Unregister the variant (idempotent); preconditioners still using it fail at their next update."""
+        LOWRANK.variants.pop(self.name, None)
+
+
+def register_variant(name: str, reduction: RowReduction) -> VariantHandle:
+    """Add a low-rank variant ``name`` that reduces each rank's rows with ``reduction``.
+
+    The name is then a solver like ``"kis"``: for ``solver``, ``layer_solvers``, ``solver_fn``,
+    the hybrid policy's ``critical_variant``/``stable_variant`` and ``grad_error_methods``; the
+    policy's decisions carry its cost, and ``decisions.csv`` a ``cost_<name>`` column for it.
+    Register it before building a :class:`~hylo.HyLoConfig` that names it, on every rank.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"a variant's name is lowercase letters, digits and '_', starting with a letter; got {name!r}")
+    if name == HYBRID or name in solver_names():
+        raise ValueError(f"solver name {name!r} is taken (registered: {solver_names()}, and {HYBRID!r})")
+    if not isinstance(reduction, RowReduction):
+        raise ValueError(f"register_variant needs a hylo.solvers.RowReduction instance, got {type(reduction).__name__}")
+    LOWRANK.variants[name] = reduction
+    return VariantHandle(name)
