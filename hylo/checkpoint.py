@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hylo.config import HyLoConfig, is_number
+from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
 from hylo.planner import Planner
+from hylo.rules import is_number
 from hylo.solvers import HeldState, RemoteState, family_of, solver_names
 from hylo.solvers.registry import HYBRID
 from hylo.state import UNSOLVED, RegisteredLayer

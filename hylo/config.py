@@ -13,20 +13,34 @@ is made, and a bad one is a ``ValueError`` naming the option.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 import re
-import types
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Literal, TypeVar, cast, get_args, get_origin
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from hylo.layers.batch import DampingConvention
 from hylo.layers.conv import DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD_MB, ConvRows
 from hylo.records import LayerStats
+from hylo.rules import (
+    COUNT,
+    DECAY,
+    NON_NEGATIVE,
+    PATH,
+    POSITIVE,
+    RATIO,
+    REGEXES,
+    OptionSpec,
+    Rule,
+    Section,
+    default_of,
+    is_bool,
+    is_real,
+    option,
+)
 from hylo.solvers import HYBRID, solver_names, variant_names
+from hylo.solvers.lowrank import rows_for_ratio
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
@@ -41,57 +55,6 @@ Study = Literal["grad_norm", "rank", "grad_error"]
 STUDIES: tuple[Study, ...] = get_args(Study)
 
 
-# --------------------------------------------------------------------------- rules
-@dataclass(frozen=True)
-class Rule:
-    """What an option's value must satisfy, and how the message says it (a string, or a callable for
-    rules whose choices are read when they are checked, such as the registered solvers)."""
-
-    holds: Callable[[Any], bool]
-    expected: str | Callable[[], str]
-
-    def check(self, name: str, value: Any, step: int | None = None) -> None:
-        """Raise ``ValueError`` naming ``name`` if ``value`` breaks the rule."""
-        try:
-            ok = bool(self.holds(value))
-        except (TypeError, ValueError, re.error):
-            ok = False
-        if not ok:
-            expected = self.expected() if callable(self.expected) else self.expected
-            where = "" if step is None else f" (returned by the callable at step {step})"
-            raise ValueError(f"{name} must be {expected}, got {value!r}{where}")
-
-
-def _is_bool(x: object) -> bool:
-    """Python, NumPy and 0-dim torch booleans: never a number here."""
-    return isinstance(x, bool) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
-
-
-def is_number(x: object) -> bool:
-    """An int or float, not a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _number(x: object) -> bool:
-    return not _is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str)
-
-
-def _regexes(patterns: Any) -> bool:
-    if isinstance(patterns, str):
-        return False
-    for pattern in patterns:
-        re.compile(pattern)
-    return True
-
-
-POSITIVE = Rule(lambda x: _number(x) and 0 < x < math.inf, "a finite number > 0")
-NON_NEGATIVE = Rule(lambda x: _number(x) and 0 <= x < math.inf, "a finite number >= 0")
-COUNT = Rule(lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1")
-DECAY = Rule(lambda x: _number(x) and 0.0 <= x < 1.0, "a number in [0, 1)")
-RATIO = Rule(lambda x: _number(x) and 0.0 < x <= 1.0, "in (0, 1]")
-REGEXES = Rule(_regexes, "a sequence of valid regular expressions (not a single string)")
-
-
 def _solver(allow_hybrid: bool) -> Rule:
     def holds(name: object) -> bool:
         return name in solver_names() or (allow_hybrid and name == HYBRID)
@@ -101,120 +64,9 @@ def _solver(allow_hybrid: bool) -> Rule:
 
 def _variant() -> Rule:
     return Rule(
-        lambda name: name in variant_names(), lambda: f"a registered low-rank variant, one of {variant_names()}"
+        lambda name: name in variant_names(),
+        lambda: f"a registered low-rank variant, one of {variant_names()}",
     )
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    *,
-    doc: str,
-    rule: Rule | None = None,
-    schedule: bool = False,
-    fixed: bool = False,
-    default_factory: Any = dataclasses.MISSING,
-) -> Any:
-    """A config field with its documentation and rule.
-
-    ``schedule``: a callable of the step is accepted (checked by the rule at each step, see
-    :func:`resolve`). ``fixed``: the option cannot change after the preconditioner is made
-    (:meth:`hylo.HyLoPreconditioner.reconfigure` refuses it). A Literal-typed option's rule is
-    its choices; ``None`` is accepted only where the type says ``| None``.
-    """
-    metadata = {"doc": doc, "rule": rule, "schedule": schedule, "fixed": fixed}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """One option as :func:`options` describes it (what a command line or a docs table needs)."""
-
-    name: str
-    #: The section's attribute on :class:`HyLoConfig` (``"kfac"``, …), or None at the top level.
-    section: str | None
-    #: The value's type with ``| None`` and a schedule's callable removed.
-    type: Any
-    optional: bool
-    default: Any
-    doc: str
-    #: The Literal's values, for an option with fixed choices.
-    choices: tuple[Any, ...] | None
-    schedule: bool
-    fixed: bool
-
-
-_NONE = type(None)
-
-
-def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
-    """The dataclass fields of a section class."""
-    return fields(cast(Any, cls))
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
-    """A field's default value (its factory called)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    assert f.default_factory is not dataclasses.MISSING
-    return f.default_factory()
-
-
-def _spec(section: str | None, f: dataclasses.Field[Any], hint: Any) -> OptionSpec:
-    members = list(get_args(hint)) if get_origin(hint) in (typing.Union, types.UnionType) else [hint]
-    optional = _NONE in members
-    values = [m for m in members if m is not _NONE and Callable not in (m, get_origin(m))]
-    if not values:  # a callable option (solver_fn)
-        kind: Any = Callable
-    else:
-        kind = values[0] if len(values) == 1 else typing.Union[tuple(values)]  # noqa: UP007
-    members = values
-    flat = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
-    choices = tuple(flat) if flat else None
-    default = _default(f)
-    meta = f.metadata
-    return OptionSpec(f.name, section, kind, optional, default, meta["doc"], choices, meta["schedule"], meta["fixed"])
-
-
-def _choices_rule(spec: OptionSpec) -> Rule | None:
-    """A Literal option's rule: one of its choices."""
-    if spec.choices is None:
-        return None
-    choices = spec.choices
-    return Rule(lambda x: isinstance(x, str) and x in choices, f"one of {choices}")
-
-
-class Section:
-    """Base of the config's sections: checks every field by its rule, type and optionality."""
-
-    _specs: ClassVar[dict[str, OptionSpec]]
-    section_name: ClassVar[str | None] = None
-
-    @classmethod
-    def option_specs(cls) -> dict[str, OptionSpec]:
-        """This section's options by name (resolved once per class)."""
-        if "_specs" not in cls.__dict__:
-            hints = typing.get_type_hints(cls)
-            cls._specs = {
-                f.name: _spec(cls.section_name, f, hints[f.name]) for f in _fields(cls) if "doc" in f.metadata
-            }
-        return cls._specs
-
-    def _check_fields(self) -> None:
-        """Check every option's value by its rule (a schedule's callable is checked at each step)."""
-        for name, spec in self.option_specs().items():
-            value = getattr(self, name)
-            if (value is None and spec.optional) or (spec.schedule and callable(value)):
-                continue
-            rule = _RULES.get(name) or _choices_rule(spec)
-            if rule is not None:
-                rule.check(name, value)
-            elif value is None:
-                raise ValueError(f"{name} must not be None")
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
 
 
 # --------------------------------------------------------------------------- sections
@@ -224,24 +76,29 @@ class KFACConfig(Section):
 
     section_name: ClassVar[str | None] = "kfac"
 
-    factor_decay: Hyper = option(0.95, doc="running-average decay β of the K-FAC factors", rule=DECAY, schedule=True)
+    factor_decay: Hyper = option(
+        0.95,
+        doc="running-average decay β of the K-FAC factors (the first update takes the batch factors as they are)",
+        rule=DECAY,
+        schedule=True,
+    )
     factor_update_freq: IntHyper | None = option(
         None,
-        doc="steps between refreshes of K-FAC's running factors (KAISA's factor_update_freq); the factors are "
-        "also refreshed at every update step. None: only at update steps",
+        doc="KAISA's factor cadence: K-FAC layers also refresh their running factors every this many steps "
+        "between updates (one all-reduce, no decomposition); None: only at update steps",
         rule=COUNT,
         schedule=True,
     )
     kfc_exponent: float = option(
         DEFAULT_KFC_EXPONENT,
-        doc="e of a convolution's K-FAC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ] over its L output positions "
-        "(1: Grosse & Martens' KFC; 2: fully correlated positions)",
-        rule=Rule(lambda x: _number(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
+        doc="e ∈ [0, 4] of a convolution's K-FAC factors, F ≈ L^e·E_p[aaᵀ] ⊗ E_p[ggᵀ] over its L output "
+        "positions: 1 is Grosse & Martens' KFC, 2 fully correlated positions, 0 a position per sample",
+        rule=Rule(lambda x: is_real(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
         fixed=True,
     )
 
     def __post_init__(self) -> None:
-        self._check_fields()
+        super().__post_init__()
         self._set("kfc_exponent", float(self.kfc_exponent))
 
 
@@ -251,28 +108,28 @@ class LowRankConfig(Section):
 
     section_name: ClassVar[str | None] = "lowrank"
 
-    rank_ratio: float = option(0.1, doc="KID/KIS rows kept per rank, r = max(1, ⌊ρ·n⌋); ρ in (0, 1]", rule=RATIO)
+    rank_ratio: float = option(0.1, doc="ρ ∈ (0, 1]: KID and KIS keep r = max(1, ⌊ρ·n⌋) of a rank's n rows", rule=RATIO)
     rank: int | None = option(
         None,
-        doc="absolute rows kept per rank (overrides rank_ratio when set)",
+        doc="absolute rows r >= 1 kept per rank (overrides rank_ratio); r >= n is exact SNGD",
         rule=Rule(COUNT.holds, "an int >= 1 (rows kept per rank)"),
     )
     seed: int = option(
         0,
-        doc="seed of the generator that draws the KIS rows (and of the studies' draws)",
+        doc="seed of the preconditioner's own generator (KIS draws, the studies' draws), an int in [0, 2⁶³)",
         rule=Rule(
-            lambda x: not _is_bool(x) and isinstance(x, numbers.Integral) and 0 <= int(x) < 2**63,
+            lambda x: not is_bool(x) and isinstance(x, numbers.Integral) and 0 <= int(x) < 2**63,
             "an int in [0, 2**63)",
         ),
     )
     kis_estimator: KISEstimator = option(
         "unbiased",
-        doc="KIS's estimator: 'unbiased' (priority sampling with Horvitz–Thompson weights, divisor B) or "
-        "'hylo' (HyLo's unweighted draw, divisor m)",
+        doc="'unbiased': priority sampling with Horvitz–Thompson weights, divisor B (E[F̂] = F); 'hylo': "
+        "HyLo's unweighted draw, divisor m",
     )
 
     def __post_init__(self) -> None:
-        self._check_fields()
+        super().__post_init__()
         self._set("seed", int(self.seed))
 
     def rows_kept(self, local_rows: int) -> int:
@@ -290,21 +147,19 @@ class ConvConfig(Section):
 
     conv_rows: ConvRows = option(
         "sum",
-        doc="a convolution's low-rank rows: 'sum' (rank-one surrogate of each per-sample gradient with the right "
-        "scale), 'exact' (the true per-sample gradients, m·d_a·d_g numbers per layer) or 'mean' (HyLo's "
-        "surrogate, L times too small for L output positions)",
+        doc="a convolution's low-rank rows: 'sum' (rank one per sample, mean patch × summed output gradient: "
+        "the right scale), 'exact' (the true per-sample gradients, m·d_a·d_g numbers per layer) or 'mean' "
+        "(HyLo's surrogate, L times too small for L output positions)",
         fixed=True,
     )
     max_unfold_mb: float = option(
         DEFAULT_MAX_UNFOLD_MB,
-        doc="the most megabytes of a convolution's unfolded patches in flight at once (K-FAC's factor A, exact "
-        "rows and patch means are built in chunks of at most this size)",
+        doc="the most megabytes of a convolution's unfolded patches in flight at once: K-FAC's factor A, "
+        "exact per-sample rows and the patch means are built in blocks of samples (or of one sample's output "
+        "rows) of at most this size",
         rule=POSITIVE,
         fixed=True,
     )
-
-    def __post_init__(self) -> None:
-        self._check_fields()
 
 
 @dataclass(frozen=True)
@@ -314,60 +169,66 @@ class PolicyConfig(Section):
     section_name: ClassVar[str | None] = "policy"
 
     layer_solvers: Mapping[str, str] = option(
-        doc="per-layer overrides, {name regex (full match): solver}; first match wins", default_factory=dict
+        doc="per-layer overrides {name regex (full match): solver}; the first match wins",
+        default_factory=dict,
     )
     solver_fn: Callable[[str, int, LayerStats], str] | None = option(
         None,
-        doc="(layer_name, step, stats) -> solver, called at update steps (see hylo.LayerStats); overrides the "
-        "built-in hybrid rule",
+        doc="(layer_name, step, stats) -> solver, called at update steps with a hylo.LayerStats; overrides "
+        "the built-in hybrid rule",
         rule=Rule(callable, "callable (layer_name, step, stats) -> solver"),
     )
     fidelity_budget: float = option(
         0.05,
-        doc="the hybrid policy gives a layer exact sngd (else kfac) when that costs at most this share of an "
-        "average layer's forward+backward work over the period; 0 turns the rule off",
+        doc="a layer gets exact sngd (else kfac) when that costs at most this share of an average layer's "
+        "forward+backward work over the period; 0 turns the rule off",
         rule=NON_NEGATIVE,
     )
     comm_flops_per_byte: float = option(
         100.0,
-        doc="multiply-adds one byte of traffic is worth in the hybrid cost model (compute rate over network "
-        "bandwidth); used when P > 1",
+        doc="with P > 1 ranks: the multiply-adds one byte of traffic is worth in the cost model (compute "
+        "rate over network bandwidth)",
         rule=NON_NEGATIVE,
     )
     adaptive: tuple[int, int, int] | None = option(
         None,
-        doc="HyLo's fixed windows (a0, a1, a2) in epochs of iters_per_epoch steps: the critical variant iff "
-        "step < I·a0 or I·a1 < step <= I·a2 (0-based step), the stable one otherwise; replaces the trend",
+        doc="HyLo's fixed windows (a0, a1, a2) in epochs of I = iters_per_epoch steps: the critical variant "
+        "iff step < I·a0 or I·a1 < step <= I·a2 (0-based step, as HyLo's code counts), the stable one "
+        "otherwise; replaces the trend",
         rule=Rule(
             lambda w: len(tuple(w)) == 3 and all(isinstance(e, int) and e >= 0 for e in w) and w[1] <= w[2],
             "three epochs (a0, a1, a2) with a1 <= a2",
         ),
     )
-    iters_per_epoch: int | None = option(None, doc="steps per epoch, for adaptive", rule=COUNT)
+    iters_per_epoch: int | None = option(None, doc="steps per epoch, required by adaptive", rule=COUNT)
     trend_decay: float | None = option(
         None,
-        doc="EMA decay of each layer's gradient norm (and its square); None: 1 − 2/(trend_window + 1)",
+        doc="EMA decay of each layer's gradient norm (and of its square); None: 1 − 2/(trend_window + 1), a "
+        "memory of one window",
         rule=Rule(DECAY.holds, "in [0, 1) (or None: matched to trend_window)"),
     )
     trend_window: int = option(100, doc="steps over which the EMA's relative change is measured", rule=COUNT)
     critical_enter: float = option(
         0.2,
-        doc="a layer becomes critical when the change exceeds this (or critical_noise × its noise, if larger)",
+        doc="a layer turns critical when the change exceeds this (or critical_noise times its noise, if larger)",
         rule=POSITIVE,
     )
     critical_exit: float = option(
         0.1,
-        doc="a critical layer becomes stable when the change falls below this (or half the noise threshold)",
+        doc="a critical layer turns stable when the change falls below this (or half the noise threshold, if larger)",
         rule=POSITIVE,
     )
     critical_noise: float = option(
-        3.0, doc="z, the multiple of the change's noise (std) a change must exceed; 0 disables", rule=NON_NEGATIVE
+        3.0,
+        doc="z: the change must exceed z times its measured noise (std) to turn a layer critical (z/2 to "
+        "keep it critical); 0 disables the noise floor",
+        rule=NON_NEGATIVE,
     )
     critical_variant: str = option("kid", doc="the low-rank variant of a layer in the critical regime", rule=_variant())
     stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=_variant())
 
     def __post_init__(self) -> None:
-        self._check_fields()
+        super().__post_init__()
         for pattern, solver in dict(self.layer_solvers).items():
             if solver not in solver_names():
                 raise ValueError(f"layer_solvers[{pattern!r}] must be one of {solver_names()}, got {solver!r}")
@@ -406,20 +267,13 @@ class DistributedConfig(Section):
 
     strategy: Strategy = option(
         "inverse",
-        doc="'inverse' (owners broadcast solved states; no traffic between updates) or 'gradient' (owners keep "
-        "their states and broadcast preconditioned gradients every step; less memory per rank)",
+        doc="'inverse': owners broadcast solved states (no traffic between updates); 'gradient': owners keep "
+        "their states and broadcast preconditioned gradients every step (less memory per rank)",
         fixed=True,
     )
     bucket_cap_mb: float = option(
-        25.0, doc="largest flat buffer of one collective (default communicator only)", rule=POSITIVE, fixed=True
+        25.0, doc="largest flat buffer of one fused collective (of the default communicator)", rule=POSITIVE, fixed=True
     )
-
-    def __post_init__(self) -> None:
-        self._check_fields()
-
-
-def _path(x: object) -> bool:
-    return isinstance(x, (str, os.PathLike))
 
 
 @dataclass(frozen=True)
@@ -430,9 +284,9 @@ class TelemetryConfig(Section):
 
     profile_dir: str | os.PathLike[str] | None = option(
         None,
-        doc="directory of the profiling and study CSVs (timing-r{rank}.csv and steps-r{rank}.csv on every rank; "
-        "decisions.csv, run.json and the studies' files on rank 0). None: nothing is timed or written",
-        rule=Rule(_path, "a path or None"),
+        doc="directory of the profiling and study CSVs (timing-r{rank}.csv and steps-r{rank}.csv on every "
+        "rank; decisions.csv, run.json and the studies' files on rank 0); None: nothing is timed or written",
+        rule=PATH,
         fixed=True,
     )
     profile_append: bool = option(
@@ -443,7 +297,7 @@ class TelemetryConfig(Section):
     )
     studies: tuple[Study, ...] = option(
         (),
-        doc="any of 'grad_norm' (every step), 'rank' and 'grad_error' (sampled update steps); they need profile_dir",
+        doc="any of 'grad_norm' (every step), 'rank' and 'grad_error' (sampled updates); they need profile_dir",
         rule=Rule(lambda s: not isinstance(s, str) and all(x in STUDIES for x in s), f"drawn from {STUDIES}"),
         fixed=True,
     )
@@ -454,8 +308,8 @@ class TelemetryConfig(Section):
     )
     grad_error_methods: tuple[str, ...] = option(
         ("kid", "kis"),
-        doc="the solvers compared with exact SNGD by the gradient-error study (any registered solver; 'sngd' "
-        "measures the run's own convolution rows)",
+        doc="the solvers compared with exact SNGD by the gradient-error study: any registered solver ('kfac' "
+        "from the batch's factors, 'sngd' on the run's own convolution rows)",
         rule=Rule(
             lambda m: not isinstance(m, str) and len(m) > 0 and all(x in solver_names() for x in m),
             "a non-empty selection of the registered solvers",
@@ -471,13 +325,13 @@ class TelemetryConfig(Section):
     )
     study_exact_rows_mb: float = option(
         256.0,
-        doc="largest gathered exact per-sample rows (m·d_a·d_g numbers) of a convolution the studies build for "
-        "their reference; above it they use conv_rows",
+        doc="largest gathered exact per-sample rows (m·d_a·d_g numbers) of a convolution the studies build "
+        "for their reference; above it the reference uses conv_rows",
         rule=NON_NEGATIVE,
     )
 
     def __post_init__(self) -> None:
-        self._check_fields()
+        super().__post_init__()
         for name in ("studies", "grad_error_methods", "grad_error_ratios"):
             if getattr(self, name) is not None:
                 self._set(name, tuple(getattr(self, name)))
@@ -513,7 +367,12 @@ class HyLoConfig(Section):
     update_freq: IntHyper = option(
         10, doc="steps between curvature updates (step 0 is an update step)", rule=COUNT, schedule=True
     )
-    damping: Hyper = option(1.0, doc="Tikhonov damping λ > 0 of (F + λI)", rule=POSITIVE, schedule=True)
+    damping: Hyper = option(
+        1.0,
+        doc="Tikhonov damping λ > 0 of (F + λI), read at update steps (a stored state keeps the λ it was solved with)",
+        rule=POSITIVE,
+        schedule=True,
+    )
     kl_clip: Hyper | None = option(
         None,
         doc="scale the whole preconditioned step by min(1, sqrt(kl_clip / (lr²·Σ v̂·∇W))); None disables it",
@@ -521,15 +380,24 @@ class HyLoConfig(Section):
         schedule=True,
     )
     lr: Hyper | None = option(
-        None, doc="learning rate used by kl_clip (required when kl_clip is set)", rule=POSITIVE, schedule=True
+        None,
+        doc="the learning rate kl_clip reads (required with it): a function reading the optimizer's lr when "
+        "a scheduler changes it",
+        rule=POSITIVE,
+        schedule=True,
     )
     skip_layers: tuple[str, ...] = option(
-        (), doc="module names or class names (regular expressions, full match) to leave alone", rule=REGEXES, fixed=True
+        (),
+        doc="regular expressions that leave a module alone when one fully matches its name ('fc', "
+        "'layers\\..*') or its class name ('Linear', 'Conv2d'); case-sensitive",
+        rule=REGEXES,
+        fixed=True,
     )
     damping_convention: DampingConvention = option(
         "hylo",
-        doc="'hylo' (λ damps the Fisher of g = n·∂L/∂s, the same at every batch size) or 'kaisa' (every layer's "
-        "Fisher divided by KAISA's ratio c, so KAISA's damping and learning rate carry over)",
+        doc="'hylo': λ damps the Fisher of g = n·∂L/∂s (the same at every batch size); 'kaisa': every "
+        "layer's Fisher divided by KAISA's ratio c (n² on Linear, n²·L^(4+e) on Conv2d), so KAISA's damping "
+        "carries over and solver='kfac' takes KAISA's eigen-method step",
         fixed=True,
     )
     kfac: KFACConfig = field(default_factory=KFACConfig)
@@ -548,8 +416,7 @@ class HyLoConfig(Section):
                 continue
             section = _SECTION_OF.get(key, ...)
             if section is ...:
-                known = sorted(_SECTION_OF)
-                close = [name for name in known if name.startswith(key[:4])][:3]
+                close = [name for name in sorted(_SECTION_OF) if name.startswith(key[:4])][:3]
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise TypeError(f"unknown hylo option {key!r}{hint} (see hylo.config.options())")
             if section is None:
@@ -561,13 +428,13 @@ class HyLoConfig(Section):
                 base: Any = options.get(f.name) or SECTIONS[f.name]()
                 self._set(f.name, dataclasses.replace(base, **sections[f.name]) if sections[f.name] else base)
             elif f.name not in options:
-                self._set(f.name, _default(f))
+                self._set(f.name, default_of(f))
         self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_layers, str):
             raise ValueError("skip_layers must be a sequence of names, not a single string")
-        self._check_fields()
+        super().__post_init__()
         self._set("skip_layers", tuple(self.skip_layers))
         if self.kl_clip is not None and self.lr is None:
             raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
@@ -603,23 +470,14 @@ def options() -> list[OptionSpec]:
     return [spec for cls in _CLASSES for spec in cls.option_specs().values()]
 
 
-#: Each option's section (None: the top level) and rule, by flat name; an option name is defined once.
-_SECTION_OF: dict[str, str | None] = {}
-_RULES: dict[str, Rule] = {}
-for _cls in _CLASSES:
-    for _field in _fields(_cls):
-        if "doc" not in _field.metadata:
-            continue
-        if _field.name in _SECTION_OF or _field.name in SECTIONS:
-            raise ImportError(f"option name {_field.name!r} is defined twice")
-        _SECTION_OF[_field.name] = _cls.section_name
-        if _field.metadata["rule"] is not None:
-            _RULES[_field.name] = _field.metadata["rule"]
-
-
-def rows_for_ratio(ratio: float, rows: int) -> int:
-    """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
-    return min(rows, max(1, math.floor(ratio * rows)))
+#: Every option by flat name; an option name is defined once.
+_SPECS: dict[str, OptionSpec] = {}
+for _spec_ in options():
+    if _spec_.name in _SPECS or _spec_.name in SECTIONS:
+        raise ImportError(f"option name {_spec_.name!r} is defined twice")
+    _SPECS[_spec_.name] = _spec_
+#: Each option's section (None: the top level), by flat name.
+_SECTION_OF: dict[str, str | None] = {name: spec.section for name, spec in _SPECS.items()}
 
 
 def window_decay(window: int) -> float:
@@ -631,6 +489,8 @@ def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
     """Evaluate option ``name`` — a constant or a callable of the step — at ``step``, checked by its rule."""
     if callable(value):
         result = value(step)
-        _RULES[name].check(name, result, step)
+        rule = _SPECS[name].rule
+        assert rule is not None, f"{name} is not a schedule"
+        rule.check(name, result, step)
         return result
     return value

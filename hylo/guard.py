@@ -106,8 +106,8 @@ class Guard:
 
         One host synchronisation; with P > 1 ranks, one all-reduce of a few flags, every step: the
         decision to skip or to update is then the same on every rank (docs/reliability.md,
-        "Agreement"). Usage errors (no gradient at all, ``step()`` twice without a backward) raise on
-        every rank.
+        "Agreement across ranks"). Usage errors (no gradient at all, ``step()`` twice without a
+        backward) raise on every rank.
         """
         norms, finite = self.norms(grads)
         n = len(self.layers)

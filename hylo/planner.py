@@ -22,7 +22,7 @@ collective is ever issued from a hook.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -87,12 +87,13 @@ class Planner:
         update, refreshing = self.cadence(config)
         return update or (bool(refreshing) if name is None else name in refreshing)
 
-    def plan(self, index: int, config: HyLoConfig, study_due: bool, scale: float) -> CapturePlan | None:
+    def plan(self, index: int, config: HyLoConfig, inputs: Callable[[], tuple[bool, float]]) -> CapturePlan | None:
         """What layer ``index``'s calls are reduced to at this step (None: kept raw), fixed at the step's
-        first backward hook; ``scale`` multiplies the output gradients (1 over the loss scale)."""
+        first backward hook. ``inputs()``, called then only, says whether a study samples this update and
+        what multiplies the output gradients (1 over the loss scale: one host sync on CUDA)."""
         step, plans = self._plans
         if step != self.step:
-            plans = self._make_plans(config, study_due, scale)
+            plans = self._make_plans(config, *inputs())
             self._plans = (self.step, plans)
         return plans[index]
 

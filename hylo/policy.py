@@ -76,7 +76,7 @@ def in_critical_window(step: int, config: PolicyConfig) -> bool:
     """HyLo's ``--adaptive a0 a1 a2`` with I steps per epoch: critical iff step < I·a0 or I·a1 < step ≤ I·a2.
 
     ``step`` is the 0-based count of ``step()`` calls, as in HyLo's reference optimizer, whose
-    update after s steps uses the flag it computed at s (docs/hybrid-policy.md, "Epoch windows").
+    update after s steps uses the flag it computed at s (docs/hybrid-policy.md, "Adaptive windows").
     """
     assert config.adaptive is not None and config.iters_per_epoch is not None
     a0, a1, a2 = (config.iters_per_epoch * a for a in config.adaptive)

@@ -3,7 +3,7 @@
 docs/design.md, "Data path of one step". Its collaborators each do one job: the
 :class:`~hylo.planner.Planner` (cadence and what hooks keep), the :class:`~hylo.guard.Guard`
 (gradients, finiteness, agreement across ranks), the :class:`~hylo.policy.SolverPolicy`, the
-:class:`~hylo.distributed.stage.UpdateStage` (solver families and collectives),
+:class:`~hylo.stage.UpdateStage` (solver families and collectives),
 :mod:`hylo.checkpoint`, :mod:`hylo.memory` and :class:`~hylo.telemetry.monitor.Telemetry`. The
 configuration has one holder, :attr:`HyLoPreconditioner.config`; every collaborator receives it
 per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` reach all of them.
@@ -11,11 +11,10 @@ per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` rea
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from hylo import checkpoint, memory
 from hylo.config import HyLoConfig, options, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.distributed.payload import CONTROL, Payload
-from hylo.distributed.stage import UpdateStage
 from hylo.guard import Agreement, Guard
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.gradmatrix import GradMatrix
@@ -34,75 +32,19 @@ from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.memory import MemoryUsage
 from hylo.planner import STATISTICS, Planner
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
-from hylo.records import Decision
-from hylo.solvers import HeldState, RemoteState, UpdateContext
+from hylo.records import Decision, LayerInfo, format_summary
+from hylo.solvers import RemoteState
 from hylo.solvers.base import UpdateJob
+from hylo.stage import UpdateStage
 from hylo.state import UNSOLVED, RegisteredLayer
-from hylo.telemetry.monitor import StudyResult, Telemetry
+from hylo.step import Outcome, StepValues, precondition
+from hylo.telemetry.monitor import Telemetry
 from hylo.version import __version__
 
 #: Decisions kept in ``decision_log`` (oldest dropped first).
 DECISION_LOG_SIZE = 100_000
 #: Options that cannot change after construction (their effect is built in: hooks, files, layer math).
 FIXED_OPTIONS = frozenset(spec.name for spec in options() if spec.fixed)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerInfo:
-    """A registered layer as :meth:`HyLoPreconditioner.layer_info` reports it."""
-
-    name: str
-    module_type: str
-    d_a: int
-    d_g: int
-    bias: bool
-    solver: str
-    #: The rank that solved the layer's current state (0 before the first update; -1 while only its
-    #: carried statistics are held, after a checkpoint from another world size, until the next update).
-    owner: int
-
-
-@dataclasses.dataclass(frozen=True)
-class StepValues:
-    """A step's hyperparameters, evaluated and checked before anything changes."""
-
-    damping: float
-    factor_decay: float
-    kl_clip: float | None
-    lr: float | None
-
-    @classmethod
-    def at(cls, config: HyLoConfig, step: int) -> StepValues:
-        """Every schedule of ``config`` evaluated (and checked) at ``step``."""
-        kl_clip = config.kl_clip
-        return cls(
-            damping=resolve("damping", config.damping, step),
-            factor_decay=resolve("factor_decay", config.kfac.factor_decay, step),
-            kl_clip=None if kl_clip is None else resolve("kl_clip", kl_clip, step),
-            lr=None if config.lr is None or kl_clip is None else resolve("lr", config.lr, step),
-        )
-
-
-@dataclasses.dataclass
-class Outcome:
-    """Everything a step computed; stored on the preconditioner only once the whole step succeeded."""
-
-    kind: str
-    needs_update: bool
-    norms: Tensor | None = None
-    worked: list[RegisteredLayer] = dataclasses.field(default_factory=list)
-    batches: list[LayerBatch] = dataclasses.field(default_factory=list)
-    decisions: list[Decision] = dataclasses.field(default_factory=list)
-    states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
-    owners: dict[str, int] = dataclasses.field(default_factory=dict)
-    written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
-    fallbacks: tuple[list[int], Tensor] | None = None
-    study: StudyResult | None = None
-
-    def state_of(self, layer: RegisteredLayer) -> HeldState | None:
-        """The layer's state after this step: the new one if the step made one, else its current one."""
-        return self.states.get(layer.name, layer.state)
 
 
 def _weakly(method: Callable[..., Any], fallback: Any) -> Callable[..., Any]:
@@ -151,7 +93,8 @@ class HyLoPreconditioner:
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self._grad_scaler = grad_scaler
-        self._config = (config or HyLoConfig()).replace(**options) if options or config is None else config
+        base = config or HyLoConfig()
+        self._config = base.replace(**options) if options else base
         self.comm = communicator or default_communicator(self._config.distributed.bucket_cap_mb)
         #: Per-update decisions (bounded; oldest dropped first).
         self.decision_log: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
@@ -163,10 +106,10 @@ class HyLoPreconditioner:
         self._layers = [
             RegisteredLayer(f.name, f.math, f.capture, self._config.initial_solver(f.name)) for f in found.layers
         ]
+        self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         for index, layer in enumerate(self._layers):
             layer.capture.reducer = self._reducer(index)
-        if found.unsupported:
-            _warn_unsupported(found.unsupported)
+        found.warn_unsupported()
         if not self._layers:
             raise ValueError(
                 f"model has no layer hylo can precondition ({', '.join(supported_types())}; Conv2d with groups=1)"
@@ -222,12 +165,16 @@ class HyLoPreconditioner:
     def _loss_scale(self) -> float:
         return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None and self._scaling() else 1.0
 
+    def _plan_inputs(self) -> tuple[bool, float]:
+        """What a step's plans depend on besides the config: whether a study samples this update (its
+        reference needs raw calls) and 1 over the loss scale. Read once per step, when the plans are made."""
+        return any(self._telemetry.studies_due(self._planner.updates, self._config)), 1.0 / self._loss_scale()
+
     def _reduce_call(self, index: int, x: Tensor, grad_out: Tensor) -> CapturedCall:
         """Layer ``index``'s call reduced in its gradient hook as this step's plan says (docs/design.md, "Memory")."""
         layer, watch = self._layers[index], self._telemetry.watch
         begin = watch.mark()
-        study_due = any(self._telemetry.studies_due(self._planner.updates, self._config))
-        plan = self._planner.plan(index, self._config, study_due, 1.0 / self._loss_scale())
+        plan = self._planner.plan(index, self._config, self._plan_inputs)
         call = capture_call(layer.math, x, grad_out, plan)
         watch.hook(layer.name, begin)
         return call
@@ -292,9 +239,11 @@ class HyLoPreconditioner:
         outcome = Outcome("apply", needs_update=needs_update, norms=agreed.norms)
         if any(capturing):
             taking = [c and p for c, p in zip(capturing, present, strict=True)]
-            layers = zip(self._layers, taking, agreed.rows, strict=True)
-            self._guard.warn_no_rows(step, [layer for layer, t, r in layers if t and not r])
-            outcome.worked = [layer for layer, t, r in zip(self._layers, taking, agreed.rows, strict=True) if t and r]
+            without_rows: list[RegisteredLayer] = []
+            for layer, took, rows in zip(self._layers, taking, agreed.rows, strict=True):
+                if took:
+                    (outcome.worked if rows else without_rows).append(layer)
+            self._guard.warn_no_rows(step, without_rows)
             scale, convention = self._loss_scale(), config.damping_convention
             outcome.batches = [
                 LayerBatch.of(layer.math, layer.capture.calls(), config.lowrank.rows_kept, scale, convention)
@@ -304,8 +253,7 @@ class HyLoPreconditioner:
             if is_update:
                 outcome.kind = "update"
                 self._update(step, config, values, outcome, agreed)
-                index = {layer.name: i for i, layer in enumerate(self._layers)}
-                worked_grads = [g for layer in outcome.worked if (g := grads[index[layer.name]]) is not None]
+                worked_grads = [g for layer in outcome.worked if (g := grads[self._index[layer.name]]) is not None]
                 outcome.study = self._telemetry.run_studies(
                     step,
                     self._planner.updates,
@@ -313,7 +261,7 @@ class HyLoPreconditioner:
                     [layer.name for layer in outcome.worked],
                     outcome.batches,
                     worked_grads,
-                    self._context(config, values, seed=0),
+                    values.context(config, self.comm.rank, 0, self._telemetry.watch),
                 )
             elif outcome.worked:
                 outcome.kind = "refresh"
@@ -323,7 +271,11 @@ class HyLoPreconditioner:
             for layer, g, p in zip(self._layers, grads, present, strict=True)
             if p and g is not None and self._solved(layer, outcome, config)
         ]
-        outcome.written = self._precondition(ready, outcome, values, config)
+        if ready:
+            outcome.written, fallbacks = precondition(
+                self._stage, ready, outcome, values, config, self._telemetry.watch
+            )
+            outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], fallbacks)
         return outcome
 
     def _solved(self, layer: RegisteredLayer, outcome: Outcome, config: HyLoConfig) -> bool:
@@ -333,17 +285,6 @@ class HyLoPreconditioner:
             owner = outcome.owners.get(layer.name, layer.owner)
             return config.distributed.strategy == "gradient" and self.comm.world_size > 1 and owner != UNSOLVED
         return state is not None
-
-    def _context(self, config: HyLoConfig, values: StepValues, seed: int) -> UpdateContext:
-        """The per-update values the solver families read."""
-        return UpdateContext(
-            rank=self.comm.rank,
-            damping=values.damping,
-            factor_decay=values.factor_decay,
-            seed=seed,
-            kis_estimator=config.lowrank.kis_estimator,
-            watch=self._telemetry.watch,
-        )
 
     def _decide(self, step: int, config: HyLoConfig, outcome: Outcome, agreed: Agreement) -> list[str]:
         """Choose the solver of every layer this update works on, once, identically on all ranks; a layer
@@ -379,7 +320,9 @@ class HyLoPreconditioner:
         outcome.needs_update = False
         if not jobs:
             return
-        result = self._stage.update(jobs, self._context(config, values, seed), config.distributed.strategy)
+        result = self._stage.update(
+            jobs, values.context(config, self.comm.rank, seed, self._telemetry.watch), config.distributed.strategy
+        )
         if result.rejected:
             warnings.warn(
                 f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=4
@@ -392,7 +335,9 @@ class HyLoPreconditioner:
 
     def _refresh(self, step: int, config: HyLoConfig, values: StepValues, outcome: Outcome) -> None:
         """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
-        context = self._context(config, values, seed=0)  # no draws: a refresh keeps the KIS generator's sequence
+        context = values.context(
+            config, self.comm.rank, 0, self._telemetry.watch
+        )  # no draws: a refresh keeps the KIS generator's sequence
         jobs = [
             UpdateJob(layer.name, layer.solver, batch, layer.state)
             for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
@@ -404,47 +349,14 @@ class HyLoPreconditioner:
             )
         outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
-    def _precondition(
-        self,
-        ready: list[tuple[RegisteredLayer, GradMatrix]],
-        outcome: Outcome,
-        values: StepValues,
-        config: HyLoConfig,
-    ) -> dict[str, Tensor]:
-        """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back.
-
-        A layer whose result is not finite although its gradient is (an overflow in the solve's
-        arithmetic) keeps its raw gradient this step; such fallbacks are counted without a host
-        sync and reported at the next update.
-        """
-        if not ready:
-            return {}
-        items = [
-            (layer.name, state, outcome.owners.get(layer.name, layer.owner), grad)
-            for layer, grad in ready
-            if (state := outcome.state_of(layer)) is not None
-        ]
-        results = self._stage.precondition(items, config.distributed.strategy, self._telemetry.watch)
-        sums = torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready])
-        ok = torch.isfinite(sums)
-        index = {layer.name: i for i, layer in enumerate(self._layers)}
-        outcome.fallbacks = ([index[layer.name] for layer, _ in ready], (~ok).long())
-        written = [grad.fill_where_not(ok[i], results[layer.name]) for i, (layer, grad) in enumerate(ready)]
-        if values.kl_clip is not None:
-            assert values.lr is not None
-            written = kl_clipped([grad for _, grad in ready], written, values.kl_clip, values.lr)
-        self._telemetry.watch.lap("precondition", [layer.name for layer, _ in ready])
-        return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}
-
     def _commit(self, step: int, outcome: Outcome, traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
         for layer in self._layers:
             if layer.name in outcome.states:
                 layer.state = outcome.states[layer.name]
                 layer.owner = outcome.owners.get(layer.name, layer.owner)
-        named = {layer.name: layer for layer in self._layers}
         for decision in outcome.decisions:
-            named[decision.layer].solver = decision.solver
+            self._layers[self._index[decision.layer]].solver = decision.solver
         self.decision_log.extend(outcome.decisions)
         if outcome.fallbacks is not None:
             self._guard.count_fallbacks(*outcome.fallbacks)
@@ -456,27 +368,15 @@ class HyLoPreconditioner:
         self._guard.mark_seen()
         self._telemetry.watch.lap("precondition")
         self._planner.advance(outcome.kind == "update", outcome.needs_update)
-        telemetry = self._telemetry
-        if telemetry.recording and outcome.norms is not None and "grad_norm" in self._config.telemetry.studies:
-            telemetry.record_norms(step, self._layers, outcome.norms, outcome.written, self._policy.trend)
+        if outcome.norms is not None:
+            self._telemetry.record_norms(step, self._layers, outcome.norms, outcome.written, self._policy.trend)
         worked = list(zip(outcome.worked, outcome.batches, strict=True))
-        telemetry.record(step, outcome.kind, outcome.decisions, outcome.study, traffic, worked)
+        self._telemetry.record(step, outcome.kind, outcome.decisions, outcome.study, traffic, worked)
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
         """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
-        return [
-            LayerInfo(
-                layer.name,
-                layer.math.module_type,
-                layer.math.d_a,
-                layer.math.d_g,
-                layer.math.bias is not None,
-                layer.solver,
-                layer.owner,
-            )
-            for layer in self._layers
-        ]
+        return [layer.info() for layer in self._layers]
 
     def solver_of(self, name: str) -> str:
         """The solver layer ``name`` used at the latest update (its configured one before any)."""
@@ -500,21 +400,10 @@ class HyLoPreconditioner:
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone."""
-        infos = self.layer_info()
-        width = max([9, *(len(info.module_type) for info in infos)])
-        lines = [
-            f"HyLoPreconditioner(solver={self._config.solver!r}, layers={len(self._layers)}, "
-            f"world_size={self.comm.world_size})",
-            f"  {'layer':<32} {'type':<{width}} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver",
-        ]
-        for info in infos:
-            lines.append(
-                f"  {info.name:<32} {info.module_type:<{width}} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}"
-                f"  {info.solver}"
-            )
-        for name, why in [*self._registration.skipped, *self._registration.unsupported]:
-            lines.append(f"  not preconditioned: {name or '<root>'} ({why})")
-        return "\n".join(lines)
+        registration = self._registration
+        head = f"HyLoPreconditioner(solver={self._config.solver!r}, layers={len(self._layers)}, "
+        head += f"world_size={self.comm.world_size})"
+        return format_summary(head, self.layer_info(), [*registration.skipped, *registration.unsupported])
 
     def __repr__(self) -> str:
         return self.summary()
@@ -565,22 +454,3 @@ class HyLoPreconditioner:
         self._generator = restored.generator
         if restored.trend is not None:
             self._policy.trend = restored.trend
-
-
-def kl_clipped(grads: Sequence[GradMatrix], results: Sequence[Tensor], kl_clip: float, lr: float) -> list[Tensor]:
-    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region."""
-    vg = torch.stack([g.dot(v) for g, v in zip(grads, results, strict=True)]).sum().abs() * lr**2
-    scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-    return [v * scale.to(v.dtype) for v in results]
-
-
-def _warn_unsupported(unsupported: Sequence[tuple[str, str]]) -> None:
-    """One warning listing the modules with matrix parameters hylo leaves alone, grouped by reason."""
-    by_reason: dict[str, list[str]] = {}
-    for name, why in unsupported:
-        by_reason.setdefault(why, []).append(name or "<root>")
-    listed = "; ".join(
-        f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-        for why, names in by_reason.items()
-    )
-    warnings.warn(f"hylo leaves {len(unsupported)} modules unpreconditioned ({listed}); see summary()", stacklevel=3)

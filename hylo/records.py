@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -78,3 +78,32 @@ class Decision(_Costs):
     trend: float | None
     costs: Mapping[str, float]
     lowrank: str
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A registered layer as :meth:`HyLoPreconditioner.layer_info` reports it."""
+
+    name: str
+    module_type: str
+    d_a: int
+    d_g: int
+    bias: bool
+    solver: str
+    #: The rank that solved the layer's current state (0 before the first update; -1 while only its
+    #: carried statistics are held, after a checkpoint from another world size, until the next update).
+    owner: int
+
+
+def format_summary(head: str, layers: Sequence[LayerInfo], left_alone: Sequence[tuple[str, str]]) -> str:
+    """``summary()``'s table: ``head``, one line per registered layer, one per module left alone and why."""
+    width = max([9, *(len(info.module_type) for info in layers)])
+    lines = [head, f"  {'layer':<32} {'type':<{width}} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver"]
+    for info in layers:
+        lines.append(
+            f"  {info.name:<32} {info.module_type:<{width}} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}"
+            f"  {info.solver}"
+        )
+    for name, why in left_alone:
+        lines.append(f"  not preconditioned: {name or '<root>'} ({why})")
+    return "\n".join(lines)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hylo.layers.capture import LayerCapture
 from hylo.layers.math import LayerMath
+from hylo.records import LayerInfo
 from hylo.solvers import HeldState
 
 #: ``owner`` of a layer whose carried statistics no rank has solved yet (recomputed at the next update).
@@ -26,3 +27,10 @@ class RegisteredLayer:
     solver: str
     state: HeldState | None = None
     owner: int = 0
+
+    def info(self) -> LayerInfo:
+        """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it."""
+        math = self.math
+        return LayerInfo(
+            self.name, math.module_type, math.d_a, math.d_g, math.bias is not None, self.solver, self.owner
+        )

@@ -25,7 +25,7 @@ class GradNormTrend:
     ``observe`` costs one fused update of a (2, layers) tensor per step and never syncs;
     ``sample`` does one host transfer for all layers and updates the critical flags with
     hysteresis, against thresholds raised to ``z`` times the measured noise of the trend
-    (docs/design.md, "Hybrid policy").
+    (docs/hybrid-policy.md, "Critical regime").
     """
 
     def __init__(self, n_layers: int) -> None:

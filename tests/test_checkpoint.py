@@ -225,8 +225,8 @@ def _checkpoint_run(model: nn.Module, opt: torch.optim.Optimizer, pre: HyLoPreco
 def _checkpoint_parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, HyLoPreconditioner]:
     model = wide_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    # a 2-step window is too short for the noise floor to let the ×10 jump through (docs/design.md,
-    # "Hybrid policy"): without it the jump at step 6 makes the layer critical
+    # a 2-step window is too short for the noise floor to let the ×10 jump through (docs/hybrid-policy.md,
+    # "Critical regime"): without it the jump at step 6 makes the layer critical
     pre = HyLoPreconditioner(
         model, solver="hybrid", update_freq=2, trend_window=2, trend_decay=0.5, critical_noise=0.0, rank_ratio=0.5
     )

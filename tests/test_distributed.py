@@ -1,9 +1,9 @@
 """Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks of tests/kit/harness.py).
 
 - DDP smoke test: every rank ends with the same preconditioned gradients and parameters.
-- docs/design.md ("Distribution") invariant: P ranks with DDP on the global batch split across them give the
+- docs/distributed.md ("Distribution invariant") invariant: P ranks with DDP on the global batch split across them give the
   preconditioned gradients of one process on the whole batch (float64, exact solvers).
-- Unequal local batches: the result matches the definition (docs/design.md, "Notation", "SNGD") computed by a dense
+- Unequal local batches: the result matches the definition (docs/solvers.md, "Notation", "SNGD") computed by a dense
   oracle written here, independently of hylo.
 
 The harness's own tests are in test_harness.py.
@@ -152,7 +152,7 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
 )
 @pytest.mark.parametrize("solver", ["kfac", "sngd"])
 def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
-    """docs/design.md, "Distribution": DDP on the split global batch == one process on the whole batch (float64).
+    """docs/distributed.md, "Distribution invariant": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
     broadcast preconditioned gradients instead of solved states.
@@ -187,7 +187,7 @@ def _recorder(name: str, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) 
 
 
 def reference_curvature(model: Net, xs: Tensor, ys: Tensor, counts: list[int]) -> dict[str, Any]:
-    """The definitions of docs/design.md ("Notation", "SNGD"), computed densely and independently of hylo.
+    """The definitions of docs/solvers.md ("Notation", "SNGD"), computed densely and independently of hylo.
 
     Rank p computes L_p = mean over its n_p rows; DDP averages the rank gradients, so
     ∇W = (1/P) Σ_p ∇L_p. Rows: g_i = n_p ∂L_p/∂s_i (per position for Conv2d, then the default
@@ -350,3 +350,47 @@ def test_gradient_strategy_resumes_exactly_from_each_ranks_own_state(solver: str
             assert torch.equal(own[rank]["params"][key], value), (rank, key)
         assert shared[rank]["updates"][4] is True  # step 4 is not on the cadence: the agreed recompute
     assert shared[0]["updates"] == shared[1]["updates"]
+
+
+def _load_with_one_bad_rank(rank: int, world_size: int, bad_rank: int) -> dict[str, Any]:
+    """Train 3 steps, save, corrupt ``bad_rank``'s copy, load on every rank: what each rank saw and kept."""
+    xs, ys = make_data(5, 8, torch.float64)
+    torch.manual_seed(0)
+    net = nn.parallel.DistributedDataParallel(make_model(torch.float64))
+    pre = hylo.HyLoPreconditioner(net, solver="kfac", update_freq=2, damping=0.1)
+    local = slice(rank * 4, rank * 4 + 4)
+
+    def one_step(i: int) -> None:
+        net.zero_grad()
+        F.cross_entropy(net(xs[i][local]), ys[i][local]).backward()
+        pre.step()
+
+    for i in range(3):
+        one_step(i)
+    saved = pre.state_dict()
+    before = [layer.state.tensors()["factor_a"].clone() for layer in pre._layers if layer.state is not None]
+    corrupt = dict(saved, steps=1, layers=dict(saved["layers"]))
+    if rank == bad_rank:
+        first = next(iter(corrupt["layers"]))
+        corrupt["layers"][first] = dict(corrupt["layers"][first], d_a=-1)
+    error = None
+    try:
+        pre.load_state_dict(corrupt)
+    except ValueError as err:
+        error = str(err)
+    after = [layer.state.tensors()["factor_a"] for layer in pre._layers if layer.state is not None]
+    unchanged = pre.steps == 3 and len(after) == len(before) and all(map(torch.equal, after, before))
+    pre.load_state_dict(saved)  # a valid state on every rank still loads, and the run goes on
+    one_step(3)
+    return {"error": error, "unchanged": unchanged, "steps": pre.steps}
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_load_refused_by_one_rank_changes_no_rank(bad_rank: int) -> None:
+    """load_state_dict agrees across ranks: one rank's invalid state makes every rank raise and keep its own."""
+    results = run_distributed(_load_with_one_bad_rank, 2, bad_rank, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, rank
+        expected = "d_a" if rank == bad_rank else "another rank refused its state_dict"
+        assert expected in result["error"], (rank, result["error"])
+        assert result["unchanged"] and result["steps"] == 4, (rank, result)

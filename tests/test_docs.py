@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kit.options_table import USAGE, render
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 CODE_DIRS = ("hylo", "scripts", "analysis", "examples", "tests")
@@ -314,3 +316,10 @@ def unresolved(citation: Citation) -> list[str]:
         for heading in citation.headings
         if heading not in headings(page)
     ]
+
+
+def test_the_options_tables_are_made_from_the_config() -> None:
+    """docs/usage.md's option tables are the config's own field docs (``python -m tests.kit.options_table``)."""
+    text = USAGE.read_text()
+    assert text.count("<!-- options: ") == 7  # the top level and the six sections
+    assert render(text) == text, "docs/usage.md's options tables are stale: run python -m tests.kit.options_table"

@@ -1,4 +1,4 @@
-"""``nn.Embedding`` as a preconditioned layer (hylo/layers.py ``EmbeddingMath``; docs/design.md, "Embeddings").
+"""``nn.Embedding`` as a preconditioned layer (hylo/layers.py ``EmbeddingMath``; docs/solvers.md, "Embeddings").
 
 An embedding is a Linear on one-hot inputs: hylo's matrix is W = weightᵀ (embedding_dim ×
 num_embeddings), every position of the index tensor is a row, a_i = onehot(t_i) (zero for a

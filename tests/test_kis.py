@@ -1,4 +1,4 @@
-"""KIS's estimator of the Fisher (hylo/solvers/reduce.py ``priority_sample``, hylo/solvers/lowrank.py; docs/design.md, "KIS").
+"""KIS's estimator of the Fisher (hylo/solvers/reduce.py ``priority_sample``, hylo/solvers/lowrank.py; docs/solvers.md, "KIS").
 
 The reference Fisher F = (1/B) Σ u_i u_iᵀ is built from the layer's inputs and output gradients
 directly (u_i = vec(g_i a_iᵀ), g_i = B·∂L/∂s_i), never from hylo's rows. On rows whose norms are
@@ -25,6 +25,7 @@ from hylo.solvers import family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
 from hylo.solvers.reduce import priority_sample
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
+from hylo.telemetry.profiling import DISABLED
 from tests.kit.checks import DT, rel_err
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -60,10 +61,12 @@ def gathered_update(x: Tensor, grad_out: Tensor, counts: list[int], r: int, seed
         # each rank's output gradients are those of its local mean loss: count/B times the global ones
         local = grad_out[part] * (x.shape[0] / count)
         batch = LayerBatch.of(LinearMath(layer), [(x[part], local)], lambda n: min(r, n))
-        context = UpdateContext(rank=rank, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator)
+        context = UpdateContext(
+            rank=rank, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator, watch=DISABLED
+        )
         contributions.append(family.contribute([UpdateJob("fc", "kis", batch, None)], context).payload)
     received = Payload({key: torch.cat([c[key] for c in contributions]) for key in contributions[0]})
-    context = UpdateContext(rank=0, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator)
+    context = UpdateContext(rank=0, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator, watch=DISABLED)
     job = UpdateJob("fc", "kis", LayerBatch.of(LinearMath(layer), [(x, grad_out)], lambda n: n), None)
     (update,) = family.prepare([job], received, context)
     return update

@@ -1,4 +1,4 @@
-"""The low-rank solvers end to end (hylo/solvers/smw.py and hylo/solvers/lowrank.py; docs/design.md, "SNGD", "KID", "KIS").
+"""The low-rank solvers end to end (hylo/solvers/smw.py and hylo/solvers/lowrank.py; docs/solvers.md, "SNGD", "KID", "KIS").
 
 Covers SNGD against the dense (F + λI)⁻¹ vec ∇W of tests/kit/reference.py (float64, relative 1e-8;
 the ``solver`` parameter of those comparisons is SNGD's half of a kfac/sngd parametrization whose

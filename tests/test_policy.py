@@ -1,4 +1,4 @@
-"""The hybrid per-layer solver policy (docs/design.md, "Hybrid policy"; hylo/policy.py).
+"""The hybrid per-layer solver policy (docs/hybrid-policy.md, "Rules"; hylo/policy.py).
 
 1. Cost model: K-FAC where it is cheaper (small layers), low-rank for wide layers; the formulas
    of the families' ``cost()`` recomputed by hand; the preconditioner picks accordingly.

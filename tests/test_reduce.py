@@ -1,4 +1,4 @@
-"""The row reductions of the low-rank solvers (hylo/solvers/reduce.py; docs/design.md, "KID", "KIS").
+"""The row reductions of the low-rank solvers (hylo/solvers/reduce.py; docs/solvers.md, "KID", "KIS").
 
 KIS's ``kis_select`` against its sampling distribution (chi-square and z tests), KID's
 ``kid_skeleton`` against scipy's interpolative decomposition and the interpolation of the design,
@@ -66,7 +66,7 @@ def test_kid_skeleton_matches_scipy_interpolative(seed: int, structure: str) -> 
 
 
 def _design_interp(a: Tensor, g: Tensor, skeleton: Tensor) -> Tensor:
-    """Π = K_JJ⁻¹ K_J,: straight from docs/design.md, "KID" (K_JJ must be invertible)."""
+    """Π = K_JJ⁻¹ K_J,: straight from docs/solvers.md, "KID" (K_JJ must be invertible)."""
     kernel = sample_kernel(a, g)
     return torch.linalg.solve(kernel[skeleton][:, skeleton], kernel[skeleton])
 

@@ -1,4 +1,4 @@
-"""Reliability (docs/design.md, "Reliability"): what ``step()`` does with hostile input, one regression test per defect.
+"""Reliability (docs/reliability.md, "Hostile input"): what ``step()`` does with hostile input, one regression test per defect.
 
 - Singular or non-finite SMW matrices never raise: the jitter ladder, else the layer keeps its state.
 - Huge but finite gradients are finite; non-finite ones are named, on the rank that has them.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from hylo import HyLoPreconditioner
 from hylo.checkpoint import READ_FORMATS, STATE_FORMAT
 from hylo.solvers import LayerState, RemoteState
 from hylo.state import UNSOLVED
-from tests.kit.checks import assert_same_tensors, rel_err, state_snapshot
+from tests.kit.checks import assert_same_tensors, grads, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
 from tests.kit.models import classifier_convnet, classifier_inputs, mlp, run
 
@@ -369,3 +370,34 @@ def test_state_saved_at_one_world_size_loads_at_another(
             assert rel_err(result["pre"][step], result["raw"][step]) > 0.1  # preconditioning did something
     for step in range(SAVE_AT):  # and the run that saved matched the oracle too
         assert rel_err(first[0]["pre"][step], oracle["pre"][step]) < 1e-7
+
+
+def test_after_a_load_every_component_uses_the_restored_options(tmp_path: Path) -> None:
+    """A state saved with rank_ratio 0.5 and seed 7, loaded into a preconditioner made with 0.1 and 0: the
+    config, the policy, the stage (KIS's draws) and the gradient-error study all run on 0.5 and 7 — the
+    loaded run writes the very rows the saving run writes when both go on."""
+    saving, loading = mlp(0), mlp(0)
+    study = {"studies": ("grad_error",), "grad_error_methods": ("kis", "kid")}
+    source = HyLoPreconditioner(
+        saving, solver="kis", update_freq=2, rank_ratio=0.5, seed=7, profile_dir=tmp_path / "a", **study
+    )
+    run(saving, source, range(3))
+    target = HyLoPreconditioner(
+        loading, solver="kis", update_freq=2, rank_ratio=0.1, seed=0, profile_dir=tmp_path / "b", **study
+    )
+    target.load_state_dict(source.state_dict())
+    assert (target.config.lowrank.rank_ratio, target.config.lowrank.seed) == (0.5, 7)
+    run(saving, source, range(3, 7))
+    run(loading, target, range(3, 7))
+    source.close()
+    target.close()
+    assert_same_tensors(state_snapshot(target), state_snapshot(source))
+    assert_same_tensors(grads(loading), grads(saving))
+
+    def rows(directory: Path) -> list[list[str]]:
+        lines = (directory / "grad-error.csv").read_text().splitlines()[1:]
+        return [line.split(",") for line in lines if int(line.split(",")[0]) >= 3]
+
+    after = rows(tmp_path / "b")
+    assert after == rows(tmp_path / "a") and len(after) == 2 * 2 * 2  # 2 updates × 2 layers × 2 methods
+    assert {row[3] for row in after} == {"0.5"}  # the study's ρ: the restored rank_ratio

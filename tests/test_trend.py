@@ -1,4 +1,4 @@
-"""The gradient-norm trend and HyLo's adaptive windows (docs/design.md, "Hybrid policy"; hylo/policy.py).
+"""The gradient-norm trend and HyLo's adaptive windows (docs/hybrid-policy.md, "Critical regime", "Adaptive windows"; hylo/policy.py).
 
 1. Bookkeeping: the reference is the newest sample at least a window old; hysteresis; early
    training is critical; the default decay's memory is the window.

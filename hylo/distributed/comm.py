@@ -1,4 +1,4 @@
-"""Fused, bucketed collectives on named payloads (docs/design.md, "Distribution").
+"""Fused, bucketed collectives on named payloads (docs/distributed.md, "Communication").
 
 Every collective takes a :class:`~hylo.payload.Payload` (tensors keyed by ``(layer, field)``)
 and moves it as flat buffers, one per dtype and bucket, so an update issues a fixed handful of

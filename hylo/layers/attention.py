@@ -1,6 +1,6 @@
 """``nn.MultiheadAttention``'s projections preconditioned as the Linear layers they are.
 
-docs/design.md, "Attention". The module applies its q/k/v and output projections functionally
+docs/transformers.md, "Attention". The module applies its q/k/v and output projections functionally
 (``F.multi_head_attention_forward``), so no module hook sees them. On capture steps only, a
 forward pre-hook enters a torch-function mode that takes over that one call: it applies the
 projections itself with ``F.linear`` (hooking their outputs like any captured layer) and hands

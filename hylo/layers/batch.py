@@ -2,7 +2,7 @@
 
 A :class:`LayerBatch` counts a step's calls once and gives each solver family the statistic it
 needs (:meth:`LayerBatch.collect`), with output gradients rescaled to g = n·∂L/∂s for the step's
-n samples (and KAISA's ratio under ``damping_convention="kaisa"``, docs/design.md, "K-FAC
+n samples (and KAISA's ratio under ``damping_convention="kaisa"``, docs/solvers.md, "K-FAC
 conventions"). A :class:`LayerShape` is what the hybrid policy's cost model reads of it.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, get_args
 from hylo.layers.math import LayerMath
 from hylo.layers.statistics import Call, CallStatistic, CapturedCall
 
-#: What damping λ is measured against (docs/design.md, "K-FAC conventions"): hylo's Fisher of
+#: What damping λ is measured against (docs/solvers.md, "K-FAC conventions"): hylo's Fisher of
 #: g = n·∂L/∂s, or KAISA's factors of the raw output gradients (convolutions: both divided by L).
 DampingConvention = Literal["hylo", "kaisa"]
 DAMPING_CONVENTIONS: tuple[DampingConvention, ...] = get_args(DampingConvention)
@@ -91,7 +91,7 @@ class LayerBatch:
     kept: int
     #: The loss scale of the step's backward passes (a GradScaler's): output gradients are divided by it.
     grad_scale: float = 1.0
-    #: ``"kaisa"``: the Fisher is divided by :meth:`LayerMath.kaisa_ratio` (docs/design.md, "K-FAC conventions").
+    #: ``"kaisa"``: the Fisher is divided by :meth:`LayerMath.kaisa_ratio` (docs/solvers.md, "K-FAC conventions").
     convention: DampingConvention = "hylo"
 
     @classmethod
@@ -119,7 +119,7 @@ class LayerBatch:
 
     @property
     def _g_scale(self) -> float:
-        """What output gradients are multiplied by: n over the loss scale (docs/design.md, "Notation");
+        """What output gradients are multiplied by: n over the loss scale (docs/solvers.md, "Notation");
         under KAISA's convention also 1/√c, which divides every solver's Fisher by c = ``kaisa_ratio``."""
         scale = float(self.rows) / self.grad_scale
         if self.convention == "kaisa":

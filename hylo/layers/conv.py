@@ -1,4 +1,4 @@
-"""``nn.Conv2d`` with groups == 1: KFC factors and per-sample rows (docs/design.md, "Convolutions")."""
+"""``nn.Conv2d`` with groups == 1: KFC factors and per-sample rows (docs/solvers.md, "Convolutions")."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from torch import Tensor, nn
 from hylo.layers.math import LayerMath, with_ones
 from hylo.layers.rows import DenseRows, FactoredRows, SampleRows
 
-#: How a convolution's per-sample gradients become low-rank rows (docs/design.md, "Convolutions").
+#: How a convolution's per-sample gradients become low-rank rows (docs/solvers.md, "Convolutions").
 ConvRows = Literal["sum", "exact", "mean"]
 CONV_ROWS: tuple[ConvRows, ...] = get_args(ConvRows)
 #: The exponent e of a convolution's KFC factors L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ], chosen by measurement
-#: against the true per-sample Fisher (docs/design.md, "K-FAC conventions").
+#: against the true per-sample Fisher (docs/solvers.md, "K-FAC conventions").
 DEFAULT_KFC_EXPONENT = 1.0
 #: The default cap on a convolution's unfolded patches in flight at once (docs/design.md, "Memory").
 DEFAULT_MAX_UNFOLD_MB = 32.0
@@ -25,14 +25,14 @@ DEFAULT_MAX_UNFOLD_MB = 32.0
 class Conv2dMath(LayerMath):
     """``nn.Conv2d`` with groups == 1 (stride, dilation, any padding and padding mode).
 
-    K-FAC uses the KFC factors (docs/design.md, "K-FAC conventions"): A = mean over samples and
+    K-FAC uses the KFC factors (docs/solvers.md, "K-FAC conventions"): A = mean over samples and
     output positions of the unfolded patches' outer product; G = L^e × the mean over samples and
     positions of g gᵀ (g = n·∂L/∂s per position, L output positions, e = ``kfc_exponent``), so
     the Fisher block is approximated by L^e·E_p[a aᵀ] ⊗ E_p[g gᵀ]. e = 1 is Grosse & Martens'
     KFC (derivatives uncorrelated across positions), e = 2 fully correlated derivatives.
 
     The low-rank rows approximate the true per-sample gradient U_i = Σ_p g_ip a_ipᵀ over the
-    L output positions p (docs/design.md, "Convolutions"), by ``rows``:
+    L output positions p (docs/solvers.md, "Convolutions"), by ``rows``:
 
     - ``"sum"``: U_i ≈ (Σ_p g_ip)(mean_p a_ip)ᵀ — rank one, the right scale (the default);
     - ``"exact"``: U_i itself (:class:`DenseRows`; n·d_a·d_g numbers, one batched matmul);

@@ -1,4 +1,4 @@
-"""``nn.Embedding`` as a Linear on one-hot inputs (docs/design.md, "Embeddings")."""
+"""``nn.Embedding`` as a Linear on one-hot inputs (docs/solvers.md, "Embeddings")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hylo.layers.rows import OneHotRows
 
 
 class EmbeddingMath(LayerMath):
-    """``nn.Embedding`` as a Linear on one-hot inputs (docs/design.md, "Embeddings").
+    """``nn.Embedding`` as a Linear on one-hot inputs (docs/solvers.md, "Embeddings").
 
     s_i = Eᵀ onehot(t_i) for the token t_i at every position of the index tensor (any shape:
     (B, T), (T,), ...), so hylo's matrix is W = ``weight``ᵀ of shape (d_g, d_a) =

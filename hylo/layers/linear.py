@@ -1,4 +1,4 @@
-"""``nn.Linear``: every leading position of the input is a row (docs/design.md, "Notation")."""
+"""``nn.Linear``: every leading position of the input is a row (docs/solvers.md, "Notation")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The per-layer-type contract: how a layer's inputs and output gradients become rows and factors.
 
-docs/design.md, "Notation": a layer has weight W of shape (d_g, d_a); with a bias, the bias is
+docs/solvers.md, "Notation": a layer has weight W of shape (d_g, d_a); with a bias, the bias is
 W's last column and every activation row gets a trailing 1. From a mean-reduced loss over n rows,
 ``g_i = n · ∂L/∂s_i`` so that ∇W = (1/n) Σ g_i a_iᵀ. When a layer runs several times in one step
 (gradient accumulation, shared weights) n is the step's total, passed in as ``scale`` by the caller.

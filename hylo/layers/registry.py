@@ -1,6 +1,6 @@
 """Which modules hylo preconditions: the layer-type registry and the walk over a model.
 
-A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/design.md,
+A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/extending.md,
 "Layer types"). The built-in types are ``nn.Linear``, ``nn.Conv2d`` (groups = 1) and
 ``nn.Embedding``, and ``nn.MultiheadAttention``, whose four projections are registered as Linear
 layers through an attention tap (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -189,6 +190,21 @@ class Registration:
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     taps: list[AttentionTap] = field(default_factory=list)
 
+    def warn_unsupported(self) -> None:
+        """One warning listing the modules with matrix parameters hylo leaves alone, grouped by reason."""
+        if not self.unsupported:
+            return
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.unsupported:
+            by_reason.setdefault(why, []).append(name or "<root>")
+        listed = "; ".join(
+            f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            for why, names in by_reason.items()
+        )
+        warnings.warn(
+            f"hylo leaves {len(self.unsupported)} modules unpreconditioned ({listed}); see summary()", stacklevel=4
+        )
+
     def remove(self) -> None:
         """Detach every hook of the registered layers and attention modules."""
         for tap in self.taps:
@@ -264,7 +280,7 @@ def _register_attention(
     should_capture: Callable[[str], bool],
     result: Registration,
 ) -> None:
-    """Register the q/k/v/out projections of one attention module as Linear layers (docs/design.md, "Attention")."""
+    """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention")."""
     if skip(name, attention):
         result.skipped.append((name, "skip_layers"))
         return

@@ -1,4 +1,4 @@
-"""Per-sample gradients of one layer, the rows every low-rank solver works on (docs/design.md, "SNGD").
+"""Per-sample gradients of one layer, the rows every low-rank solver works on (docs/solvers.md, "SNGD").
 
 A layer's per-sample gradient U_i (d_g × d_a) is held either
 
@@ -250,8 +250,7 @@ class OneHotRows(FactoredRows):
     The same rows as :class:`FactoredRows` (``fields``, the projection and the apply use ``a``),
     but the kernel's activation part a_iᵀ a_j is δ(t_i = t_j) from the indices, O(m²) instead
     of O(m²·V), and the row norms skip the one-hot matrix. Selection, rescaling and dtype
-    changes keep the indices, so KID's local kernel and KIS's norms (docs/design.md, "KID",
-    "KIS") run on them; after the all-gather the rows are plain :class:`FactoredRows`.
+    changes keep the indices, so KID's local kernel and KIS's norms (docs/solvers.md, "KID", "KIS") run on them; after the all-gather the rows are plain :class:`FactoredRows`.
     """
 
     #: (m,) token of each row, −1 for a zero row (a padding token).

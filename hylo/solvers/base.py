@@ -24,7 +24,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,7 +33,6 @@ from hylo.distributed.payload import Payload, PayloadKey
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic
-from hylo.telemetry.profiling import DISABLED, Stopwatch
 
 
 def _nbytes(tensors: Mapping[str, Tensor]) -> int:
@@ -145,6 +144,18 @@ class Contribution:
     weights: dict[PayloadKey, float] = field(default_factory=dict)
 
 
+class Clock(Protocol):
+    """Where an update's phases charge their time: :class:`hylo.telemetry.profiling.Stopwatch`, enabled
+    while profiling (``profile_dir``) and disabled otherwise (``hylo.telemetry.profiling.DISABLED``)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether laps are recorded (a caller may skip work that only feeds them)."""
+
+    def lap(self, phase: str, layers: Sequence[str] | str = (), weights: Sequence[float] | None = None) -> None:
+        """Charge the time since the previous lap to ``phase`` of ``layers`` (split by ``weights``)."""
+
+
 @dataclass(frozen=True)
 class UpdateJob:
     """One layer's work at an update step: its captured batch, its solver and what it held."""
@@ -164,10 +175,10 @@ class UpdateContext:
     factor_decay: float
     #: Seed of this update's random draws (KIS); each layer and rank derives its own from it.
     seed: int
+    #: Where the phases charge their time.
+    watch: Clock
     #: KIS's estimator: ``"unbiased"`` (Horvitz–Thompson weights) or ``"hylo"`` (unweighted).
     kis_estimator: str = "unbiased"
-    #: Where the phases charge their time (``profile_dir``); disabled otherwise.
-    watch: Stopwatch = DISABLED
 
 
 PreparedT = TypeVar("PreparedT")

@@ -1,6 +1,6 @@
 """The K-FAC family: (A ⊗ G + λI)⁻¹ vec ∇W through eigendecompositions of running factors.
 
-docs/design.md, "K-FAC". Each rank builds its batch factors A = E[a aᵀ] and G = E[g gᵀ]; the
+docs/solvers.md, "K-FAC". Each rank builds its batch factors A = E[a aᵀ] and G = E[g gᵀ]; the
 ranks average them weighted by their sample counts; every rank blends them into the running
 averages (decay β; the first update takes the batch factors as they are); the owner
 eigendecomposes A and G and the state applies V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ.

@@ -1,6 +1,6 @@
 """The low-rank family: SNGD, KID and KIS, one SMW solve on rows gathered from every rank.
 
-docs/design.md, "SNGD", "KID", "KIS". The variants differ only in how a rank reduces its n
+docs/solvers.md, "SNGD", "KID", "KIS". The variants differ only in how a rank reduces its n
 per-sample gradients before the gather and how the gathered rows are weighted:
 
 ===========  ============================================  =================  =====================
@@ -18,6 +18,7 @@ and :func:`hylo.register_variant` adds one from user code (docs/extending.md).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
@@ -39,6 +40,12 @@ from hylo.solvers.base import (
 )
 from hylo.solvers.reduce import kid_skeleton, kis_select, priority_sample
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
+
+
+def rows_for_ratio(ratio: float, rows: int) -> int:
+    """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
+    return min(rows, max(1, math.floor(ratio * rows)))
+
 
 #: Spacing of the per-layer seeds derived from an update's seed (a prime, so layers never collide).
 _SEED_STRIDE = 7919
@@ -172,9 +179,16 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         """The registered variants' names."""
         return tuple(self.variants)
 
+    def variant(self, solver: str) -> RowReduction:
+        """The row reduction of ``solver``; ``ValueError`` once it is no longer registered."""
+        try:
+            return self.variants[solver]
+        except KeyError:
+            raise ValueError(f"low-rank variant {solver!r} is not registered (any more): register it again") from None
+
     def reduces_rows(self, solver: str) -> bool:
         """Every variant but those that keep all rows (SNGD)."""
-        return not self.variants[solver].keeps_all
+        return not self.variant(solver).keeps_all
 
     def solves_rows(self, solver: str) -> bool:
         """Every variant."""
@@ -184,7 +198,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         """Per layer: the kept rows' fields, KID's flattened W_p and this rank's [n, r]."""
         payload = Payload()
         for index, job in enumerate(jobs):
-            variant = self.variants[job.solver]
+            variant = self.variant(job.solver)
             rows = job.batch.collect(ROWS)
             context.watch.lap("capture", job.name)
             n, r = rows.count, self.rows_kept(job.batch, job.solver)
@@ -207,12 +221,12 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         for job, layer_counts in zip(jobs, counts, strict=True):
             fields = received.fields(job.name)
             rows = rows_from_fields(fields, job.batch.math.d_g, job.batch.math.d_a)
-            prepared.append(self.variants[job.solver].update(rows, layer_counts, fields.get("weights"), context))
+            prepared.append(self.variant(job.solver).update(rows, layer_counts, fields.get("weights"), context))
         return prepared
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:
         """n for ``sngd``, the configured r for ``kid``/``kis``."""
-        return batch.rows if self.variants[solver].keeps_all else batch.kept
+        return batch.rows if self.variant(solver).keeps_all else batch.kept
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """Rows and local reduction; gathered kernel m²·w and SMW m³; apply 2 m d_a d_g a step.
@@ -220,7 +234,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         m = P·n for ``sngd`` and P·r for ``kid``/``kis``; w = d_a + d_g for factored rows and
         d_a·d_g for dense ones. With P > 1 every rank receives the m gathered rows and M.
         """
-        variant = self.variants[solver]
+        variant = self.variant(solver)
         m = shape.world_size * (shape.rows if variant.keeps_all else shape.kept_local)
         exchanged = float(m) * shape.row_width + float(m) ** 2 if shape.world_size > 1 else 0.0
         return CostEstimate(

@@ -1,4 +1,4 @@
-"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/design.md, "KID", "KIS").
+"""Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/solvers.md, "KID", "KIS").
 
 They run on every rank before the all-gather, see only the n row norms or r columns of the
 n×n kernel (never the whole kernel, never a d×d matrix), and need no host synchronisation.
@@ -54,7 +54,7 @@ def pivoted_cholesky(rows: SampleRows, r: int, rel_tol: float | None = None) -> 
 
     Only K's diagonal (the row norms) and its r pivot columns are formed, in float64:
     n·r·(d_a + d_g) multiply-adds and n·r numbers instead of the n²·(d_a + d_g) and n² of the
-    whole kernel (docs/design.md, "KID").
+    whole kernel (docs/solvers.md, "KID").
 
     Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
     residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its

@@ -1,4 +1,4 @@
-"""The Sherman–Morrison–Woodbury machinery shared by the low-rank solvers (docs/design.md, "SNGD").
+"""The Sherman–Morrison–Woodbury machinery shared by the low-rank solvers (docs/solvers.md, "SNGD").
 
 A low-rank state keeps m per-sample gradients U_k (:mod:`hylo.rows`, factored g_k a_kᵀ or
 dense), an m×m matrix M, a divisor D and the damping λ. With z_k = ⟨U_k, ∇W⟩ and c = M z,

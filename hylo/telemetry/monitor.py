@@ -164,7 +164,8 @@ class Telemetry:
         written: Mapping[str, Tensor],
         trend: GradNormTrend,
     ) -> None:
-        """Queue the step's grad-norm rows (the study is on): norms before, the trend's view, norms written back."""
+        """Queue the step's grad-norm rows when the study is on (rank 0): norms before, the trend's view, norms
+        written back."""
         if self.recorder is None or self.recorder.norms is None:
             return
         after = norms.clone()

@@ -1,4 +1,4 @@
-"""Where a step's time goes: consecutive intervals charged to layers and phases (docs/design.md, "Profiling").
+"""Where a step's time goes: consecutive intervals charged to layers and phases (docs/profiling.md, "Timing").
 
 A :class:`Stopwatch` splits one ``step()`` into back-to-back intervals. Each ``lap`` closes the
 interval since the previous one and charges it to a phase and to one or more layers (split in

@@ -1,4 +1,4 @@
-"""The files of ``profile_dir``: append-only CSVs written as whole lines, and ``run.json`` (docs/design.md, "Profiling").
+"""The files of ``profile_dir``: append-only CSVs written as whole lines, and ``run.json`` (docs/profiling.md, "Recording").
 
 Every CSV has one header line and one row per record. Rows are buffered in memory and written
 with one ``os.write`` of whole lines per flush (after every update step and at ``close()``),

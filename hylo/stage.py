@@ -33,8 +33,7 @@ from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.distributed.payload import Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
-from hylo.solvers.base import Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
-from hylo.telemetry.profiling import DISABLED, Stopwatch
+from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
 
 @dataclass
@@ -175,7 +174,7 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], strategy: Strategy, watch: Stopwatch = DISABLED
+        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], strategy: Strategy, watch: Clock
     ) -> dict[str, Tensor]:
         """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient".
 

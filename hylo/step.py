@@ -1,0 +1,115 @@
+"""One step's hyperparameters and the record of what it computed (docs/reliability.md, "Transactional steps").
+
+A step evaluates every schedule first (:class:`StepValues`), computes everything into an
+:class:`Outcome` without touching the preconditioner, and only then commits it; :func:`precondition`
+is the last phase, the states applied to the gradients with the raw-gradient fallback and the
+whole step's ``kl_clip`` trust region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from hylo.config import HyLoConfig, resolve
+from hylo.layers.batch import LayerBatch
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.records import Decision
+from hylo.solvers import HeldState, UpdateContext
+from hylo.stage import UpdateStage
+from hylo.state import RegisteredLayer
+from hylo.telemetry.monitor import StudyResult
+from hylo.telemetry.profiling import Stopwatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepValues:
+    """A step's hyperparameters, evaluated and checked before anything changes."""
+
+    damping: float
+    factor_decay: float
+    kl_clip: float | None
+    lr: float | None
+
+    @classmethod
+    def at(cls, config: HyLoConfig, step: int) -> StepValues:
+        """Every schedule of ``config`` evaluated (and checked) at ``step``."""
+        kl_clip = config.kl_clip
+        return cls(
+            damping=resolve("damping", config.damping, step),
+            factor_decay=resolve("factor_decay", config.kfac.factor_decay, step),
+            kl_clip=None if kl_clip is None else resolve("kl_clip", kl_clip, step),
+            lr=None if config.lr is None or kl_clip is None else resolve("lr", config.lr, step),
+        )
+
+    def context(self, config: HyLoConfig, rank: int, seed: int, watch: Stopwatch) -> UpdateContext:
+        """The per-update values the solver families read (``seed``: of this update's random draws)."""
+        return UpdateContext(
+            rank=rank,
+            damping=self.damping,
+            factor_decay=self.factor_decay,
+            seed=seed,
+            kis_estimator=config.lowrank.kis_estimator,
+            watch=watch,
+        )
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Everything a step computed; stored on the preconditioner only once the whole step succeeded."""
+
+    kind: str
+    needs_update: bool
+    norms: Tensor | None = None
+    worked: list[RegisteredLayer] = dataclasses.field(default_factory=list)
+    batches: list[LayerBatch] = dataclasses.field(default_factory=list)
+    decisions: list[Decision] = dataclasses.field(default_factory=list)
+    states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
+    owners: dict[str, int] = dataclasses.field(default_factory=dict)
+    written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
+    fallbacks: tuple[list[int], Tensor] | None = None
+    study: StudyResult | None = None
+
+    def state_of(self, layer: RegisteredLayer) -> HeldState | None:
+        """The layer's state after this step: the new one if the step made one, else its current one."""
+        return self.states.get(layer.name, layer.state)
+
+
+def kl_clipped(grads: Sequence[GradMatrix], results: Sequence[Tensor], kl_clip: float, lr: float) -> list[Tensor]:
+    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region."""
+    vg = torch.stack([g.dot(v) for g, v in zip(grads, results, strict=True)]).sum().abs() * lr**2
+    scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+    return [v * scale.to(v.dtype) for v in results]
+
+
+def precondition(
+    stage: UpdateStage,
+    ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+    outcome: Outcome,
+    values: StepValues,
+    config: HyLoConfig,
+    watch: Stopwatch,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back,
+    and 1 per ready layer whose result fell back to its raw gradient.
+
+    A layer whose result is not finite although its gradient is (an overflow in the solve's
+    arithmetic) keeps its raw gradient this step (docs/reliability.md, "Fallbacks").
+    """
+    items = [
+        (layer.name, state, outcome.owners.get(layer.name, layer.owner), grad)
+        for layer, grad in ready
+        if (state := outcome.state_of(layer)) is not None
+    ]
+    results = stage.precondition(items, config.distributed.strategy, watch)
+    ok = torch.isfinite(torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready]))
+    written = [grad.fill_where_not(ok[i], results[layer.name]) for i, (layer, grad) in enumerate(ready)]
+    if values.kl_clip is not None:
+        assert values.lr is not None
+        written = kl_clipped([grad for _, grad in ready], written, values.kl_clip, values.lr)
+    watch.lap("precondition", [layer.name for layer, _ in ready])
+    return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, (~ok).long()
