@@ -143,14 +143,17 @@ class HyLoPreconditioner:
     def reconfigure(self, config: HyLoConfig | None = None, **options: Any) -> None:
         """Replace the options, between steps: ``config`` and/or flat ``options`` (checked like a new config).
 
-        Every collaborator reads the new options from the next step on. Options built into the hooks,
-        the files or the layers' math (:data:`FIXED_OPTIONS`, e.g. ``skip_layers``, ``conv_rows``,
-        ``strategy``, ``profile_dir``) cannot change: ``ValueError``, and nothing changes.
+        Every collaborator reads the new options from the next step on; a new ``seed`` reseeds the
+        generator of KIS's draws. Options built into the hooks, the files or the layers' math
+        (:data:`FIXED_OPTIONS`, e.g. ``skip_layers``, ``conv_rows``, ``strategy``, ``profile_dir``)
+        cannot change: ``ValueError``, and nothing changes.
         """
         new = (config or self._config).replace(**options)
         changed = sorted(name for name in FIXED_OPTIONS if new.value(name) != self._config.value(name))
         if changed:
             raise ValueError(f"options {changed} cannot change after construction: create a new HyLoPreconditioner")
+        if new.lowrank.seed != self._config.lowrank.seed:
+            self._generator = torch.Generator().manual_seed(new.lowrank.seed)
         self._config = new
         self._planner.reset()
 

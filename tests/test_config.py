@@ -7,12 +7,16 @@ valid regular expressions); rank/rank_ratio and ``rows_kept``; the hybrid policy
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from tests.kit.models import classifier_mlp, mlp, override_model
+from tests.kit.checks import assert_same_tensors, state_snapshot
+from tests.kit.models import classifier_inputs, classifier_mlp, mlp, override_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -188,3 +192,35 @@ def test_non_string_layer_solvers_key_raises_value_error() -> None:
 def test_non_callable_solver_fn_raises() -> None:
     with pytest.raises(ValueError, match="solver_fn"):
         HyLoConfig(solver_fn="kfac")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- one holder, changed between steps
+def test_the_config_is_read_only_and_reconfigure_reaches_every_component(tmp_path: Path) -> None:
+    """reconfigure() between steps: the next steps run exactly as a preconditioner made with those options
+    from the start would from the same state (the policy, the stage, KIS's draws and the studies all read
+    the new config); fixed options are refused and change nothing; ``pre.config`` cannot be assigned."""
+    study = {"studies": ("grad_error",), "grad_error_methods": ("kis",)}
+    model, twin = classifier_mlp(), classifier_mlp()
+    pre = HyLoPreconditioner(model, solver="kis", update_freq=2, rank_ratio=0.1, profile_dir=tmp_path / "a", **study)
+    reference = HyLoPreconditioner(
+        twin, solver="kis", update_freq=2, rank_ratio=0.5, damping=0.3, seed=7, profile_dir=tmp_path / "b", **study
+    )
+    with pytest.raises(AttributeError):
+        pre.config = reference.config  # type: ignore[misc]
+    before = pre.config
+    with pytest.raises(ValueError, match="strategy"):
+        pre.reconfigure(strategy="gradient", damping=0.3)
+    assert pre.config is before
+    pre.reconfigure(rank_ratio=0.5, damping=0.3, seed=7)
+    assert (pre.config.lowrank.rank_ratio, pre.config.damping, pre.config.lowrank.seed) == (0.5, 0.3, 7)
+    x, y = classifier_inputs("linear", 32, 0)
+    for module, hylo_pre in ((model, pre), (twin, reference)):
+        for _ in range(3):
+            module.zero_grad()
+            F.cross_entropy(module(x), y).backward()
+            hylo_pre.step()
+        hylo_pre.close()
+    assert_same_tensors(state_snapshot(pre), state_snapshot(reference))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    errors = [(tmp_path / run / "grad-error.csv").read_text() for run in ("a", "b")]
+    assert errors[0] == errors[1] and ",0.5," in errors[0]

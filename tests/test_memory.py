@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from hylo import HyLoPreconditioner
 from hylo.layers import FACTORS, ROWS, Conv2dMath, LayerBatch, LinearMath
 from hylo.layers.rows import DenseRows, FactoredRows
+from hylo.records import Decision
 from hylo.solvers import family_of
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.reference import conv_reference, dense_kfac, linear_rows
@@ -390,3 +391,32 @@ def test_steps_read_the_bias_without_concatenating_the_gradient(solver: str) -> 
             assert mode.sizes == [], mode.sizes
             for layer, v in zip(pre._layers, expected, strict=True):
                 torch.testing.assert_close(grad_matrix(layer.math.module), v, rtol=1e-5, atol=1e-7)
+
+
+def test_reconcile_moves_a_decision_to_the_family_every_ranks_calls_serve() -> None:
+    """Planner.reconcile, on its own: a decision whose family's statistic some rank's calls lack moves to the
+    family they do give (K-FAC → the regime's low-rank variant, low-rank → K-FAC), reason "planned";
+    a decision they serve, or one no family can serve, stays as it is."""
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2), nn.Tanh(), nn.Linear(2, 2)
+    )
+    pre = HyLoPreconditioner(model.to(DT), solver="hybrid", stable_variant="kis", critical_variant="kid")
+    costs = dict.fromkeys(("kfac", "sngd", "kid", "kis"), 1.0)
+    names = [layer.name for layer in pre._layers]
+    decisions = [
+        Decision(5, names[0], "kfac", "cost", True, None, costs, "kid"),  # no factors anywhere: critical → kid
+        Decision(5, names[1], "kfac", "cost", False, 0.0, costs, "kis"),  # no factors: stable → kis
+        Decision(5, names[2], "kis", "stable", False, 0.0, costs, "kis"),  # no rows: → kfac
+        Decision(5, names[3], "sngd", "fidelity", True, None, costs, "kid"),  # neither: nothing to move to
+    ]
+    gives = {FACTORS: [False, False, True, False], ROWS: [True, True, False, False]}
+    reconciled = pre._planner.reconcile(decisions, gives, pre.config)
+    assert [(d.solver, d.reason) for d in reconciled] == [
+        ("kid", "planned"),
+        ("kis", "planned"),
+        ("kfac", "planned"),
+        ("sngd", "fidelity"),
+    ]
+    served = {FACTORS: [True] * 4, ROWS: [True] * 4}
+    assert pre._planner.reconcile(decisions, served, pre.config) == decisions
+    pre.remove()
