@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from scripts import bench_fidelity
-from scripts.models import build_model
+from hylo_scripts import bench_fidelity
+from hylo_scripts.models import build_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

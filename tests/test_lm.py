@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from scripts import bench_accuracy
-from scripts import train_lm as lm_script
-from scripts.data import DATASETS, DataOptions, DatasetLayoutError, load_dataset
-from scripts.engine import RunConfig, metrics_header, train
-from scripts.models import MODELS, DecoderLM, build_model
-from scripts.options import build_parser, config_from_args
-from scripts.schedules import lr_factor
-from scripts.text import (
+from hylo_scripts import bench_accuracy
+from hylo_scripts import train_lm as lm_script
+from hylo_scripts.data import DATASETS, DataOptions, DatasetLayoutError, load_dataset
+from hylo_scripts.engine import RunConfig, metrics_header, train
+from hylo_scripts.models import MODELS, DecoderLM, build_model
+from hylo_scripts.options import build_parser, config_from_args
+from hylo_scripts.schedules import lr_factor
+from hylo_scripts.text import (
     STDLIB_EXCLUDED,
     TokenWindows,
     directory_files,

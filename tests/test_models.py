@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from scripts.models import MODELS, Shape, build_model, models_for
+from hylo_scripts.models import MODELS, Shape, build_model, models_for
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scripts.persample import (
+from hylo_scripts.persample import (
     batchnorm_eval,
     per_sample_grads,
     per_sample_grads_loop,

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import bench_overhead
-from scripts import train as train_script
-from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from scripts.models import MODELS, build_model, models_for
-from scripts.options import build_parser, config_from_args
+from hylo_scripts import bench_overhead
+from hylo_scripts import train as train_script
+from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.models import MODELS, build_model, models_for
+from hylo_scripts.options import build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_HEADER = metrics_header("classification")

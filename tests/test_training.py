@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from scripts import checkpoint
-from scripts import train as train_script
-from scripts import train_segmentation as seg_script
-from scripts.checkpoint import RunError
-from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from scripts.models import build_model
-from scripts.options import build_parser, config_from_args
-from scripts.schedules import damping_schedule, lr_factor
+from hylo_scripts import checkpoint
+from hylo_scripts import train as train_script
+from hylo_scripts import train_segmentation as seg_script
+from hylo_scripts.checkpoint import RunError
+from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.models import build_model
+from hylo_scripts.options import build_parser, config_from_args
+from hylo_scripts.schedules import damping_schedule, lr_factor
 from tests.kit import fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -355,8 +355,8 @@ def test_a_missing_dataset_names_the_layout_and_the_first_missing_file(tmp_path:
 
 
 def test_bench_accuracy_reports_the_first_evaluation_over_each_threshold(tmp_path: Path) -> None:
-    from scripts import bench_accuracy
-    from scripts.engine import EpochLog, RunResult
+    from hylo_scripts import bench_accuracy
+    from hylo_scripts.engine import EpochLog, RunResult
 
     def entry(step: int, acc: float, seconds: float) -> EpochLog:
         return EpochLog(step // 8, step, 0.1, 0.0, 0.0, acc, 0.0, seconds, 0.0)

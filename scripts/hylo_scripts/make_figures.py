@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from analysis import FIGURES, read_runs, save_figure
-from scripts import train as train_script
+from hylo_analysis import FIGURES, read_runs, save_figure
+from hylo_scripts import train as train_script
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ steps-r{rank}.csv, decisions.csv, run.json, grad-norm.csv, rank-analysis.csv, gr
 
 from __future__ import annotations
 
-from scripts.options import run_script
+from hylo_scripts.options import run_script
 
 #: train.py's defaults: the offline MNIST subset with the small CNN, SGD + hylo's hybrid policy.
 DEFAULTS = {"dataset": "mnist5k", "model": "cnn", "epochs": 5, "batch_size": 500}

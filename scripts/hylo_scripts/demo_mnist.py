@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from scripts.data import DataOptions, load_dataset
-from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
-from scripts.options import add_run_arguments, run_default, run_fields
+from hylo_scripts.data import DataOptions, load_dataset
+from hylo_scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
+from hylo_scripts.options import add_run_arguments, run_default, run_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ The flags, outputs, checkpoints and --resume are those of train.py (python scrip
 
 from __future__ import annotations
 
-from scripts.options import run_script
+from hylo_scripts.options import run_script
 
 #: train_segmentation.py's defaults: LGG with the U-Net at HyLo's batch size.
 DEFAULTS = {"dataset": "lgg", "model": "unet", "epochs": 50, "batch_size": 16}

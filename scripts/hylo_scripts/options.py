@@ -5,7 +5,7 @@ flags, with their own defaults and their task's data and model flags (image size
 image tasks; sequence length, byte cap and transformer size for language models);
 :func:`config_from_args` checks what argparse cannot (a flag that would be ignored in the
 company it keeps is an error, not a silent no-op) and returns the run's
-:class:`~scripts.engine.RunConfig`. The demo uses :func:`add_run_arguments` alone.
+:class:`~hylo_scripts.engine.RunConfig`. The demo uses :func:`add_run_arguments` alone.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scripts.checkpoint import RunError
-from scripts.data import DATASETS, DatasetLayoutError
-from scripts.engine import (
+from hylo_scripts.checkpoint import RunError
+from hylo_scripts.data import DATASETS, DatasetLayoutError
+from hylo_scripts.engine import (
     BACKENDS,
     DEFAULT_GRAD_ERROR_METHODS,
     HYLO_SOLVERS,
@@ -27,9 +27,9 @@ from scripts.engine import (
     distributed,
     train,
 )
-from scripts.models import MODELS
-from scripts.schedules import LR_SCHEDULES
-from scripts.text import DEFAULT_SEQ_LEN
+from hylo_scripts.models import MODELS
+from hylo_scripts.schedules import LR_SCHEDULES
+from hylo_scripts.text import DEFAULT_SEQ_LEN
 
 #: Study flag -> the hylo study it turns on.
 STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}

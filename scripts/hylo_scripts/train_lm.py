@@ -30,7 +30,7 @@ scripts/train.py --help); --batch-size is the global batch of windows. --image-s
 
 from __future__ import annotations
 
-from scripts.options import run_script
+from hylo_scripts.options import run_script
 
 #: train_lm.py's defaults: the standard library's bytes with the small transformer, AdamW + hylo's hybrid policy.
 DEFAULTS = {

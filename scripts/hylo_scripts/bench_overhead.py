@@ -30,7 +30,7 @@ import warnings
 import torch
 
 import hylo
-from scripts.models import MODELS, build_model, model_names
+from hylo_scripts.models import MODELS, build_model, model_names
 
 
 def iteration_time(

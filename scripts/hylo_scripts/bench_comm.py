@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hylo
-from scripts.engine import write_rows
-from scripts.models import MODELS, build_model, model_names
+from hylo_scripts.engine import write_rows
+from hylo_scripts.models import MODELS, build_model, model_names
 
 FLOAT_BYTES = 4
 

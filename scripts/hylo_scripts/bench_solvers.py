@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 import hylo
-from scripts.engine import write_rows
+from hylo_scripts.engine import write_rows
 
 
 def _sync(device: torch.device) -> None:

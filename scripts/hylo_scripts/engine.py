@@ -5,7 +5,7 @@ language model (task ``"lm"``), one process or P ranks — goes through :func:`t
 of the registry built from the seed's initial weights, the dataset of the registry, a
 ``DistributedSampler`` over the training set (also on one process, so the batch order depends
 on the seed alone), the optimizer, the
-learning-rate and damping schedules of :mod:`scripts.schedules`, and, with a solver, hylo's
+learning-rate and damping schedules of :mod:`hylo_scripts.schedules`, and, with a solver, hylo's
 ``step()`` between ``loss.backward()`` and ``optimizer.step()``.
 
 Seeds: ``seed`` draws the initial weights (and hylo's KIS rows); ``seed + 1`` the batch order
@@ -23,7 +23,7 @@ Outputs of a run with ``log_dir`` (rank 0 unless said otherwise):
   corpora: Python version, files, bytes and windows of each split), if it reports anything;
 - ``metrics.csv``: one row per epoch (:data:`METRIC_COLUMNS`), appended as epochs finish;
 - ``checkpoint-{N:04d}.pt`` (+ ``checkpoint-{N:04d}-hylo-r{rank}.pt`` on every rank) every
-  ``checkpoint_freq`` epochs and after the last one (see :mod:`scripts.checkpoint`);
+  ``checkpoint_freq`` epochs and after the last one (see :mod:`hylo_scripts.checkpoint`);
 - with ``profiling`` or ``studies``, hylo's profile files (its ``profile_dir`` is ``log_dir``).
 
 A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv`` or checkpoint) is
@@ -52,12 +52,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import hylo
-from scripts import checkpoint
-from scripts.data import DATASETS, DataOptions, DataSplits, load_dataset
-from scripts.datasets import SliceDataset
-from scripts.models import MODELS, build_model
-from scripts.schedules import LR_SCHEDULES, damping_schedule, lr_factor
-from scripts.segmentation import dice_loss, mean_volume_dsc
+from hylo_scripts import checkpoint
+from hylo_scripts.data import DATASETS, DataOptions, DataSplits, load_dataset
+from hylo_scripts.datasets import SliceDataset
+from hylo_scripts.models import MODELS, build_model
+from hylo_scripts.schedules import LR_SCHEDULES, damping_schedule, lr_factor
+from hylo_scripts.segmentation import dice_loss, mean_volume_dsc
 
 #: The solvers of ``hylo.HyLoPreconditioner``; ``RunConfig.solver`` may also be ``None``/``"none"``.
 HYLO_SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
@@ -96,8 +96,8 @@ EVAL_TOKENS = 16384
 class RunConfig:
     """One training run (the scripts' flags, one field each); ``solver=None`` trains with the plain optimizer.
 
-    Data and model: ``dataset`` and ``model`` name entries of :data:`scripts.data.DATASETS`
-    and :data:`scripts.models.MODELS`; ``data_dir`` is where datasets that are not shipped
+    Data and model: ``dataset`` and ``model`` name entries of :data:`hylo_scripts.data.DATASETS`
+    and :data:`hylo_scripts.models.MODELS`; ``data_dir`` is where datasets that are not shipped
     live; ``image_size`` the ImageNet crop / LGG slice side (None: 224 / 256); ``image_backend``
     decodes ImageNet with Pillow or (optional extra) torchvision. Language models only (None
     elsewhere): ``seq_len`` is the window and context length in tokens, ``layers``, ``width``
@@ -429,7 +429,7 @@ def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
 def make_scheduler(
     optimizer: torch.optim.Optimizer, cfg: RunConfig, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step ``LambdaLR`` of :func:`scripts.schedules.lr_factor` (stepped after every ``optimizer.step()``)."""
+    """Per-step ``LambdaLR`` of :func:`hylo_scripts.schedules.lr_factor` (stepped after every ``optimizer.step()``)."""
     factor = lr_factor(
         cfg.lr_schedule,
         total_steps=steps_per_epoch * cfg.epochs,

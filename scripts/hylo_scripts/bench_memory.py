@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import hylo
-from scripts.models import MODELS, build_model, model_names
+from hylo_scripts.models import MODELS, build_model, model_names
 
 #: The phases of a profiled iteration, in order (record_function names).
 PHASES = ("forward", "backward", "hylo.step", "optimizer.step")
@@ -212,7 +212,7 @@ def child_run(config: RunConfig) -> dict[str, Any]:
 def run_in_process(config: RunConfig, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
     """:func:`child_run` in a fresh Python process; ``RuntimeError`` with its stderr's tail if it fails."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "scripts.bench_memory", "--child", json.dumps(dataclasses.asdict(config))]
+    command = [sys.executable, "-m", "hylo_scripts.bench_memory", "--child", json.dumps(dataclasses.asdict(config))]
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
