@@ -352,8 +352,9 @@ def test_notebook_executes(study: Path, path: Path, monkeypatch: pytest.MonkeyPa
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     book = nbformat.read(path, as_version=4)
-    # The kernel imports this checkout's analysis and scripts, and reads the study's runs.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # The kernel imports this checkout's hylo_analysis and hylo_scripts, and reads the study's runs.
+    roots = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "analysis"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, roots)))
     monkeypatch.setenv("HYLO_FIGURE_RUNS", str(study))
     nbclient.NotebookClient(book, timeout=180, resources={"metadata": {"path": str(path.parent)}}).execute()
     images = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]

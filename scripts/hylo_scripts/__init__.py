@@ -8,6 +8,7 @@
   transforms and layout errors).
 - :mod:`hylo_scripts.models` (the model registry) and :mod:`hylo_scripts.segmentation` (Dice loss, DSC).
 
-Entry points (``train.py``, ``train_segmentation.py``, ``demo_mnist.py``, ``bench_*.py``) run as
-files, e.g. ``python scripts/train.py``, and import the package as ``scripts``.
+The repository's entry points (``scripts/train.py``, ``train_segmentation.py``, ``train_lm.py``,
+``demo_mnist.py``, ``bench_*.py``, ``make_figures.py``) are thin files that run the ``main`` of
+the module of the same name here (``python scripts/train.py`` = ``python -m hylo_scripts.train``).
 """

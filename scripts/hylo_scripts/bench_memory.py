@@ -33,7 +33,6 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,13 +41,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import hylo
 from hylo_scripts.models import MODELS, build_model, model_names
+from hylo_scripts.process import child_environment
 
 #: The phases of a profiled iteration, in order (record_function names).
 PHASES = ("forward", "backward", "hylo.step", "optimizer.step")
 SOLVERS = ("sgd", "hybrid", "kfac", "sngd", "kid", "kis")
 #: Seconds a child may run before the benchmark gives up on it.
 CHILD_TIMEOUT = 1800.0
-REPO = Path(__file__).resolve().parents[1]
 CSV_COLUMNS = (
     "model",
     "batch",
@@ -211,10 +210,9 @@ def child_run(config: RunConfig) -> dict[str, Any]:
 
 def run_in_process(config: RunConfig, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
     """:func:`child_run` in a fresh Python process; ``RuntimeError`` with its stderr's tail if it fails."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "hylo_scripts.bench_memory", "--child", json.dumps(dataclasses.asdict(config))]
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         raise RuntimeError(f"{config.solver} on {config.model} did not finish within {timeout:.0f} s") from err
     if done.returncode != 0:

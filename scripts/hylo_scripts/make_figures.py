@@ -1,4 +1,4 @@
-"""Run a short study on the offline MNIST subset and draw every figure of ``analysis`` from it.
+"""Run a short study on the offline MNIST subset and draw every figure of ``hylo_analysis`` from it.
 
     python scripts/make_figures.py --out figures            # runs into figures/runs/, figures into figures/
     python scripts/make_figures.py --out figures --runs-only
@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import functools
 import io
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -38,8 +37,7 @@ from pathlib import Path
 
 from hylo_analysis import FIGURES, read_runs, save_figure
 from hylo_scripts import train as train_script
-
-ROOT = Path(__file__).resolve().parents[1]
+from hylo_scripts.process import child_environment
 
 
 @dataclass(frozen=True)
@@ -146,13 +144,10 @@ def draw_figures(runs_dir: Path, out: Path, formats: Sequence[str] = ("pdf", "pn
 
 
 def _torchrun(ranks: int, argv: list[str], quiet: bool) -> None:
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=python_path, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     done = subprocess.run(
-        [*command, str(ROOT / "scripts" / "train.py"), *argv],
-        cwd=ROOT,
-        env=env,
+        [*command, "-m", "hylo_scripts.train", *argv],
+        env=child_environment(OMP_NUM_THREADS="1"),
         capture_output=quiet,
         text=True,
         check=False,
