@@ -6,4 +6,4 @@ The entry point of :mod:`hylo_scripts.bench_comm`, which holds the code and the 
 from hylo_scripts.bench_comm import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -6,4 +6,4 @@ The entry point of :mod:`hylo_scripts.bench_memory`, which holds the code and th
 from hylo_scripts.bench_memory import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -6,4 +6,4 @@ The entry point of :mod:`hylo_scripts.bench_overhead`, which holds the code and 
 from hylo_scripts.bench_overhead import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

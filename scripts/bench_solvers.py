@@ -6,4 +6,4 @@ The entry point of :mod:`hylo_scripts.bench_solvers`, which holds the code and t
 from hylo_scripts.bench_solvers import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
