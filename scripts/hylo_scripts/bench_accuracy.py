@@ -46,7 +46,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from hylo_scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write
 from hylo_scripts.text import TokenWindows
 
 #: The tasks of the benchmark.
-TASKS = ("classification", "lm")
+TASKS = ("classification", "lm")  # the keys of BENCHES
 #: Flags of one task only (argparse names) -> the task; given with the other task they are an error.
 TASK_FLAGS = {
     "batch_sizes": "classification",
@@ -250,10 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.task == "classification" and len(args.iterations) != len(args.batch_sizes):
-        parser.error("--iterations needs one value per --batch-sizes entry")
-    if args.task == "lm" and args.steps < args.eval_every:
-        parser.error(f"--steps {args.steps} must be at least --eval-every {args.eval_every}")
+    problem = BENCHES[args.task].misuse(args)
+    if problem:
+        parser.error(problem)
     return args
 
 
@@ -449,11 +448,38 @@ def run_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _classification_misuse(args: argparse.Namespace) -> str | None:
+    if len(args.iterations) != len(args.batch_sizes):
+        return "--iterations needs one value per --batch-sizes entry"
+    return None
+
+
+def _lm_misuse(args: argparse.Namespace) -> str | None:
+    if args.steps < args.eval_every:
+        return f"--steps {args.steps} must be at least --eval-every {args.eval_every}"
+    return None
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One ``--task`` of the benchmark: its run and its check of the flags."""
+
+    run: Callable[[argparse.Namespace], int]
+    misuse: Callable[[argparse.Namespace], str | None]
+
+
+#: The benchmark of each ``--task``.
+BENCHES = {
+    "classification": Bench(run_classification, _classification_misuse),
+    "lm": Bench(run_lm, _lm_misuse),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark of ``--task`` (exit status 0)."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    return run_lm(args) if args.task == "lm" else run_classification(args)
+    return BENCHES[args.task].run(args)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hylo_scripts.argtypes import positive_int, ratio
 from hylo_scripts.checkpoint import RunError
 from hylo_scripts.data import DATASETS, DatasetLayoutError
-from hylo_scripts.engine import (
-    BACKENDS,
-    DEFAULT_GRAD_ERROR_METHODS,
-    HYLO_SOLVERS,
-    OPTIMIZERS,
-    RunConfig,
-    distributed,
-    train,
-)
+from hylo_scripts.loop import train
 from hylo_scripts.models import MODELS
+from hylo_scripts.process import BACKENDS, distributed
+from hylo_scripts.runconfig import DEFAULT_GRAD_ERROR_METHODS, HYLO_SOLVERS, OPTIMIZERS, RunConfig
 from hylo_scripts.schedules import LR_SCHEDULES
-from hylo_scripts.text import DEFAULT_SEQ_LEN
+from hylo_scripts.tasks import TASKS
 
 #: Study flag -> the hylo study it turns on.
 STUDY_FLAGS = {"--grad-norm": "grad_norm", "--rank-analysis": "rank", "--grad-error": "grad_error"}
@@ -60,30 +55,6 @@ def run_default(field: str) -> Any:
     return RunConfig.__dataclass_fields__[field].default
 
 
-def _ratio(text: str) -> float:
-    """argparse type of a rank ratio ρ in (0, 1]."""
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    """argparse type of an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
-    return value
-
-
-def _byte_cap(text: str) -> int | None:
-    """argparse type of a byte cap: an int >= 0, where 0 means no cap (None)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0 (0: no cap), got {text}")
-    return value or None
-
-
 def _dest(flag: str) -> str:
     """argparse's attribute name of a ``--long-flag``."""
     return flag.removeprefix("--").replace("-", "_")
@@ -92,10 +63,10 @@ def _dest(flag: str) -> str:
 def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int, models: list[str] | None = None) -> None:
     """The options every training entry point shares (the demo's whole set): model, length, SGD, hylo basics, seeds."""
     parser.add_argument("--model", default="cnn", choices=models or sorted(MODELS), help="model of the registry")
-    parser.add_argument("--epochs", type=_positive_int, default=epochs, help="epochs to train (default: %(default)s)")
+    parser.add_argument("--epochs", type=positive_int, default=epochs, help="epochs to train (default: %(default)s)")
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=run_default("batch_size"),
         help="GLOBAL batch size, split over the ranks",
     )
@@ -145,7 +116,7 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--freq",
-        type=_positive_int,
+        type=positive_int,
         help=f"steps between curvature/inverse updates (default {run_default('update_freq')})",
     )
     group.add_argument(
@@ -157,7 +128,7 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
         "--compression-ratio",
         "--rank-ratio",
         dest="compression_ratio",
-        type=_ratio,
+        type=ratio,
         help=f"ρ: the low-rank solvers keep max(1, ⌊ρ·n⌋) of a layer's n batch rows (default {run_default('rank_ratio')})",
     )
     group.add_argument(
@@ -179,7 +150,7 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--trend-window",
-        type=_positive_int,
+        type=positive_int,
         help="steps over which the gradient-norm trend is measured (hybrid policy and --grad-norm; "
         f"default {run_default('trend_window')})",
     )
@@ -202,7 +173,7 @@ def _add_hylo_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kis-estimator", choices=["unbiased", "hylo"], help=f"KIS estimator (default {run_default('kis_estimator')})"
     )
-    group.add_argument("--factor-update-freq", type=_positive_int, help="K-FAC factor updates between inverse updates")
+    group.add_argument("--factor-update-freq", type=positive_int, help="K-FAC factor updates between inverse updates")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -251,38 +222,17 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-kfac", action="store_true", help="--grad-error measures K-FAC")
     group.add_argument(
         "--study-every",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="run --rank-analysis and --grad-error at every N-th update (default: every update)",
     )
     group.add_argument(
         "--grad-error-ratios",
-        type=_ratio,
+        type=ratio,
         nargs="+",
         metavar="R",
         help="rank ratios ρ at which --grad-error measures KID and KIS (default: --compression-ratio)",
-    )
-
-
-def _add_sequence_arguments(group: argparse._ArgumentGroup) -> None:
-    """A language model's data and size flags (defaults None: the model's, filled in by RunConfig)."""
-    spec = MODELS["transformer"]
-    group.add_argument(
-        "--seq-len",
-        type=_positive_int,
-        help=f"tokens (bytes) per training window and the model's context (default {DEFAULT_SEQ_LEN})",
-    )
-    group.add_argument(
-        "--max-bytes",
-        type=_byte_cap,
-        help="read at most this many training bytes (validation: a tenth; 0: the whole corpus; "
-        "default %(default)s); an epoch is one pass over their non-overlapping windows",
-    )
-    group.add_argument("--layers", type=_positive_int, help=f"transformer blocks (default {spec.options['layers']})")
-    group.add_argument("--width", type=_positive_int, help=f"model width (default {spec.options['width']})")
-    group.add_argument(
-        "--heads", type=_positive_int, help=f"attention heads, dividing --width (default {spec.options['heads']})"
     )
 
 
@@ -305,15 +255,7 @@ def build_parser(
     data.add_argument(
         "--data-dir", help="where the dataset lives" + (f" (every dataset but {shipped})" if shipped else "")
     )
-    if task == "lm":
-        _add_sequence_arguments(data)
-    else:
-        data.add_argument("--image-size", type=_positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
-        data.add_argument(
-            "--image-backend",
-            choices=["pillow", "torchvision"],
-            help="ImageNet pixel operations: Pillow (default) or torchvision (optional extra: pip install torchvision)",
-        )
+    TASKS[task].add_data_arguments(data)
     data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
     add_run_arguments(parser, epochs=5, models=models)
     opt = parser.add_argument_group("optimizer and schedules")
@@ -326,7 +268,7 @@ def build_parser(
         help="hylo's solver; 'none' trains with the plain optimizer (default hybrid)",
     )
     opt.add_argument("--sngd", action="store_true", help="HyLo's flag: train with exact SNGD (= --solver sngd)")
-    opt.add_argument("--max-steps", type=_positive_int, help="stop every epoch after N steps (smoke runs)")
+    opt.add_argument("--max-steps", type=positive_int, help="stop every epoch after N steps (smoke runs)")
     opt.add_argument(
         "--lr",
         type=float,
@@ -340,7 +282,7 @@ def build_parser(
         help="after the warm-up: 'step' (× --lr-decay at each --milestone) or 'cosine' to 0 (default %(default)s)",
     )
     opt.add_argument("--lr-decay", type=float, help="lr factor at each --milestone (default 0.1; step schedule)")
-    opt.add_argument("--milestone", type=_positive_int, nargs="+", help="epochs at which the lr decays (step schedule)")
+    opt.add_argument("--milestone", type=positive_int, nargs="+", help="epochs at which the lr decays (step schedule)")
     opt.add_argument(
         "--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss (classification)"
     )
@@ -413,28 +355,17 @@ def profile_fields(args: argparse.Namespace, parser: argparse.ArgumentParser, so
     }
 
 
-def _ignored_flags(args: argparse.Namespace) -> str | None:
-    """The message for a flag that nothing in this run would read, or None."""
+def _ignored_flags(args: argparse.Namespace, given_hylo: Mapping[str, Any]) -> str | None:
+    """The message for a flag that nothing in this run would read, or None (``given_hylo``: the hylo options given)."""
     spec = DATASETS[args.dataset]
+    task = TASKS[spec.task]
     if args.optimizer == "adamw" and args.momentum is not None:
         return "--momentum: SGD's; AdamW has betas (leave --momentum out with --optimizer adamw)"
-    if spec.task != "classification" and args.label_smoothing:
-        return "--label-smoothing: only for classification"
+    if not task.label_smoothing and args.label_smoothing:
+        return f"--label-smoothing: only for {' and '.join(t.name for t in TASKS.values() if t.label_smoothing)}"
     if not spec.needs_data_dir and args.data_dir is not None:
-        if spec.task == "lm":
-            return f"--data-dir: dataset {args.dataset} reads no directory (a folder of text files: --dataset text)"
-        return f"--data-dir: dataset {args.dataset} ships with a package and reads no directory"
-    if spec.task == "lm":
-        if args.conv_rows is not None:
-            return "--conv-rows: the low-rank rows of Conv2d layers; a language model has none"
-        if args.kfc_exponent is not None:
-            return "--kfc-exponent: the K-FAC factors of Conv2d layers; a language model has none"
-        return None
-    if args.image_backend is not None and args.dataset != "imagenet":
-        return f"--image-backend: only for imagenet, not {args.dataset}"
-    if args.image_size is not None and args.dataset not in ("imagenet", "lgg"):
-        return f"--image-size: only for imagenet and lgg, not {args.dataset}"
-    return None
+        return f"--data-dir: dataset {args.dataset} {task.no_data_dir}"
+    return task.misused_flag(args, given_hylo)
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
@@ -446,14 +377,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--checkpoint-freq: needs --log-dir, where checkpoints are written")
     if args.resume and args.log_dir is None:
         parser.error("--resume: needs --log-dir, the run to continue")
-    ignored = _ignored_flags(args)
+    given_hylo = {field: getattr(args, name) for name, field in HYLO_FLAGS.items() if getattr(args, name) is not None}
+    ignored = _ignored_flags(args, given_hylo)
     if ignored:
         parser.error(ignored)
     checkpoint_freq = args.checkpoint_freq if args.checkpoint_freq is not None else (5 if args.log_dir else 0)
-    if DATASETS[args.dataset].task == "lm":
-        task_fields = {name: getattr(args, name) for name in ("seq_len", "max_bytes", "layers", "width", "heads")}
-    else:
-        task_fields = {"image_size": args.image_size, "image_backend": args.image_backend or "pillow"}
+    task_fields = TASKS[DATASETS[args.dataset].task].data_fields(args)
     fields = dict(
         run_fields(args),
         **task_fields,
