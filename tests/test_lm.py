@@ -270,7 +270,7 @@ def _tiny(data_dir: Path, log_dir: Path, **fields: Any) -> RunConfig:
         solver="kfac",
         batch_size=8,
         max_steps=3,
-        update_freq=2,
+        hylo={"update_freq": 2},
         log_dir=str(log_dir),
         checkpoint_freq=1,
         **TINY,

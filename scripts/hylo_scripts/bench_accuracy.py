@@ -54,7 +54,10 @@ from typing import Any
 import torch
 
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
-from hylo_scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
+from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.loop import RunResult, train
+from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.rundir import write_rows
 from hylo_scripts.text import TokenWindows
 
 #: The tasks of the benchmark.
@@ -82,7 +85,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "batch_sizes": [500, 64],
         "iterations": [120, 480],
         "eval_every": 8,
-        "solvers": list(HYLO_SOLVERS),
+        "solvers": list(solver_choices()),
         "sgd_lrs": [0.03, 0.05, 0.07, 0.1],
         "thresholds": [0.96, 0.97],
         "lr": 0.1,
@@ -146,6 +149,13 @@ def first_reach(result: RunResult, threshold: float) -> tuple[int, float] | None
     return None
 
 
+def _hylo_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
+    """The hylo options of a run with ``solver`` (none for the plain optimizer)."""
+    if solver is None:
+        return {}
+    return {"damping": args.damping, "update_freq": args.freq, "kl_clip": args.kl_clip, "rank_ratio": args.rank_ratio}
+
+
 def run_config(args: argparse.Namespace, batch_size: int, solver: str | None, lr: float, seed: int) -> RunConfig:
     """One run of the benchmark: ``iterations[batch]`` steps in intervals of ``--eval-every``."""
     iterations = args.iterations[args.batch_sizes.index(batch_size)]
@@ -162,10 +172,7 @@ def run_config(args: argparse.Namespace, batch_size: int, solver: str | None, lr
         warmup_epochs=args.warmup_intervals,
         momentum=0.9,
         weight_decay=args.weight_decay,
-        damping=args.damping,
-        update_freq=args.freq,
-        kl_clip=args.kl_clip,
-        rank_ratio=args.rank_ratio,
+        hylo=_hylo_options(args, solver),
         seed=seed,
     )
 
@@ -211,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=TASKS, default="classification", help="MNIST accuracy or a language model")
     parser.add_argument("--eval-every", type=int, help="steps between test evaluations (default 8; lm 25)")
-    parser.add_argument("--solvers", nargs="+", choices=HYLO_SOLVERS, help="hylo solvers (default all; lm: 4)")
+    parser.add_argument("--solvers", nargs="+", choices=solver_choices(), help="hylo solvers (default all; lm: 4)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lr", type=float, help="peak lr of the hylo runs (default 0.1; lm: AdamW's best)")
     parser.add_argument("--damping", type=float, help="hylo damping (default 0.3)")
@@ -333,10 +340,7 @@ def lm_config(args: argparse.Namespace, solver: str | None, lr: float, seed: int
         lr_schedule="cosine",
         warmup_epochs=args.warmup_intervals,
         weight_decay=args.weight_decay,
-        damping=args.damping,
-        update_freq=args.freq,
-        kl_clip=args.kl_clip,
-        rank_ratio=args.rank_ratio,
+        hylo=_hylo_options(args, solver),
         seed=seed,
     )
 

@@ -24,8 +24,12 @@ from pathlib import Path
 import torch
 
 from hylo_scripts.data import DataOptions, load_dataset
-from hylo_scripts.engine import HYLO_SOLVERS, RunConfig, RunResult, train, write_rows
-from hylo_scripts.options import add_run_arguments, run_default, run_fields
+from hylo_scripts.hylo_flags import add_hylo_arguments, given_options
+from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.loop import RunResult, train
+from hylo_scripts.options import add_run_arguments, run_fields
+from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.rundir import write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--solvers",
         nargs="+",
         default=["sgd", "sngd", "kfac", "hybrid"],
-        choices=["sgd", *HYLO_SOLVERS],
+        choices=["sgd", *solver_choices()],
         help="runs to make: 'sgd' is plain SGD (over the --sgd-lrs grid), the rest are hylo solvers",
     )
     add_run_arguments(parser, epochs=15)
@@ -47,17 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[0.025, 0.05, 0.1, 0.2],
         help="peak learning rates tried for plain SGD; the best final test accuracy is reported",
     )
-    parser.add_argument("--update-freq", type=int, default=10, help="hylo steps between curvature updates")
-    parser.add_argument("--factor-decay", type=float, default=0.95, help="K-FAC running-average decay")
-    parser.add_argument("--damping", type=float, default=run_default("damping"), help="hylo damping λ")
-    parser.add_argument(
-        "--kl-clip", type=float, default=run_default("kl_clip"), help="hylo kl_clip (0: off), with the scheduled lr"
-    )
-    parser.add_argument("--conv-rows", default="sum", choices=["sum", "exact", "mean"], help="hylo conv_rows")
-    parser.add_argument("--kis-estimator", default="unbiased", choices=["unbiased", "hylo"], help="hylo kis_estimator")
-    parser.add_argument("--factor-update-freq", type=int, default=None, help="hylo factor_update_freq")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="write every run as a row of this CSV")
+    # hylo's options, for every hylo run, but its telemetry: the demo writes no run directory.
+    add_hylo_arguments(parser, solver=False, skip_sections=("telemetry",))
     return parser.parse_args(argv)
 
 
@@ -67,18 +64,10 @@ def run_configs(args: argparse.Namespace) -> list[RunConfig]:
     configs = []
     if "sgd" in args.solvers:
         configs += [RunConfig(**common, solver=None, lr=lr) for lr in args.sgd_lrs]
-    hylo = dict(
-        damping=args.damping,
-        kl_clip=args.kl_clip,
-        conv_rows=args.conv_rows,
-        kis_estimator=args.kis_estimator,
-        factor_update_freq=args.factor_update_freq,
-        update_freq=args.update_freq,
-        factor_decay=args.factor_decay,
-    )
+    hylo = given_options(args)
     for solver in args.solvers:
         if solver != "sgd":
-            configs.append(RunConfig(**common, **hylo, solver=solver, lr=args.lr))
+            configs.append(RunConfig(**common, hylo=hylo, solver=solver, lr=args.lr))
     return configs
 
 
@@ -114,9 +103,9 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
                 "epochs": c.epochs,
                 "batch_size": c.batch_size,
                 "steps": r.steps,
-                "damping": c.damping if hylo_run else "",
-                "update_freq": c.update_freq if hylo_run else "",
-                "kl_clip": (c.kl_clip or "") if hylo_run else "",
+                "damping": c.hylo["damping"] if hylo_run else "",
+                "update_freq": c.hylo["update_freq"] if hylo_run else "",
+                "kl_clip": (c.hylo["kl_clip"] or "") if hylo_run else "",
                 "seed": c.seed,
                 "test_accuracy": f"{r.test_accuracy:.4f}",
                 "test_loss": f"{r.test_loss:.4f}",

@@ -44,11 +44,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 import hylo
 from hylo_scripts import checkpoint
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
+from hylo_scripts.hylo_options import preconditioner_options, run_defaults
 from hylo_scripts.models import MODELS, build_model
 from hylo_scripts.process import rank_and_world
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import append_metrics, model_summary, write_run_files
-from hylo_scripts.schedules import damping_schedule, lr_factor
+from hylo_scripts.schedules import lr_factor
 from hylo_scripts.tasks import TASKS
 
 
@@ -144,44 +145,20 @@ def make_preconditioner(
     *,
     profile_append: bool = False,
 ) -> hylo.HyLoPreconditioner | None:
-    """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the optimizer's scheduled lr."""
+    """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the optimizer's scheduled lr.
+
+    The keyword arguments are :func:`hylo_scripts.hylo_options.preconditioner_options`: the run's
+    ``hylo`` options and the engine's.
+    """
     if cfg.solver is None:
         return None
-    damping: float | Any = cfg.damping
-    if cfg.target_damping is not None:
-        warmup = round(cfg.warmup_epochs * steps_per_epoch)
-        decay_epochs = cfg.damping_decay_epochs
-        decay_steps = round(decay_epochs * steps_per_epoch) if decay_epochs else cfg.epochs * steps_per_epoch - warmup
-        damping = damping_schedule(
-            cfg.damping, cfg.target_damping, warmup_steps=warmup, decay_steps=max(1, decay_steps)
-        )
-    return hylo.HyLoPreconditioner(
-        model,
-        solver=cfg.solver,
-        update_freq=cfg.update_freq,
-        damping=damping,
-        factor_decay=cfg.factor_decay,
-        kl_clip=cfg.kl_clip,
-        lr=(lambda _step: optimizer.param_groups[0]["lr"]) if cfg.kl_clip is not None else None,
-        rank_ratio=cfg.rank_ratio,
-        strategy=cfg.strategy,
-        adaptive=cfg.adaptive,
-        iters_per_epoch=steps_per_epoch if cfg.adaptive is not None else None,
-        trend_window=cfg.trend_window,
-        conv_rows=cfg.conv_rows,
-        kfc_exponent=cfg.kfc_exponent,
-        damping_convention=cfg.damping_convention,
-        kis_estimator=cfg.kis_estimator,
-        factor_update_freq=cfg.factor_update_freq,
-        seed=cfg.seed,
-        profile_dir=cfg.log_dir if cfg.profiling else None,
+    options = preconditioner_options(
+        cfg,
+        lr=lambda _step: optimizer.param_groups[0]["lr"],
+        steps_per_epoch=steps_per_epoch,
         profile_append=profile_append,
-        studies=cfg.studies,
-        rank_every=cfg.study_every,
-        grad_error_every=cfg.study_every,
-        grad_error_methods=cfg.grad_error_methods,
-        grad_error_ratios=cfg.grad_error_ratios,
     )
+    return hylo.HyLoPreconditioner(model, **options)
 
 
 def evaluate(
@@ -259,7 +236,7 @@ def train(
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
     device = device or torch.device("cpu")
     start = checkpoint.open_run_dir(
-        cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device, defaults=RunConfig().to_json()
+        cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device, defaults=run_defaults()
     )
     if world > 1:
         dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import hylo
 from hylo_scripts.data import DATASETS
+from hylo_scripts.hylo_options import check, run_options, solver_choices
 from hylo_scripts.models import MODELS
 from hylo_scripts.process import BACKENDS
 from hylo_scripts.schedules import LR_SCHEDULES
 from hylo_scripts.tasks import MODEL_OPTIONS, TASKS
 
-#: The solvers of ``hylo.HyLoPreconditioner``; ``RunConfig.solver`` may also be ``None``/``"none"``.
-HYLO_SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
 #: The optimizers a run can use.
 OPTIMIZERS = ("sgd", "adamw")
-#: hylo's studies (``HyLoConfig.studies``), in the order of the flags that turn them on.
-STUDIES = ("grad_norm", "rank", "grad_error")
-#: hylo's gradient-error methods (``HyLoConfig.grad_error_methods``).
-GRAD_ERROR_METHODS = ("kid", "kis", "kfac", "sngd")
-#: The gradient-error methods of a run that names none (``--grad-error`` alone): KID and KIS, as in HyLo.
-DEFAULT_GRAD_ERROR_METHODS = ("kid", "kis")
 
 
 @dataclass(frozen=True)
@@ -44,15 +37,19 @@ class RunConfig:
     or ``"cosine"`` (to 0 at the end of ``epochs``). ``label_smoothing`` applies to the
     training loss of classification runs.
 
-    hylo: with ``target_damping``, ``damping`` decays log-linearly to it over
-    ``damping_decay_epochs`` after the warm-up (None: the rest of the run); without, it is constant; ``kl_clip=0`` is stored as ``None`` (disabled);
-    ``update_freq`` … ``factor_update_freq`` are hylo's options of the same names.
+    hylo: ``solver`` is hylo's (None or ``"none"``: the plain optimizer). ``hylo`` holds the
+    preconditioner's other options by their flat names (:func:`hylo.config.options`), those the
+    engine does not set itself (:data:`hylo_scripts.hylo_options.ENGINE_OPTIONS`): given as any
+    subset, it is filled in with the defaults (hylo's, or the scripts' of
+    :data:`~hylo_scripts.hylo_options.SCRIPT_DEFAULTS`: ``damping`` 0.3, ``kl_clip`` 1e-3, where
+    0 stands for None, off), in hylo's order, and checked by building the run's
+    ``hylo.HyLoConfig``; it is empty for a plain run, and options given to one are an error.
+    With ``target_damping``, ``damping`` decays log-linearly to it over ``damping_decay_epochs``
+    after the warm-up (None: the rest of the run); without, it is constant.
 
-    Outputs: see the module docstring. ``profiling`` has hylo time every step into
-    ``log_dir``; ``studies`` (any of :data:`STUDIES`) adds hylo's studies there and implies
-    ``profiling``; ``study_every``, ``grad_error_methods`` and ``grad_error_ratios`` are hylo's
-    ``rank_every``/``grad_error_every``, ``grad_error_methods`` and ``grad_error_ratios``.
-    ``checkpoint_freq`` (0: never) needs ``log_dir``.
+    Outputs: see :mod:`hylo_scripts.loop`. ``profiling`` has hylo time every step into
+    ``log_dir`` (hylo's ``profile_dir``); hylo's ``studies`` imply it. ``checkpoint_freq``
+    (0: never) needs ``log_dir``.
     """
 
     dataset: str = "mnist5k"
@@ -79,43 +76,23 @@ class RunConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     label_smoothing: float = 0.0
-    damping: float = 0.3
     target_damping: float | None = None
     damping_decay_epochs: float | None = None
-    update_freq: int = 10
-    factor_decay: float = 0.95
-    kl_clip: float | None = 1e-3
-    rank_ratio: float = 0.1
-    strategy: str = "inverse"
-    adaptive: tuple[int, int, int] | None = None
-    trend_window: int = 100
-    conv_rows: str = "sum"
-    kfc_exponent: float = hylo.KFACConfig.kfc_exponent
-    damping_convention: str = "hylo"
-    kis_estimator: str = "unbiased"
-    factor_update_freq: int | None = None
+    hylo: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     data_seed: int = 0
     backend: str = "auto"
     log_dir: str | None = None
     checkpoint_freq: int = 0
     profiling: bool = False
-    studies: tuple[str, ...] = ()
-    study_every: int = 1
-    grad_error_methods: tuple[str, ...] = DEFAULT_GRAD_ERROR_METHODS
-    grad_error_ratios: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.solver == "none":
             object.__setattr__(self, "solver", None)
-        if not self.kl_clip:
-            object.__setattr__(self, "kl_clip", None)
-        for name in ("milestones", "adaptive", "studies", "grad_error_methods", "grad_error_ratios"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                raise ValueError(f"{name} must be a sequence, not a single string")
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
+        if isinstance(self.milestones, str):
+            raise ValueError("milestones must be a sequence, not a single string")
+        object.__setattr__(self, "milestones", tuple(self.milestones))
+        object.__setattr__(self, "hylo", run_options(self.hylo, self.solver))
         for name in ("log_dir", "data_dir"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
@@ -123,11 +100,12 @@ class RunConfig:
         self._check_task_fields()
         self._check_numbers()
         self._check_outputs()
+        check(self)
 
     def _check_choices(self) -> None:
         """Names: solver, optimizer, backend, schedule, dataset and a model of the dataset's task."""
-        if self.solver is not None and self.solver not in HYLO_SOLVERS:
-            raise ValueError(f"solver must be None, 'none' or one of {HYLO_SOLVERS}, got {self.solver!r}")
+        if self.solver is not None and self.solver not in solver_choices():
+            raise ValueError(f"solver must be None, 'none' or one of {solver_choices()}, got {self.solver!r}")
         for name, allowed in (("optimizer", OPTIMIZERS), ("backend", BACKENDS), ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -173,11 +151,8 @@ class RunConfig:
             raise ValueError(f"damping_decay_epochs must be > 0, got {self.damping_decay_epochs}")
 
     def _check_outputs(self) -> None:
-        """Profiling, studies and checkpoints (``studies`` imply ``profiling``; all need ``log_dir``)."""
-        unknown = [s for s in self.studies if s not in STUDIES]
-        if unknown:
-            raise ValueError(f"studies must be drawn from {STUDIES}, got {unknown}")
-        if self.studies:
+        """Profiling and checkpoints need ``log_dir``; hylo's studies imply profiling, which needs a solver."""
+        if self.hylo.get("studies"):
             object.__setattr__(self, "profiling", True)
         if self.profiling and self.log_dir is None:
             raise ValueError("profiling and studies write their files into log_dir: set log_dir")
@@ -185,15 +160,6 @@ class RunConfig:
             raise ValueError("profiling and studies measure hylo: they need a solver, not the plain optimizer")
         if self.checkpoint_freq and self.log_dir is None:
             raise ValueError("checkpoints are written into log_dir: set log_dir")
-        bad = [m for m in self.grad_error_methods if m not in GRAD_ERROR_METHODS]
-        if bad or not self.grad_error_methods:
-            raise ValueError(f"grad_error_methods must be a non-empty selection of {GRAD_ERROR_METHODS}, got {bad}")
-        if isinstance(self.study_every, bool) or not (isinstance(self.study_every, int) and self.study_every >= 1):
-            raise ValueError(f"study_every must be an int >= 1, got {self.study_every!r}")
-        if self.grad_error_ratios is not None:
-            ratios = self.grad_error_ratios
-            if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
-                raise ValueError(f"grad_error_ratios must be ratios in (0, 1], got {ratios!r}")
 
     @property
     def name(self) -> str:
@@ -205,6 +171,13 @@ class RunConfig:
         """``"classification"``, ``"segmentation"`` or ``"lm"`` (the dataset's)."""
         return DATASETS[self.dataset].task
 
+    def value(self, name: str) -> Any:
+        """Field ``name`` of the run, or hylo's option ``name`` as the run has it (KeyError for a plain run's)."""
+        if name in self.__dataclass_fields__:
+            return getattr(self, name)
+        return self.hylo[name]
+
     def to_json(self) -> dict[str, Any]:
-        """The fields as JSON values (tuples as lists); ``RunConfig(**cfg.to_json())`` gives ``cfg`` back."""
+        """The fields as JSON values (tuples as lists; ``hylo`` an object); ``RunConfig(**cfg.to_json())`` gives
+        ``cfg`` back."""
         return json.loads(json.dumps(asdict(self)))
