@@ -1,7 +1,7 @@
 """scripts/bench_fidelity.py: the CSV it writes, and hylo's SNGD against the independent oracle.
 
 SNGD on a Linear layer is exact, so its error to the SNGD step built from the model's true
-per-sample gradients (scripts/persample.py) must be at float64 round-off; the
+per-sample gradients (hylo_scripts/persample.py) must be at float64 round-off; the
 unpreconditioned step ∇W/λ is far from it, so the check has teeth.
 """
 

@@ -62,7 +62,7 @@ def write_corpus(root: Path, n_files: int = 30) -> dict[str, bytes]:
 
 
 def expected_split(names: list[str]) -> tuple[list[str], list[str]]:
-    """The rule of scripts/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
+    """The rule of hylo_scripts/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
     ranked = sorted(names, key=lambda n: (zlib.crc32(n.encode()), n))
     n_val = max(1, len(ranked) // 10)
     return ranked[n_val:], ranked[:n_val]

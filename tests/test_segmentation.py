@@ -1,4 +1,4 @@
-"""scripts/segmentation.py: the Dice loss and the per-volume DSC with largest-component
+"""hylo_scripts/segmentation.py: the Dice loss and the per-volume DSC with largest-component
 post-processing, on small constructed masks whose values are counted by hand."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ own statistics, every other module in training mode. For each
 method a fresh copy of the model (same weights) gets
 ``HyLoPreconditioner(update_freq=1, damping=λ, **options)``; each registered layer's
 preconditioned gradient is compared with (F + λI)⁻¹ vec ∇W, F the empirical Fisher of the
-model's true per-sample gradients (scripts/persample.py; docs/design.md, "SNGD"). The error
+model's true per-sample gradients (hylo_scripts/persample.py; docs/design.md, "SNGD"). The error
 is ‖V̂ − V‖_F / ‖V‖_F; the ``sgd`` column is the error of ∇W/λ, the unpreconditioned step.
 The CSV also holds the cosine ⟨V̂, V⟩ / (‖V̂‖‖V‖), the direction alone, and the length ratio
 ‖V̂‖ / ‖V‖: a step that is nearly zero has an error near 1 whatever its direction, so the

@@ -11,7 +11,7 @@ text, three to four minutes on two CPU cores.
     python scripts/train_lm.py --dataset text --data-dir ~/corpus --seq-len 256 --layers 6 --width 384 --heads 6
     torchrun --standalone --nproc_per_node=2 scripts/train_lm.py --solver kid
 
-Data (scripts/text.py): the stdlib's .py files outside site-packages, the test suites, idlelib,
+Data (scripts/hylo_scripts/text.py): the stdlib's .py files outside site-packages, the test suites, idlelib,
 turtledemo and pydoc_data, or with --dataset text every file under --data-dir. The split is by
 file and fixed: files ordered by zlib.crc32 of their path relative to the root, the first
 tenth (at least one) validation, the rest training; no seed changes it. --max-bytes caps the
