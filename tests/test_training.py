@@ -297,6 +297,18 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(tmp
     assert [e.epoch for e in train(_mnist(run, epochs=2), resume=True).log] == [2]
 
 
+def test_a_checkpoint_of_the_old_configuration_shape_is_refused(tmp_path: Path) -> None:
+    """Before RunConfig.hylo, hylo's options were fields of the configuration: such a checkpoint is not resumed."""
+    run = tmp_path / "run"
+    train(_mnist(run, epochs=1))
+    path = run / "checkpoint-0001.pt"
+    state = torch.load(path, weights_only=True)
+    state["config"].update(state["config"].pop("hylo"))  # the old shape: the options beside the fields
+    torch.save(state, path)
+    with pytest.raises(RunError, match="does not resume it"):
+        train(_mnist(run, epochs=2), resume=True)
+
+
 def test_a_log_dir_of_another_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(_mnist(run, epochs=1))

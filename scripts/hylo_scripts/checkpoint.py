@@ -126,6 +126,11 @@ def _check_resumable(
     The run's fields and its hylo options (``config["hylo"]``, named ``hylo.NAME``) are compared
     one by one; one the checkpoint does not have (added after it was written) counts as its default.
     """
+    if "hylo" in config and "hylo" not in saved:
+        raise RunError(
+            f"{path} was written before a run's hylo options were one 'hylo' entry of its configuration; "
+            "this version does not resume it"
+        )
     saved, config, defaults = _flat(saved), _flat(config), _flat(defaults)
     changed = [
         f"{name} {saved.get(name, defaults.get(name))!r} -> {config[name]!r}"
