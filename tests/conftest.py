@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-if importlib.util.find_spec("hylo") is None:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Running from a checkout without `pip install -e .`: the packages from their folders.
+_ROOT = Path(__file__).resolve().parents[1]
+for _package, _folder in (("hylo", _ROOT), ("hylo_scripts", _ROOT / "scripts"), ("hylo_analysis", _ROOT / "analysis")):
+    if importlib.util.find_spec(_package) is None:
+        sys.path.insert(0, str(_folder))
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-import analysis
-from analysis.cli import main as cli_main
-from scripts import make_figures
+import hylo_analysis
+from hylo_analysis.cli import main as cli_main
+from hylo_scripts import make_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("capture", "reduce", "solve", "precondition", "gather", "broadcast")
@@ -57,7 +57,7 @@ def _line(figure: Figure, gid: str) -> Line2D:
 
 def _saves(figure: Figure, tmp_path: Path, name: str) -> None:
     for suffix, magic in ((".png", b"\x89PNG"), (".pdf", b"%PDF")):
-        path = analysis.save_figure(figure, tmp_path / f"{name}{suffix}")
+        path = hylo_analysis.save_figure(figure, tmp_path / f"{name}{suffix}")
         assert path.read_bytes()[:4] == magic
 
 
@@ -72,28 +72,28 @@ def test_the_study_writes_every_file_the_figures_read(study: Path) -> None:
 
 
 def test_loaders_give_tidy_frames_with_run_columns_and_string_layers(study: Path) -> None:
-    frame = analysis.load_table([study / "hybrid-s0", study / "hybrid-p2"], "timing")
+    frame = hylo_analysis.load_table([study / "hybrid-s0", study / "hybrid-p2"], "timing")
     assert frame["layer"].map(type).eq(str).all() and set(frame["layer"]) == {"0", "3", "7", "9"}
     assert set(frame["rank"]) == {0, 1} and set(frame["world_size"]) == {1, 2}
     assert set(frame["run_solver"]) == {"hybrid"}  # the layer's own solver stays in "solver"
     assert set(frame["solver"]) <= {"kfac", "sngd", "kid", "kis"}
-    norms = analysis.load_table(study / "studies-s0", "grad_norm")
+    norms = hylo_analysis.load_table(study / "studies-s0", "grad_norm")
     assert str(norms["critical"].dtype) == "boolean"
     raw = _csv(study / "studies-s0" / "grad-norm.csv")
     assert len(norms) == len(raw) and np.allclose(norms["norm"], raw["norm"])
 
 
 def test_labels_group_seeds_and_name_the_options_that_differ(study: Path) -> None:
-    runs = analysis.read_runs([study / "sgd-s0", study / "sgd-s1", study / "hybrid-s0", study / "hybrid-p2"])
+    runs = hylo_analysis.read_runs([study / "sgd-s0", study / "sgd-s1", study / "hybrid-s0", study / "hybrid-p2"])
     labels = [run.label for run in runs]
     assert labels[0] == labels[1] == "SGD"
     assert labels[2] != labels[3] and labels[2].startswith("SGD + hybrid, ")
     assert "batch_size=256" in labels[3] and "P=2" in labels[3]
     assert [run.seed for run in runs] == [0, 1, 0, 0]
-    assert analysis.read_runs([study / "sgd-s0"], labels=["mine"])[0].label == "mine"
+    assert hylo_analysis.read_runs([study / "sgd-s0"], labels=["mine"])[0].label == "mine"
     # Labels given by the user group runs as they say, also once the figure reads them again.
-    grouped = analysis.read_runs([study / "sgd-s0", study / "hybrid-s1"], labels=["both", "both"])
-    figure = analysis.accuracy(grouped)
+    grouped = hylo_analysis.read_runs([study / "sgd-s0", study / "hybrid-s1"], labels=["both", "both"])
+    figure = hylo_analysis.accuracy(grouped)
     line = _line(figure, "accuracy/epoch/both")
     sgd, hybrid = (_csv(study / name / "metrics.csv")["test_acc"] for name in ("sgd-s0", "hybrid-s1"))
     assert np.allclose(line.get_ydata(), 100 * (sgd.to_numpy() + hybrid.to_numpy()) / 2)
@@ -101,7 +101,7 @@ def test_labels_group_seeds_and_name_the_options_that_differ(study: Path) -> Non
 
 def test_accuracy_plots_the_mean_and_range_over_seeds(study: Path, tmp_path: Path) -> None:
     runs = [study / name for name in ("sgd-s0", "sgd-s1", "hybrid-s0", "hybrid-s1", "kfac-s0")]
-    figure = analysis.accuracy(runs)
+    figure = hylo_analysis.accuracy(runs)
     _saves(figure, tmp_path, "accuracy")
     for label, names in (("SGD", ["sgd-s0", "sgd-s1"]), ("SGD + kfac", ["kfac-s0"])):
         tables = [_csv(study / name / "metrics.csv") for name in names]
@@ -119,13 +119,13 @@ def test_accuracy_plots_the_mean_and_range_over_seeds(study: Path, tmp_path: Pat
             for value in np.concatenate([100 * acc.min(axis=0), 100 * acc.max(axis=0)]):
                 assert np.isclose(ys, value).any()
     # One colour per solver / optimizer in every figure.
-    assert _line(figure, "accuracy/epoch/SGD").get_color() == analysis.OPTIMIZER_COLOURS["sgd"]
-    assert _line(figure, "accuracy/epoch/SGD + kfac").get_color() == analysis.SOLVER_COLOURS["kfac"]
+    assert _line(figure, "accuracy/epoch/SGD").get_color() == hylo_analysis.OPTIMIZER_COLOURS["sgd"]
+    assert _line(figure, "accuracy/epoch/SGD + kfac").get_color() == hylo_analysis.SOLVER_COLOURS["kfac"]
 
 
 def test_timing_bars_are_the_mean_phase_times_per_update(study: Path, tmp_path: Path) -> None:
     names = ["hybrid-s0", "hybrid-s1", "kfac-s0", "hybrid-p2"]
-    figure = analysis.timing([study / name for name in names])
+    figure = hylo_analysis.timing([study / name for name in names])
     _saves(figure, tmp_path, "timing")
     configs = {("hybrid", 1): ["hybrid-s0", "hybrid-s1"], ("kfac", 1): ["kfac-s0"], ("hybrid", 2): ["hybrid-p2"]}
     for (solver, world), members in configs.items():
@@ -151,7 +151,7 @@ def test_timing_bars_are_the_mean_phase_times_per_update(study: Path, tmp_path: 
 
 def test_layer_dims_shows_the_last_update_of_rank_zero(study: Path, tmp_path: Path) -> None:
     run = study / "hybrid-p2"
-    figure = analysis.layer_dims(run)
+    figure = hylo_analysis.layer_dims(run)
     _saves(figure, tmp_path, "layer-dims")
     timing = _csv(run / "timing-r0.csv")
     last = timing[timing["step"] == timing["step"].max()]
@@ -164,27 +164,27 @@ def test_layer_dims_shows_the_last_update_of_rank_zero(study: Path, tmp_path: Pa
         positions = [last["layer"].tolist().index(layer) for layer in rows["layer"]]
         assert points.get_offsets()[:, 0].tolist() == positions
         assert points.get_facecolor()[0][:3] == pytest.approx(
-            tuple(int(analysis.solver_colour(solver)[k : k + 2], 16) / 255 for k in (1, 3, 5))
+            tuple(int(hylo_analysis.solver_colour(solver)[k : k + 2], 16) / 255 for k in (1, 3, 5))
         )
 
 
 def test_rank_boxes_have_the_csv_medians_per_layer_and_batch(study: Path, tmp_path: Path) -> None:
     runs = [study / "studies-s0", study / "hybrid-p2"]
-    figure = analysis.rank(runs, level="99")
+    figure = hylo_analysis.rank(runs, level="99")
     _saves(figure, tmp_path, "rank")
     frame = pd.concat([_csv(run / "rank-analysis.csv") for run in runs])
     assert sorted(frame["batch_rows"].unique()) == [128, 256]
     for (layer, batch), rows in frame.groupby(["layer", "batch_rows"]):
         median = _line(figure, f"rank/median/{layer}/{batch}")
         assert np.allclose(median.get_ydata(), np.median(rows["rank_99"]))
-    relative = analysis.rank(runs, level="90", relative=True)
+    relative = hylo_analysis.rank(runs, level="90", relative=True)
     rows = frame[(frame["layer"] == "7") & (frame["batch_rows"] == 256)]
     assert np.allclose(_line(relative, "rank/median/7/256").get_ydata(), np.median(rows["rank_90"] / 256))
 
 
 def test_grad_norm_lines_and_critical_windows_match_the_csvs(study: Path, tmp_path: Path) -> None:
     run = study / "studies-s0"
-    figure = analysis.grad_norm(run)
+    figure = hylo_analysis.grad_norm(run)
     _saves(figure, tmp_path, "grad-norm")
     norms = _csv(run / "grad-norm.csv")
     decisions = _csv(run / "decisions.csv")
@@ -213,7 +213,7 @@ def test_grad_error_lines_are_the_csv_errors(study: Path, tmp_path: Path) -> Non
     run = study / "studies-s0"
     errors = _csv(run / "grad-error.csv")
     assert set(errors["method"]) == {"kid", "kis", "kfac"}
-    mean = analysis.grad_error(run)
+    mean = hylo_analysis.grad_error(run)
     _saves(mean, tmp_path, "grad-error")
     for (method, ratio), rows in errors.groupby(["method", "rank_ratio"], dropna=False):
         gid = f"grad-error/mean over layers/{method}" + ("" if pd.isna(ratio) else f"/{ratio:g}")
@@ -221,15 +221,15 @@ def test_grad_error_lines_are_the_csv_errors(study: Path, tmp_path: Path) -> Non
         expected = rows.groupby("step")["rel_error"].mean()
         assert np.array_equal(line.get_xdata(), expected.index.to_numpy())
         assert np.allclose(line.get_ydata(), expected.to_numpy())
-        assert line.get_color() == analysis.solver_colour(method)
-    per_layer = analysis.grad_error(run, per_layer=True)
+        assert line.get_color() == hylo_analysis.solver_colour(method)
+    per_layer = hylo_analysis.grad_error(run, per_layer=True)
     rows = errors[(errors["layer"] == "3") & (errors["method"] == "kis") & (errors["rank_ratio"] == 0.5)]
     assert np.allclose(_line(per_layer, "grad-error/layer 3/kis/0.5").get_ydata(), rows["rel_error"])
 
 
 def test_solvers_strip_holds_every_decision(study: Path, tmp_path: Path) -> None:
     runs = [study / "hybrid-s0", study / "hybrid-p2"]
-    figure = analysis.solvers(runs)
+    figure = hylo_analysis.solvers(runs)
     _saves(figure, tmp_path, "solvers")
     names = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     for run in runs:
@@ -245,24 +245,24 @@ def test_solvers_strip_holds_every_decision(study: Path, tmp_path: Path) -> None
 
 
 def test_figures_accept_loaded_tables_too(study: Path) -> None:
-    table = analysis.load_table(study / "studies-s0", "grad_error")
-    assert isinstance(analysis.grad_error(table), Figure)
-    with pytest.raises(analysis.RunDataError, match="'rel_error'"):
-        analysis.grad_error(table.drop(columns=["rel_error"]))
+    table = hylo_analysis.load_table(study / "studies-s0", "grad_error")
+    assert isinstance(hylo_analysis.grad_error(table), Figure)
+    with pytest.raises(hylo_analysis.RunDataError, match="'rel_error'"):
+        hylo_analysis.grad_error(table.drop(columns=["rel_error"]))
     # Decisions of several runs: the figure shades the grad-norm run's own.
-    norms = analysis.load_table(study / "studies-s0", "grad_norm")
-    both = analysis.load_table([study / "hybrid-p2", study / "studies-s0"], "decisions")
-    mine = analysis.load_table(study / "studies-s0", "decisions")
+    norms = hylo_analysis.load_table(study / "studies-s0", "grad_norm")
+    both = hylo_analysis.load_table([study / "hybrid-p2", study / "studies-s0"], "decisions")
+    mine = hylo_analysis.load_table(study / "studies-s0", "decisions")
     spans = [
         [a.get_bbox().x0 for a in figure.findobj(lambda a: "/critical/" in str(a.get_gid()))]
-        for figure in (analysis.grad_norm(norms, decisions=both), analysis.grad_norm(norms, decisions=mine))
+        for figure in (hylo_analysis.grad_norm(norms, decisions=both), hylo_analysis.grad_norm(norms, decisions=mine))
     ]
     assert spans[0] == spans[1]
     with pytest.raises(ValueError, match="decisions="):
-        analysis.grad_norm(analysis.load_table(study / "studies-s0", "grad_norm"))
+        hylo_analysis.grad_norm(hylo_analysis.load_table(study / "studies-s0", "grad_norm"))
 
 
-@pytest.mark.parametrize("figure", list(analysis.FIGURES))
+@pytest.mark.parametrize("figure", list(hylo_analysis.FIGURES))
 @pytest.mark.parametrize("suffix", [".pdf", ".png", ".svg"])
 def test_cli_draws_each_figure(study: Path, tmp_path: Path, figure: str, suffix: str) -> None:
     runs = {name: [str(path) for path in paths] for name, paths in make_figures.figure_inputs(study).items()}
@@ -273,10 +273,10 @@ def test_cli_draws_each_figure(study: Path, tmp_path: Path, figure: str, suffix:
 
 def test_cli_help_lists_the_figures_and_their_inputs() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "analysis", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "hylo_analysis", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0
-    for spec in analysis.FIGURES.values():
+    for spec in hylo_analysis.FIGURES.values():
         assert spec.name in done.stdout and spec.files[0] in done.stdout
 
 
@@ -323,7 +323,7 @@ def test_cli_all_draws_what_the_runs_hold(study: Path, tmp_path: Path, capsys: p
 def test_make_figures_draws_every_figure_and_refuses_to_overwrite_runs(study: Path, tmp_path: Path) -> None:
     shutil.copytree(study, tmp_path / "runs")
     assert make_figures.main(["--out", str(tmp_path), "--figures-only", "--format", "pdf", "png", "--dpi", "50"]) == 0
-    for name in analysis.FIGURES:
+    for name in hylo_analysis.FIGURES:
         assert (tmp_path / f"{name}.pdf").exists() and (tmp_path / f"{name}.png").exists()
     with pytest.raises(SystemExit):
         make_figures.main(["--out", str(tmp_path), "--runs-only"])
@@ -342,7 +342,7 @@ def test_notebooks_cover_every_figure_and_are_committed_without_outputs() -> Non
             if cell.cell_type == "code":
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name} holds outputs"
                 called += cell.source
-    for spec in analysis.FIGURES.values():
+    for spec in hylo_analysis.FIGURES.values():
         assert f"analysis.{spec.draw.__name__}(" in called
 
 
@@ -352,8 +352,9 @@ def test_notebook_executes(study: Path, path: Path, monkeypatch: pytest.MonkeyPa
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     book = nbformat.read(path, as_version=4)
-    # The kernel imports this checkout's analysis and scripts, and reads the study's runs.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # The kernel imports this checkout's hylo_analysis and hylo_scripts, and reads the study's runs.
+    roots = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "analysis"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, roots)))
     monkeypatch.setenv("HYLO_FIGURE_RUNS", str(study))
     nbclient.NotebookClient(book, timeout=180, resources={"metadata": {"path": str(path.parent)}}).execute()
     images = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]

@@ -13,7 +13,7 @@ definitions of its factors, not imported and not taken from hylo:
   V = Q_g [(Q_gᵀ ∇W Q_a) / (d_g d_aᵀ + λ)] Q_aᵀ.
 
 The layer inputs and raw output gradients come from the test's own forward hooks and
-``retain_grad``. The README's conversion (docs/solvers.md, "K-FAC conventions") is pinned too:
+``retain_grad``. The conversion (docs/solvers.md, "K-FAC conventions") is pinned too:
 KAISA(λ_K) = c · hylo(c·λ_K) with c = n² on a Linear and n²·L^(4+e) on a Conv2d.
 """
 

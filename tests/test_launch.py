@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd: list[str], tmp_path: Path) -> str:
-    # The scripts import the ``scripts`` package of this checkout (installed, or the root on PYTHONPATH).
+    # The entry points import hylo_scripts beside them and hylo (installed, or the root on PYTHONPATH).
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(
         os.environ,

@@ -350,9 +350,9 @@ def test_dry_run_prints_the_command_it_would_run_with_known_flags_only(cluster: 
 @pytest.mark.parametrize("launcher", [*LAUNCHERS, "launch_mnist.sh"])
 def test_the_training_script_accepts_every_launchers_command(cluster: Cluster, launcher: str) -> None:
     """The recipe parses into a RunConfig with the real flags of train.py / train_segmentation.py."""
-    from scripts import train as train_script
-    from scripts import train_segmentation as seg_script
-    from scripts.options import build_parser, config_from_args
+    from hylo_scripts import train as train_script
+    from hylo_scripts import train_segmentation as seg_script
+    from hylo_scripts.options import build_parser, config_from_args
 
     dry = cluster.run(launcher, DRY_RUN="1", DATA_DIR="data")
     assert dry.returncode == 0, dry.stderr
@@ -383,7 +383,7 @@ def test_the_mnist_launcher_needs_no_data_and_runs_two_processes(cluster: Cluste
 
 
 def test_the_mnist_launcher_keeps_its_by_hand_multi_node_form(cluster: Cluster) -> None:
-    """NNODES/NODE_RANK/MASTER start this node's share: the command the README spells out."""
+    """NNODES/NODE_RANK/MASTER start this node's share: the command of docs/training-scripts.md, "Launchers"."""
     run = cluster.run("launch_mnist.sh", "--solver", "hybrid", NNODES="2", NODE_RANK="1", MASTER="node0:29501")
     assert run.returncode == 0, run.stderr
     assert run.one("torchrun") == [

@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from scripts import bench_accuracy
-from scripts import train_lm as lm_script
-from scripts.data import DATASETS, DataOptions, DatasetLayoutError, load_dataset
-from scripts.engine import RunConfig, metrics_header, train
-from scripts.models import MODELS, DecoderLM, build_model
-from scripts.options import build_parser, config_from_args
-from scripts.schedules import lr_factor
-from scripts.text import (
+from hylo_scripts import bench_accuracy
+from hylo_scripts import train_lm as lm_script
+from hylo_scripts.data import DATASETS, DataOptions, DatasetLayoutError, load_dataset
+from hylo_scripts.engine import RunConfig, metrics_header, train
+from hylo_scripts.models import MODELS, DecoderLM, build_model
+from hylo_scripts.options import build_parser, config_from_args
+from hylo_scripts.schedules import lr_factor
+from hylo_scripts.text import (
     STDLIB_EXCLUDED,
     TokenWindows,
     directory_files,
@@ -62,7 +62,7 @@ def write_corpus(root: Path, n_files: int = 30) -> dict[str, bytes]:
 
 
 def expected_split(names: list[str]) -> tuple[list[str], list[str]]:
-    """The rule of scripts/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
+    """The rule of hylo_scripts/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
     ranked = sorted(names, key=lambda n: (zlib.crc32(n.encode()), n))
     n_val = max(1, len(ranked) // 10)
     return ranked[n_val:], ranked[:n_val]
@@ -270,7 +270,7 @@ def _tiny(data_dir: Path, log_dir: Path, **fields: Any) -> RunConfig:
         solver="kfac",
         batch_size=8,
         max_steps=3,
-        update_freq=2,
+        hylo={"update_freq": 2},
         log_dir=str(log_dir),
         checkpoint_freq=1,
         **TINY,

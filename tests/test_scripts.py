@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import bench_overhead
-from scripts import train as train_script
-from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from scripts.models import MODELS, build_model, models_for
-from scripts.options import build_parser, config_from_args
+from hylo_scripts import bench_overhead
+from hylo_scripts import train as train_script
+from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.models import MODELS, build_model, models_for
+from hylo_scripts.options import build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_HEADER = metrics_header("classification")
@@ -53,7 +53,7 @@ def _parse(argv: list[str]) -> RunConfig:
 
 
 def test_scripts_neither_edit_sys_path_nor_import_hylo_internals() -> None:
-    for path in sorted((ROOT / "scripts").glob("*.py")):
+    for path in sorted((ROOT / "scripts").rglob("*.py")):  # the entry points and hylo_scripts
         tree = ast.parse(path.read_text(), filename=str(path))
         assert "sys.path" not in ast.unparse(tree), path.name
         for node in ast.walk(tree):
@@ -119,8 +119,8 @@ def test_train_script_writes_profile_and_study_files(tmp_path: Path) -> None:
     assert list(metrics.columns) == CSV_HEADER and list(metrics["step"]) == [4]
     config = json.loads((log_dir / "config.json").read_text())
     assert config["log_dir"] == str(log_dir) and config["profiling"] is True
-    assert config["studies"] == ["grad_norm", "rank", "grad_error"]
-    assert config["grad_error_methods"] == ["kid", "kfac"] and config["update_freq"] == 2
+    assert config["hylo"]["studies"] == ["grad_norm", "rank", "grad_error"]
+    assert config["hylo"]["grad_error_methods"] == ["kid", "kfac"] and config["hylo"]["update_freq"] == 2
     assert config == RunConfig(**config).to_json()  # a RunConfig round trip
 
 
@@ -137,7 +137,7 @@ def test_study_flags_need_a_solver(tmp_path: Path, capsys: pytest.CaptureFixture
         _parse(["--solver", "none", "--grad-norm", "--log-dir", str(tmp_path)])
     assert "--grad-norm: not available with --solver none" in capsys.readouterr().err
     with pytest.raises(ValueError, match="need a solver"):
-        RunConfig(solver=None, studies=("grad_norm",), log_dir=str(tmp_path))
+        RunConfig(solver=None, hylo={"studies": ("grad_norm",)}, log_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -161,13 +161,20 @@ def test_study_options_are_checked(
 def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
     log_dir = str(tmp_path)
     cfg = _parse(["--grad-error", "--log-dir", log_dir])
-    assert (cfg.log_dir, cfg.profiling, cfg.studies, cfg.study_every) == (log_dir, True, ("grad_error",), 1)
-    assert cfg.grad_error_methods == ("kid", "kis") and cfg.grad_error_ratios is None  # no --enable-*: KID and KIS
+    assert (cfg.log_dir, cfg.profiling, cfg.value("studies"), cfg.value("rank_every")) == (
+        log_dir,
+        True,
+        ("grad_error",),
+        1,
+    )
+    assert (
+        cfg.value("grad_error_methods") == ("kid", "kis") and cfg.value("grad_error_ratios") is None
+    )  # no --enable-*: KID and KIS
     cfg = _parse(
         ["--log-dir", log_dir, "--solver", "kis", "--rank-analysis", "--grad-error", "--enable-is", "--enable-kfac"]
         + ["--study-every", "3", "--grad-error-ratios", "0.05", "0.2"]
     )
-    assert cfg.studies == ("rank", "grad_error") and cfg.grad_error_methods == ("kis", "kfac")
+    assert cfg.value("studies") == ("rank", "grad_error") and cfg.value("grad_error_methods") == ("kis", "kfac")
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
     assert pre is not None
     try:
@@ -178,8 +185,10 @@ def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
     finally:
         pre.remove()
     plain = _parse(["--log-dir", log_dir])
-    assert plain.profiling is False and plain.studies == ()
-    assert RunConfig(studies=["grad_norm"], solver="kfac", log_dir=log_dir).profiling  # studies imply profiling
+    assert plain.profiling is False and plain.value("studies") == ()
+    assert RunConfig(
+        hylo={"studies": ["grad_norm"]}, solver="kfac", log_dir=log_dir
+    ).profiling  # studies imply profiling
     with pytest.raises(ValueError, match="set log_dir"):
         RunConfig(solver="kfac", profiling=True)
 
@@ -217,7 +226,7 @@ def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:
 
 def test_kfac_convention_flags_reach_the_preconditioner() -> None:
     cfg = _parse(["--solver", "kfac", "--kfc-exponent", "2", "--damping-convention", "kaisa"])
-    assert (cfg.kfc_exponent, cfg.damping_convention) == (2.0, "kaisa")
+    assert (cfg.value("kfc_exponent"), cfg.value("damping_convention")) == (2.0, "kaisa")
     pre = make_preconditioner(build_model("cnn"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
     assert pre is not None
     try:
@@ -225,4 +234,4 @@ def test_kfac_convention_flags_reach_the_preconditioner() -> None:
     finally:
         pre.remove()
     default = _parse([])
-    assert (default.kfc_exponent, default.damping_convention) == (1.0, "hylo")
+    assert (default.value("kfc_exponent"), default.value("damping_convention")) == (1.0, "hylo")

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from scripts import checkpoint
-from scripts import train as train_script
-from scripts import train_segmentation as seg_script
-from scripts.checkpoint import RunError
-from scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from scripts.models import build_model
-from scripts.options import build_parser, config_from_args
-from scripts.schedules import damping_schedule, lr_factor
+from hylo_scripts import checkpoint
+from hylo_scripts import train as train_script
+from hylo_scripts import train_segmentation as seg_script
+from hylo_scripts.checkpoint import RunError
+from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.models import build_model
+from hylo_scripts.options import build_parser, config_from_args
+from hylo_scripts.schedules import damping_schedule, lr_factor
 from tests.kit import fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def _config(*argv: str, script: Any = train_script) -> RunConfig:
 )
 def test_each_flag_sets_its_field(argv: list[str], expected: dict[str, Any]) -> None:
     cfg = _config(*argv)
-    assert {name: getattr(cfg, name) for name in expected} == expected
+    assert {name: cfg.value(name) for name in expected} == expected
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ def test_a_model_that_cannot_take_the_datasets_inputs_is_refused() -> None:
 
 def test_target_damping_becomes_hylos_damping_schedule() -> None:
     cfg = RunConfig(
-        model="mlp", solver="kfac", damping=2.0, target_damping=0.5, damping_decay_epochs=1, warmup_epochs=0
+        model="mlp", solver="kfac", hylo={"damping": 2.0}, target_damping=0.5, damping_decay_epochs=1, warmup_epochs=0
     )
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
     assert pre is not None
@@ -164,7 +164,7 @@ def test_target_damping_becomes_hylos_damping_schedule() -> None:
 
 
 def test_trend_window_reaches_hylo() -> None:
-    cfg = RunConfig(model="mlp", solver="hybrid", trend_window=7)
+    cfg = RunConfig(model="mlp", solver="hybrid", hylo={"trend_window": 7})
     pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
     assert pre is not None
     try:
@@ -220,7 +220,7 @@ def test_each_model_trains_a_short_epoch_on_its_fixture(model: str, dataset: str
         batch_size=8,
         epochs=1,
         max_steps=2,
-        update_freq=2,  # an update step, then a step that applies the held state
+        hylo={"update_freq": 2},  # an update step, then a step that applies the held state
         log_dir=str(log_dir),
         checkpoint_freq=1,
         **extra,
@@ -240,10 +240,11 @@ def test_each_model_trains_a_short_epoch_on_its_fixture(model: str, dataset: str
 # --------------------------------------------------------------------------- log dirs, checkpoints, resume
 def _mnist(log_dir: Path, **fields: Any) -> RunConfig:
     base: dict[str, Any] = dict(
-        model="mlp", solver="kis", batch_size=250, max_steps=3, update_freq=2, log_dir=str(log_dir), checkpoint_freq=1
+        model="mlp", solver="kis", batch_size=250, max_steps=3, log_dir=str(log_dir), checkpoint_freq=1
     )
     base.update(fields)
-    return RunConfig(**base)
+    hylo = {"update_freq": 2, **base.pop("hylo", {})} if base["solver"] else {}
+    return RunConfig(**base, hylo=hylo)
 
 
 def _without_times(rows: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -289,11 +290,23 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(tmp
     train(_mnist(run, epochs=1))
     path = run / "checkpoint-0001.pt"
     state = torch.load(path, weights_only=True)
-    del state["config"]["trend_window"]  # as written before --trend-window existed
+    del state["config"]["hylo"]["trend_window"]  # as written before --trend-window existed
     torch.save(state, path)
     with pytest.raises(RunError, match=r"trend_window 100 -> 5"):
-        train(_mnist(run, epochs=2, trend_window=5), resume=True)
+        train(_mnist(run, epochs=2, hylo={"trend_window": 5}), resume=True)
     assert [e.epoch for e in train(_mnist(run, epochs=2), resume=True).log] == [2]
+
+
+def test_a_checkpoint_of_the_old_configuration_shape_is_refused(tmp_path: Path) -> None:
+    """Before RunConfig.hylo, hylo's options were fields of the configuration: such a checkpoint is not resumed."""
+    run = tmp_path / "run"
+    train(_mnist(run, epochs=1))
+    path = run / "checkpoint-0001.pt"
+    state = torch.load(path, weights_only=True)
+    state["config"].update(state["config"].pop("hylo"))  # the old shape: the options beside the fields
+    torch.save(state, path)
+    with pytest.raises(RunError, match="does not resume it"):
+        train(_mnist(run, epochs=2), resume=True)
 
 
 def test_a_log_dir_of_another_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
@@ -355,8 +368,8 @@ def test_a_missing_dataset_names_the_layout_and_the_first_missing_file(tmp_path:
 
 
 def test_bench_accuracy_reports_the_first_evaluation_over_each_threshold(tmp_path: Path) -> None:
-    from scripts import bench_accuracy
-    from scripts.engine import EpochLog, RunResult
+    from hylo_scripts import bench_accuracy
+    from hylo_scripts.engine import EpochLog, RunResult
 
     def entry(step: int, acc: float, seconds: float) -> EpochLog:
         return EpochLog(step // 8, step, 0.1, 0.0, 0.0, acc, 0.0, seconds, 0.0)

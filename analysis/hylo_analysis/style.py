@@ -1,4 +1,4 @@
-"""Colours, line styles and output settings shared by every figure (docs/design.md, *Figures*).
+"""Colours, line styles and output settings shared by every figure (docs/figures.md, "Style").
 
 One colour per solver and per optimizer, the same in every figure, from the Okabe–Ito palette
 (distinguishable under the common colour-vision deficiencies). Phases of an update step get

@@ -111,13 +111,27 @@ def _holds_a_run(log_dir: Path) -> list[str]:
     return found + sorted(path.name for path in log_dir.glob("checkpoint-*.pt"))[:1]
 
 
+def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's configuration with its hylo options as entries ``hylo.NAME``."""
+    flat = {name: value for name, value in config.items() if name != "hylo"}
+    flat.update({f"hylo.{name}": value for name, value in (config.get("hylo") or {}).items()})
+    return flat
+
+
 def _check_resumable(
     saved: Mapping[str, Any], config: Mapping[str, Any], path: Path, defaults: Mapping[str, Any]
 ) -> None:
     """Refuse a checkpoint made with other options than ``config`` (beyond :data:`RESUMABLE_CHANGES`).
 
-    An option the checkpoint does not have (added after it was written) counts as its default.
+    The run's fields and its hylo options (``config["hylo"]``, named ``hylo.NAME``) are compared
+    one by one; one the checkpoint does not have (added after it was written) counts as its default.
     """
+    if "hylo" in config and "hylo" not in saved:
+        raise RunError(
+            f"{path} was written before a run's hylo options were one 'hylo' entry of its configuration; "
+            "this version does not resume it"
+        )
+    saved, config, defaults = _flat(saved), _flat(config), _flat(defaults)
     changed = [
         f"{name} {saved.get(name, defaults.get(name))!r} -> {config[name]!r}"
         for name in config

@@ -1,12 +1,12 @@
 """Figures of the HyLo paper from run directories: loaders, figure functions, a CLI and notebooks.
 
-    from analysis import load_table, accuracy, save_figure
+    from hylo_analysis import load_table, accuracy, save_figure
     save_figure(accuracy(["runs/sgd", "runs/hybrid"]), "accuracy.pdf")
 
-``python -m analysis --help`` lists the figures. See the README, *Figures*.
+``python -m hylo_analysis --help`` lists the figures. See docs/figures.md, "Figures".
 """
 
-from analysis.figures import (
+from hylo_analysis.figures import (
     FIGURES,
     FigureSpec,
     accuracy,
@@ -19,8 +19,8 @@ from analysis.figures import (
     solvers,
     timing,
 )
-from analysis.runs import TABLES, Run, RunDataError, check_columns, default_label, load_table, read_run, read_runs
-from analysis.style import OPTIMIZER_COLOURS, SOLVER_COLOURS, figure_style, run_colour, save_figure, solver_colour
+from hylo_analysis.runs import TABLES, Run, RunDataError, check_columns, default_label, load_table, read_run, read_runs
+from hylo_analysis.style import OPTIMIZER_COLOURS, SOLVER_COLOURS, figure_style, run_colour, save_figure, solver_colour
 
 __all__ = [
     "FIGURES",

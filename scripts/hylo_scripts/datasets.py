@@ -1,6 +1,6 @@
 """On-disk formats of the scripts' datasets, the torch datasets that serve them and their transforms.
 
-:mod:`scripts.data` is the registry (names, options, splits); this module knows the files.
+:mod:`hylo_scripts.data` is the registry (names, options, splits); this module knows the files.
 
 Formats (the layout strings of :data:`LAYOUTS` appear in ``--help`` and in every error):
 

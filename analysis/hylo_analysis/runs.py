@@ -98,7 +98,11 @@ TABLES: dict[str, Table] = {
 
 @dataclass(frozen=True)
 class Run:
-    """A run directory and what its ``config.json`` (trainer) and ``run.json`` (hylo) say about it."""
+    """A run directory and what its ``config.json`` (trainer) and ``run.json`` (hylo) say about it.
+
+    ``config`` is flat: the trainer's fields with its hylo options (``config.json``'s ``hylo``
+    object) beside them by their names, or hylo's options from ``run.json`` alone.
+    """
 
     path: Path
     solver: str
@@ -140,7 +144,7 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
     optimizer = str((trainer or {}).get("optimizer", ""))
     seed = (trainer or {}).get("seed", hylo_config.get("seed"))
     world_size = int((profile or {}).get("world_size", 1))
-    config = dict(trainer) if trainer is not None else dict(hylo_config)
+    config = _flat(trainer) if trainer is not None else dict(hylo_config)
     return Run(
         path=path,
         solver=solver,
@@ -150,6 +154,12 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         config=config,
         label=label if label is not None else default_label(solver, optimizer),
     )
+
+
+def _flat(trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """A trainer's ``config.json`` with the options of its ``hylo`` object beside its fields (a field wins)."""
+    hylo = trainer.get("hylo") or {}
+    return {**hylo, **{name: value for name, value in trainer.items() if name != "hylo"}}
 
 
 def read_runs(paths: Iterable[str | Path | Run], labels: Sequence[str] | None = None) -> list[Run]:

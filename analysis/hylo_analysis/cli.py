@@ -1,6 +1,6 @@
-"""``python -m analysis FIGURE RUN_DIR… -o OUT.{pdf,png,svg}``: draw a figure from run directories.
+"""``python -m hylo_analysis FIGURE RUN_DIR… -o OUT.{pdf,png,svg}``: draw a figure from run directories.
 
-``python -m analysis all RUN_DIR… -o DIR`` draws every figure the run directories hold the files
+``python -m hylo_analysis all RUN_DIR… -o DIR`` draws every figure the run directories hold the files
 for. Exit status: 0 drawn, 1 a run directory lacks a file, column or rows a figure needs (the
 message names it), 2 flag misuse.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from analysis.figures import FIGURES, FigureSpec
-from analysis.runs import Run, RunDataError, read_runs, table_files
-from analysis.style import FORMATS, save_figure
+from hylo_analysis.figures import FIGURES, FigureSpec
+from hylo_analysis.runs import Run, RunDataError, read_runs, table_files
+from hylo_analysis.style import FORMATS, save_figure
 
 
 def _figure_list() -> str:
@@ -31,7 +31,7 @@ def _figure_list() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser: one sub-command per figure, plus ``all``."""
     parser = argparse.ArgumentParser(
-        prog="python -m analysis",
+        prog="python -m hylo_analysis",
         description="Draw the HyLo paper's figures from run directories (a training script's --log-dir, "
         "or hylo's profile_dir).",
         epilog=_figure_list(),

@@ -1,11 +1,11 @@
 """The paper's figures, each a function from DataFrames (or run directories) to a matplotlib Figure.
 
-Every function takes either the table it draws (from :func:`analysis.runs.load_table`, or any
+Every function takes either the table it draws (from :func:`hylo_analysis.runs.load_table`, or any
 DataFrame with the same columns) or run directories, and returns a ``Figure`` that is not
 registered with pyplot (no global state; display it in a notebook or save it with
-:func:`analysis.style.save_figure`). Every artist that carries data has a ``gid``
+:func:`hylo_analysis.style.save_figure`). Every artist that carries data has a ``gid``
 (``"figure/…"``), so the plotted values can be found again (SVG output keeps them as ids).
-See docs/design.md, *Figures*.
+See docs/figures.md, "The figures".
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from analysis.runs import TABLES, Run, RunDataError, check_columns, layer_order, load_table, require_rows
-from analysis.style import (
+from hylo_analysis.runs import TABLES, Run, RunDataError, check_columns, layer_order, load_table, require_rows
+from hylo_analysis.style import (
     COMMUNICATION_HATCH,
     COMMUNICATION_PHASES,
     COMPUTE_PHASES,

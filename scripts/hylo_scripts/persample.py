@@ -1,7 +1,7 @@
 """An oracle independent of hylo: a model's true per-sample gradients and the exact damped SNGD step.
 
 The tests and benchmarks compare hylo against these, never against rows hylo builds itself.
-Layout (docs/design.md, "Notation"): a layer's weight W is a (d_g, d_a) matrix, a Conv2d
+Layout (docs/solvers.md, "Notation"): a layer's weight W is a (d_g, d_a) matrix, a Conv2d
 flattened to C_out × (C_in·kh·kw), with the bias gradient as the last column. For the
 per-sample losses ℓ_i = loss_fn(model(x_i), y_i) of a mean-reduced loss, U_i = ∇_W ℓ_i and
 ∇W = (1/n) Σ_i U_i.
@@ -137,7 +137,7 @@ def per_sample_grads_loop(
 def sngd_reference(U: Tensor, grad: Tensor | None, damping: float, *, dense: bool | None = None) -> Tensor:
     """The exact damped empirical-Fisher step (F + λI)⁻¹ vec ∇W as a (d_g, d_a) float64 matrix.
 
-    F = (1/n) Σ_i vec(U_i) vec(U_i)ᵀ for U of shape (n, d_g, d_a) (docs/design.md, "SNGD");
+    F = (1/n) Σ_i vec(U_i) vec(U_i)ᵀ for U of shape (n, d_g, d_a) (docs/solvers.md, "SNGD");
     ``grad`` is ∇W, the mean of U when None. ``dense`` (default: d_g·d_a ≤ ``DENSE_LIMIT``)
     solves with F itself; otherwise Woodbury with the n×n Gram matrix,
     (v − Uᵀ(nλI + U Uᵀ)⁻¹ U v) / λ.

@@ -1,6 +1,6 @@
 """Text corpora of the language-model workload: the files, their fixed train/validation split, byte windows.
 
-:mod:`scripts.data` registers the two corpora (``stdlib`` and ``text``); this module knows the files.
+:mod:`hylo_scripts.data` registers the two corpora (``stdlib`` and ``text``); this module knows the files.
 
 - **stdlib**: the ``.py`` source files of the running Python's standard library, found with
   ``sysconfig.get_paths()["stdlib"]``, without the trees that are not the library's own code
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scripts.datasets import DatasetLayoutError, Item, SizedDataset
+from hylo_scripts.datasets import DatasetLayoutError, Item, SizedDataset
 
 #: The vocabulary of a byte-level language model.
 VOCAB = 256

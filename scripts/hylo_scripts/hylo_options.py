@@ -1,0 +1,166 @@
+"""hylo's options in the trainers: which the engine sets, the scripts' own defaults, a run's values.
+
+Every option of :func:`hylo.config.options` reaches a run in one of two ways:
+
+- the engine sets it (:data:`ENGINE_OPTIONS`, with where its value comes from), or
+- the run gives it: ``RunConfig.solver`` for ``solver`` (None: the plain optimizer), a key of
+  ``RunConfig.hylo`` for every other option — a flag of every trainer, generated from the
+  option's spec by :mod:`hylo_scripts.hylo_flags`. Its default is hylo's, except where
+  :data:`SCRIPT_DEFAULTS` says otherwise.
+
+A run's ``hylo`` mapping holds every such option (the given values over the defaults, in the
+order of :func:`hylo.config.options`), so that ``config.json`` records all of them;
+:func:`preconditioner_options` adds the engine's and gives ``hylo.HyLoPreconditioner`` its
+keyword arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, get_origin
+
+import hylo
+from hylo_scripts.schedules import damping_schedule
+
+if TYPE_CHECKING:
+    from hylo_scripts.runconfig import RunConfig
+
+#: The option that is a field of the run itself: ``RunConfig.solver`` (``--solver``; None: no hylo).
+RUN_OPTION = "solver"
+#: Options the engine sets itself (no flag, no key of ``RunConfig.hylo``), and from what.
+ENGINE_OPTIONS: dict[str, str] = {
+    "lr": "the optimizer's scheduled lr, read at every step (kl_clip scales by lr²); only with kl_clip",
+    "iters_per_epoch": "the run's steps per epoch; only with adaptive",
+    "profile_dir": "--log-dir, with --profiling or a study",
+    "profile_append": "--resume: a resumed run continues its profile files",
+    "seed": "the run's --seed (initial weights, batch order and hylo's draws)",
+    "solver_fn": "not set: a function is no flag (--layer-solvers pins layers to solvers)",
+}
+
+
+@dataclass(frozen=True)
+class Default:
+    """A default of the scripts that differs from hylo's; ``off``: a value that stands for None (off)."""
+
+    value: Any
+    off: Any = None
+
+
+#: The scripts' defaults where they differ from hylo's (the one place they are set).
+SCRIPT_DEFAULTS: dict[str, Default] = {
+    "damping": Default(0.3),
+    "kl_clip": Default(1e-3, off=0),  # --kl-clip 0 turns the clip off (hylo's None)
+}
+
+
+def user_options() -> list[hylo.config.OptionSpec]:
+    """The options a run gives in ``RunConfig.hylo`` (every option but the engine's and ``solver``), hylo's order."""
+    return [spec for spec in hylo.config.options() if spec.name not in ENGINE_OPTIONS and spec.name != RUN_OPTION]
+
+
+def solver_choices() -> tuple[str, ...]:
+    """hylo's solver names: the registered solvers and the hybrid policy."""
+    return (*hylo.solvers.solver_names(), hylo.solvers.HYBRID)
+
+
+def default(spec: hylo.config.OptionSpec) -> Any:
+    """An option's default in the scripts: :data:`SCRIPT_DEFAULTS`, else hylo's."""
+    return SCRIPT_DEFAULTS[spec.name].value if spec.name in SCRIPT_DEFAULTS else spec.default
+
+
+def is_sequence(spec: hylo.config.OptionSpec) -> bool:
+    """Whether the option's value is a tuple (given as a sequence)."""
+    return get_origin(spec.type) is tuple
+
+
+def is_mapping(spec: hylo.config.OptionSpec) -> bool:
+    """Whether the option's value is a mapping."""
+    return get_origin(spec.type) is Mapping
+
+
+def _normal(spec: hylo.config.OptionSpec, value: Any) -> Any:
+    """``value`` as the run keeps it: the off value as None, sequences as tuples, mappings as dicts."""
+    off = SCRIPT_DEFAULTS[spec.name].off if spec.name in SCRIPT_DEFAULTS else None
+    if off is not None and value == off and not isinstance(value, bool):
+        return None
+    if value is None:
+        return None
+    if is_sequence(spec):
+        if isinstance(value, str):
+            raise ValueError(f"{spec.name} must be a sequence, not a single string")
+        return tuple(value)
+    if is_mapping(spec):
+        return dict(value)
+    return value
+
+
+def run_options(given: Mapping[str, Any], solver: str | None) -> dict[str, Any]:
+    """Every option of a run with a solver — ``given`` over the defaults — in hylo's order; {} without a solver.
+
+    A ``ValueError`` names an unknown option, one the engine sets, or options given to a run
+    without a solver. The values are checked by :func:`check`.
+    """
+    specs = {spec.name: spec for spec in user_options()}
+    for name in given:
+        if name in ENGINE_OPTIONS or name == RUN_OPTION:
+            where = ENGINE_OPTIONS.get(name, "RunConfig.solver")
+            raise ValueError(f"hylo option {name!r} is not a run's to give: it comes from {where}")
+        if name not in specs:
+            raise ValueError(f"unknown hylo option {name!r} (see hylo.config.options())")
+    if solver is None:
+        if given:
+            raise ValueError(
+                f"hylo options ({', '.join(given)}) need a solver; solver None trains with the plain optimizer"
+            )
+        return {}
+    return {name: _normal(spec, given[name] if name in given else default(spec)) for name, spec in specs.items()}
+
+
+def preconditioner_options(
+    cfg: RunConfig, *, lr: float | Callable[[int], float], steps_per_epoch: int, profile_append: bool
+) -> dict[str, Any]:
+    """The keyword arguments of ``hylo.HyLoPreconditioner`` for run ``cfg`` (which has a solver).
+
+    The run's options, with ``damping`` as the schedule to ``target_damping`` if it has one,
+    and the engine's: ``lr`` (the optimizer's, for ``kl_clip``), ``iters_per_epoch`` (for
+    ``adaptive``), ``profile_dir`` (``log_dir`` when profiling), ``profile_append`` and ``seed``.
+    """
+    options = dict(cfg.hylo)
+    if cfg.target_damping is not None:
+        warmup = round(cfg.warmup_epochs * steps_per_epoch)
+        decay_epochs = cfg.damping_decay_epochs
+        decay_steps = round(decay_epochs * steps_per_epoch) if decay_epochs else cfg.epochs * steps_per_epoch - warmup
+        options["damping"] = damping_schedule(
+            options["damping"], cfg.target_damping, warmup_steps=warmup, decay_steps=max(1, decay_steps)
+        )
+    return {
+        RUN_OPTION: cfg.solver,
+        **options,
+        "lr": lr if options["kl_clip"] is not None else None,
+        "iters_per_epoch": steps_per_epoch if options["adaptive"] is not None else None,
+        "profile_dir": cfg.log_dir if cfg.profiling else None,
+        "profile_append": profile_append,
+        "seed": cfg.seed,
+    }
+
+
+def check(cfg: RunConfig) -> None:
+    """Check run ``cfg``'s hylo options by building its ``hylo.HyLoConfig`` (a ``ValueError`` names the option)."""
+    if cfg.solver is None:
+        return
+    try:
+        hylo.HyLoConfig(**preconditioner_options(cfg, lr=cfg.lr, steps_per_epoch=1, profile_append=False))
+    except TypeError as err:  # an option this hylo does not know
+        raise ValueError(str(err)) from err
+
+
+def run_defaults() -> dict[str, Any]:
+    """A run's configuration at its defaults, as JSON values, with every option of ``hylo`` at its default:
+    what a checkpoint written before a field or an option existed is compared as."""
+    from hylo_scripts.runconfig import RunConfig
+
+    defaults = RunConfig().to_json()
+    defaults["hylo"] = json.loads(json.dumps({spec.name: _normal(spec, default(spec)) for spec in user_options()}))
+    return defaults
