@@ -1,11 +1,13 @@
 """hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo).
 
-The public API is what this module exports: the preconditioner, its configuration and records,
-and the extension points — :func:`register_layer_type` (a layer type's math, subclassing
+The public API is what this module exports — the preconditioner, its configuration and records,
+and the extension points :func:`register_layer_type` (a layer type's math, subclassing
 :class:`hylo.layers.LayerMath`) and :func:`register_variant` (a low-rank row reduction,
-subclassing :class:`hylo.solvers.RowReduction`); docs/extending.md. The collaborators a user may
-inject are in :mod:`hylo.distributed` (communicators); every other module is internal and may
-change between releases.
+subclassing :class:`hylo.solvers.RowReduction`; docs/extending.md) — and four modules:
+:mod:`hylo.config` (every option, with :func:`hylo.config.options` describing each),
+:mod:`hylo.layers` and :mod:`hylo.solvers` (what the extension points build on) and
+:mod:`hylo.distributed` (communicators a user may inject). Every other module is internal and
+may change between releases.
 """
 
 from hylo.config import (

@@ -283,12 +283,11 @@ class _Launch:
         end = time.monotonic() + 2.0
         out: dict[int, str] = {}
         for rank in ranks:
-            text = ""
-            while time.monotonic() < end:
-                text = _read(self.stack_paths[rank])
-                if text.strip():
-                    break
+            # faulthandler writes a dump line by line: read until it is non-empty and stops growing
+            text, previous = "", None
+            while time.monotonic() < end and not (text.strip() and text == previous):
                 time.sleep(0.05)
+                previous, text = text, _read(self.stack_paths[rank])
             out[rank] = text
         return out
 
