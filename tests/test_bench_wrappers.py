@@ -1,0 +1,58 @@
+"""scripts/bench_wrappers.py: each wrapper trains with and without hylo, in its own process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hylo
+from hylo_scripts import bench_wrappers
+from hylo_scripts.bench_wrappers import WrapperRun
+
+
+def test_checkpointed_blocks_compute_the_same_gradients_and_keep_their_layers() -> None:
+    run = WrapperRun("transformer", "none", None, batch=4, layers=1, width=16, context=8)
+    plain, x, y = bench_wrappers.build(run)
+    wrapped = bench_wrappers.wrap(bench_wrappers.build(run)[0], "checkpoint")
+    for model in (plain, wrapped):
+        bench_wrappers._loss(model, x, y).backward()
+    grads = [p.grad for p in plain.parameters()]
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, wrapped.parameters(), strict=True))
+    names = [info.name for info in hylo.HyLoPreconditioner(plain).layer_info()]
+    wrapped_names = [info.name for info in hylo.HyLoPreconditioner(wrapped).layer_info()]
+    assert [name.replace(".inner", "") for name in wrapped_names] == names
+
+
+@pytest.mark.parametrize("wrapper", ["scaler", "compile"])
+def test_one_process_wrappers_train_with_hylo(wrapper: str) -> None:
+    run = WrapperRun("cnn", wrapper, "kfac", batch=8, steps=2, warmup=0, update_freq=1, threads=1)
+    result = bench_wrappers.train(run)
+    assert result["ms_per_iter"] > 0 and result["peak_rss_mb"] > 0
+
+
+def test_table_of_plain_and_hylo_runs_in_their_own_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_wrappers.main(
+        ["--model", "cnn", "--batch-size", "8", "--steps", "1", "--warmup", "0", "--threads", "1"]
+        + ["--wrappers", "none", "--solver", "sngd"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["wrapper", "plain", "ms"] and len(lines) == 2
+    fields = lines[1].split()
+    assert fields[0] == "none" and "not run" not in lines[1]
+    assert float(fields[3]) == pytest.approx(float(fields[2]) / float(fields[1]), abs=0.01)
+
+
+def test_distributed_wrappers_run_on_spawned_ranks() -> None:
+    run = WrapperRun("cnn", "ddp", "sngd", batch=8, steps=2, warmup=0, update_freq=1, world=2)
+    result = bench_wrappers.child(run)
+    assert result["ms_per_iter"] > 0 and result["peak_rss_mb"] > 0
+
+
+def test_a_failing_child_is_reported_in_its_row() -> None:
+    base = WrapperRun("cnn", "none", None, batch=4, steps=1, warmup=0, threads=1)
+    rows = bench_wrappers.measure(dataclasses.replace(base), "nope", ["none"])
+    assert rows == [{"wrapper": "none", "error": rows[0]["error"]}] and "solver" in rows[0]["error"]
+    with pytest.raises(SystemExit):
+        bench_wrappers.main(["--batch-size", "3", "--world", "2"])
