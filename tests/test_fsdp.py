@@ -227,3 +227,22 @@ def test_fsdp2_studies_refused(tmp_path: Path) -> None:
     """The studies need whole gradients: refused at construction under FSDP2, before any file is written."""
     for message, _ in run_distributed(_refused_studies, 2, str(tmp_path), timeout=60):
         assert "FSDP2" in message and "studies" in message, message
+
+
+def _sharded_after(rank: int, world_size: int) -> str:
+    """hylo built on the plain model, then fully_shard: the first step() raises on every rank."""
+    model = make_model(torch.float64)
+    pre = hylo.HyLoPreconditioner(model)
+    shard(model, "root")
+    xs, ys = make_data(1, 4, torch.float64)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    try:
+        pre.step()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_fsdp2_sharded_after_construction_raises_at_first_step() -> None:
+    for message in run_distributed(_sharded_after, 2, timeout=60):
+        assert "sharded by fully_shard after the HyLoPreconditioner was built" in message, message
