@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hylo import sharding
 from hylo.distributed import Communicator
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
@@ -40,9 +41,11 @@ class Agreement:
 class Guard:
     """Gradients, norms, finiteness and agreement of one preconditioner's layers."""
 
-    def __init__(self, layers: Sequence[RegisteredLayer], comm: Communicator) -> None:
+    def __init__(self, layers: Sequence[RegisteredLayer], comm: Communicator, sharded: bool = False) -> None:
         self.layers = list(layers)
         self.comm = comm
+        #: Whether each rank holds only some rows of every ∇W (FSDP2): norms are then summed over ranks.
+        self.sharded = sharded
         # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
         self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self.layers)
         self._warned_no_rows: set[str] = set()
@@ -69,7 +72,12 @@ class Guard:
             ):
                 grads.append(None)
             else:
-                grads.append(layer.math.grad_parts())
+                grads.append(parts := layer.math.grad_parts())
+                if parts is not None and (parts.rows is not None) != self.sharded:
+                    raise ValueError(
+                        f"layer {layer.name!r}: its parameters were sharded by fully_shard after the "
+                        "HyLoPreconditioner was built (or unsharded since); build it on the sharded model"
+                    )
         return grads
 
     def mark_seen(self) -> None:
@@ -92,6 +100,8 @@ class Guard:
                 for layer, g in zip(self.layers, grads, strict=True)
             ]
         )
+        if self.sharded:  # each rank measured its rows: one all-reduce (docs/distributed.md, "FSDP2")
+            norms = sharding.global_norms(self.comm, norms)
         return norms, torch.isfinite(norms).all()
 
     def agree(
@@ -153,19 +163,25 @@ class Guard:
     def _safe_norms(self, grads: Sequence[GradMatrix | None]) -> tuple[Tensor, bool]:
         """Norms (float64) and finiteness of every gradient from its largest entry m and ‖∇W/m‖·m, which
         cannot overflow before the final product; agreed over ranks (one more collective, on this path only)."""
-        norms, finite = [], []
-        for parts in grads:
-            if parts is None:
-                norms.append(torch.zeros((), dtype=torch.float64, device=self.device))
-                finite.append(torch.ones((), dtype=torch.bool, device=self.device))
-                continue
-            g = parts.full()
-            largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
-            ok = torch.isfinite(largest)
-            tiny = torch.finfo(torch.float64).tiny
-            scaled = torch.linalg.vector_norm(g.to(torch.float64) / largest.clamp_min(tiny))
-            norms.append(torch.where(ok, scaled * largest, largest))
-            finite.append(ok)
+        if self.sharded:  # the largest entry over every rank's rows, then the scaled sums
+            norms = list(sharding.global_safe_norms(self.comm, grads, self.device))
+            finite = [
+                torch.ones((), dtype=torch.bool, device=self.device) if g is None else g.all_finite() for g in grads
+            ]
+        else:
+            norms, finite = [], []
+            for parts in grads:
+                if parts is None:
+                    norms.append(torch.zeros((), dtype=torch.float64, device=self.device))
+                    finite.append(torch.ones((), dtype=torch.bool, device=self.device))
+                    continue
+                g = parts.full()
+                largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
+                ok = torch.isfinite(largest)
+                tiny = torch.finfo(torch.float64).tiny
+                scaled = torch.linalg.vector_norm(g.to(torch.float64) / largest.clamp_min(tiny))
+                norms.append(torch.where(ok, scaled * largest, largest))
+                finite.append(ok)
         agreed = torch.stack(finite).all()
         if self.comm.world_size > 1:
             agreed = self.comm.all_true(agreed.reshape(1))[0]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo import checkpoint, memory
+from hylo import checkpoint, memory, sharding
 from hylo.config import HyLoConfig, options, resolve
 from hylo.distributed import Communicator, default_communicator
 from hylo.distributed.payload import CONTROL, Payload
@@ -116,11 +116,11 @@ class HyLoPreconditioner:
             )
         self._policy = SolverPolicy([layer.name for layer in self._layers])
         self._planner = Planner(self._layers, self._policy, self.comm.world_size)
-        self._guard = Guard(self._layers, self.comm)
-        try:
+        try:  # FSDP2-sharded layers: checked here, before any step (docs/distributed.md, "FSDP2")
+            self._guard = Guard(self._layers, self.comm, sharding.check(self._layers, self._config, self.comm))
             self._telemetry = Telemetry.open(self._config, self.comm, self._layers, __version__)
         except Exception:
-            self.remove()  # a refused profile_dir leaves the model without hylo's hooks
+            self.remove()  # a refused profile_dir or sharding leaves the model without hylo's hooks
             raise
 
     def _reducer(self, index: int) -> Callable[[Tensor, Tensor], CapturedCall]:

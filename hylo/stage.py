@@ -28,10 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hylo import sharding
 from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.distributed.payload import Payload
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.sharded import is_sharded
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
@@ -131,6 +133,8 @@ class UpdateStage:
     def _launch(self, share: Contribution) -> Pending:
         if share.exchange is Exchange.MEAN:
             return self.comm.all_reduce_mean(share.payload, share.weights)
+        if share.exchange is Exchange.SUM:
+            return self.comm.all_reduce(share.payload, "sum")
         return self.comm.all_gather_rows(share.payload)
 
     def _share(
@@ -144,6 +148,7 @@ class UpdateStage:
         """strategy="inverse": each owner broadcasts its solved tensors; every rank assembles every state."""
         states: dict[str, HeldState] = {}
         watch = context.watch
+        sharded = is_sharded(jobs[0].batch.math.weight)
         for src in range(self.comm.world_size):
             owned = [(job.name, family_of(job.solver)) for job in jobs if owners[job.name] == src]
             payload = Payload()
@@ -151,6 +156,8 @@ class UpdateStage:
                 mine = src == self.comm.rank
                 payload.add(name, solutions[name] if mine else family.solution_template(prepared[name]))
             received = self.comm.broadcast(payload, src)
+            if sharded:  # own allocations, aligned as a loaded checkpoint's (docs/distributed.md, "FSDP2")
+                received = Payload({key: tensor.clone() for key, tensor in received.items()})
             for name, family in owned:
                 states[name] = family.assemble(prepared[name], received.fields(name), context)
             names = [name for name, _ in owned]
@@ -180,6 +187,9 @@ class UpdateStage:
 
         Every rank must pass the same layers in the same order (the preconditioner agrees on them).
         """
+        if any(grad.rows is not None for _, _, _, grad in items):  # FSDP2: every rank holds every state
+            held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
+            return sharding.precondition(self.comm, held, watch)
         results: dict[str, Tensor] = {}
         for name, state, _, grad in items:
             if isinstance(state, LayerState):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from hylo import sharding
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
@@ -106,10 +107,19 @@ def precondition(
         if (state := outcome.state_of(layer)) is not None
     ]
     results = stage.precondition(items, config.distributed.strategy, watch)
-    ok = torch.isfinite(torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready]))
-    written = [grad.fill_where_not(ok[i], results[layer.name]) for i, (layer, grad) in enumerate(ready)]
+    clip = None
     if values.kl_clip is not None:
         assert values.lr is not None
-        written = kl_clipped([grad for _, grad in ready], written, values.kl_clip, values.lr)
+        clip = values.kl_clip, values.lr
+    if ready[0][1].rows is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
+        written, fallbacks = sharding.agree_results(
+            stage.comm, [grad for _, grad in ready], [results[layer.name] for layer, _ in ready], clip
+        )
+        watch.lap("precondition", [layer.name for layer, _ in ready])
+        return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, fallbacks
+    ok = torch.isfinite(torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready]))
+    written = [grad.fill_where_not(ok[i], results[layer.name]) for i, (layer, grad) in enumerate(ready)]
+    if clip is not None:
+        written = kl_clipped([grad for _, grad in ready], written, *clip)
     watch.lap("precondition", [layer.name for layer, _ in ready])
     return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, (~ok).long()

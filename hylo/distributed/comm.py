@@ -108,6 +108,10 @@ class Communicator(ABC):
         """Σ_p w_p X_p / Σ_p w_p for each tensor X, with w_p this rank's weight for X's key."""
 
     @abstractmethod
+    def all_reduce(self, payload: Payload, op: ReduceOp = "sum") -> Pending:
+        """Each tensor reduced element-wise over ranks by ``op`` (every rank passes the same keys and shapes)."""
+
+    @abstractmethod
     def broadcast(self, payload: Payload, src: int) -> Payload:
         """Every rank receives ``src``'s tensors (other ranks pass tensors of the same shapes)."""
 
@@ -131,6 +135,10 @@ class LocalCommunicator(Communicator):
         return Pending([], lambda: Payload(payload))
 
     def all_reduce_mean(self, payload: Payload, weights: Mapping[PayloadKey, float]) -> Pending:
+        """Identity."""
+        return Pending([], lambda: Payload(payload))
+
+    def all_reduce(self, payload: Payload, op: ReduceOp = "sum") -> Pending:
         """Identity."""
         return Pending([], lambda: Payload(payload))
 
@@ -306,6 +314,28 @@ class BucketedCommunicator(Communicator):
                 parts = _unflatten(flat, [*(scaled[i].shape for i in bucket), torch.Size([len(bucket)])])
                 for j, i in enumerate(bucket):
                     out[keys[i]] = parts[j] / parts[-1][j]
+            return out
+
+        return Pending(works, finish, "all-reduce", self.rank, self.world_size)
+
+    def all_reduce(self, payload: Payload, op: ReduceOp = "sum") -> Pending:
+        """Async all-reduces by ``op``, one per bucket."""
+        if not payload:
+            return Pending([], Payload)
+        keys, tensors = list(payload), list(payload.values())
+        self._count_payload(payload)
+        works, reduced = [], []
+        for bucket in self.buckets(tensors):
+            flat = _flatten([tensors[i] for i in bucket]).contiguous()
+            with self._guard("all-reduce"):
+                works.append(self.backend.all_reduce(flat, op))
+            reduced.append((bucket, flat))
+
+        def finish() -> Payload:
+            out = Payload(payload)
+            for bucket, flat in reduced:
+                for i, t in zip(bucket, _unflatten(flat, [tensors[i].shape for i in bucket]), strict=True):
+                    out[keys[i]] = t
             return out
 
         return Pending(works, finish, "all-reduce", self.rank, self.world_size)

@@ -15,11 +15,24 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class RowShard:
+    """Rows ``start:stop`` of a matrix of ``total`` rows: the part of ∇W one rank holds under FSDP2."""
+
+    start: int
+    stop: int
+    total: int
+
+
+@dataclass(frozen=True)
 class GradMatrix:
-    """∇W = [weight | bias]: ``weight`` (d_g, d_w) and ``bias`` (d_g,) or None (then d_a = d_w)."""
+    """∇W = [weight | bias]: ``weight`` (d_g, d_w) and ``bias`` (d_g,) or None (then d_a = d_w).
+
+    With ``rows`` set, the parts are only those rows of ∇W (``weight`` (stop − start, d_w)).
+    """
 
     weight: Tensor
     bias: Tensor | None = None
+    rows: RowShard | None = None
 
     @classmethod
     def of(cls, grad: Tensor | GradMatrix) -> GradMatrix:
@@ -28,7 +41,7 @@ class GradMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(d_g, d_a)."""
+        """(d_g, d_a); the rows held, under FSDP2."""
         return int(self.weight.shape[0]), int(self.weight.shape[1]) + (0 if self.bias is None else 1)
 
     @property
@@ -46,7 +59,7 @@ class GradMatrix:
 
     def to(self, dtype: torch.dtype) -> GradMatrix:
         """Both parts in ``dtype`` (no copy when they already are)."""
-        return GradMatrix(self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
+        return GradMatrix(self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype), self.rows)
 
     def full(self) -> Tensor:
         """The concatenated (d_g, d_a) matrix (a copy when there is a bias; for the rare paths)."""

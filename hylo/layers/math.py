@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.rows import SampleRows
+from hylo.layers.sharded import is_sharded, local, row_shard, unsupported_layout
 from hylo.numerics import working_dtype
 
 
@@ -119,20 +120,35 @@ class LayerMath(ABC):
         return type(self.module).__name__
 
     def grad_tensor(self) -> Tensor | None:
-        """The ``.grad`` whose identity and version tell that a backward reached the layer."""
-        return self.weight.grad
+        """The ``.grad`` whose identity and version tell that a backward reached the layer (this rank's part,
+        under FSDP2)."""
+        return local(self.weight.grad)
 
     def weight_grad(self) -> Tensor | None:
-        """The weight's gradient (written in place), or None."""
-        return self.weight.grad
+        """The weight's gradient (written in place), or None; this rank's rows under FSDP2."""
+        return local(self.weight.grad)
 
     def bias_grad(self) -> Tensor | None:
-        """The bias's gradient (written in place), or None."""
+        """The bias's gradient (written in place), or None; this rank's rows under FSDP2."""
         bias = self.bias
-        return None if bias is None else bias.grad
+        return None if bias is None else local(bias.grad)
+
+    def sharding_problem(self) -> str | None:
+        """Why this layer's FSDP2-sharded parameters cannot be preconditioned by rows, or None (also when
+        unsharded; docs/distributed.md, "FSDP2")."""
+        weight, bias = self.weight, self.bias
+        if not is_sharded(weight) and not is_sharded(bias):
+            return None
+        cls = type(self)
+        own = all(
+            getattr(cls, name) is getattr(LayerMath, name)
+            for name in ("weight", "bias", "grad_tensor", "weight_grad", "bias_grad", "grad_parts", "set_grad_matrix")
+        )
+        return unsupported_layout(weight, bias, self.d_g, own)
 
     def grad_parts(self) -> GradMatrix | None:
-        """∇W as views of the weight's and bias's gradients (docs/design.md, "Memory"), or None before backward."""
+        """∇W as views of the weight's and bias's gradients (docs/design.md, "Memory"), or None before backward;
+        under FSDP2 this rank's rows of it (docs/distributed.md, "FSDP2")."""
         self._check_shapes()
         weight_grad, bias = self.weight_grad(), self.bias
         if weight_grad is None:
@@ -141,8 +157,16 @@ class LayerMath(ABC):
         if bias is not None:
             bias_grad = self.bias_grad()
             if bias_grad is None:
-                bias_grad = torch.zeros_like(bias)
-        return GradMatrix(weight_grad.reshape(self.d_g, -1), None if bias_grad is None else bias_grad.reshape(-1))
+                bias_grad = torch.zeros_like(local(bias))
+        shard = row_shard(self.weight, self.d_g)
+        rows = self.d_g if shard is None else shard.stop - shard.start
+        if shard is not None and weight_grad.shape[0] != rows:
+            raise ValueError(
+                f"layer {self.name!r}: its gradient holds {weight_grad.shape[0]} rows where the sharding gives "
+                f"{shard}; hylo supports fully_shard's even torch.chunk split on dim 0 only"
+            )
+        width = -1 if shard is None else self.d_a - (bias is not None)  # a shard may hold no row
+        return GradMatrix(weight_grad.reshape(rows, width), None if bias_grad is None else bias_grad.reshape(-1), shard)
 
     def grad_matrix(self) -> Tensor | None:
         """∇W as one (d_g, d_a) matrix, bias last (a copy when there is a bias), or None before backward."""

@@ -15,6 +15,7 @@ adding Σ_i c_i U_i back. No d × d matrix (d = d_a·d_g) is ever formed.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,11 @@ class SampleRows(ABC):
         """beta·grad + alpha·Σ_i coefficients_i U_i as a new (d_g, d_a) matrix, in one pass."""
 
     @abstractmethod
+    def output_rows(self, start: int, stop: int) -> SampleRows:
+        """Every U_i restricted to its rows ``start:stop`` (of d_g): the part that meets a rank's rows of ∇W
+        under FSDP2 (docs/distributed.md, "FSDP2")."""
+
+    @abstractmethod
     def to(self, dtype: torch.dtype) -> SampleRows:
         """The rows in ``dtype``."""
 
@@ -144,6 +150,10 @@ class FactoredRows(SampleRows):
     def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
         """beta·∇W + alpha·Gᵀ diag(c) A (∇W added part by part: no concatenated copy)."""
         return grad.add_to(self.g.mT * (coefficients * alpha) @ self.a, beta)
+
+    def output_rows(self, start: int, stop: int) -> FactoredRows:
+        """g_i restricted to ``start:stop`` (a_i kept; a subclass keeps its other fields)."""
+        return dataclasses.replace(self, g=self.g[:, start:stop])
 
     def to(self, dtype: torch.dtype) -> FactoredRows:
         """The rows in ``dtype``."""
@@ -212,6 +222,10 @@ class DenseRows(SampleRows):
     def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
         """beta·∇W + alpha·Σ c_i U_i."""
         return grad.add_to((alpha * coefficients @ self._flat()).reshape(grad.shape), beta)
+
+    def output_rows(self, start: int, stop: int) -> DenseRows:
+        """U_i's rows ``start:stop``."""
+        return DenseRows(self.u[:, start:stop])
 
     def to(self, dtype: torch.dtype) -> DenseRows:
         """The rows in ``dtype``."""

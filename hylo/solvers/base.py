@@ -54,6 +54,19 @@ class LayerState(ABC):
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor of the state, by name (what ``state_dict`` saves)."""
 
+    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
+        """Under FSDP2, this rank's share of what :meth:`precondition` needs from the other ranks' rows of
+        ∇W (``grad`` holds rows ``grad.rows``), and how the ranks combine it (docs/distributed.md, "FSDP2").
+
+        The default gathers ∇W whole (:attr:`Exchange.ROWS`); a state that needs less overrides this.
+        """
+        return Exchange.ROWS, grad.full()
+
+    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
+        """This rank's rows of V̂ from its ``grad`` and the combined :meth:`shard_partial` of every rank."""
+        assert grad.rows is not None
+        return self.precondition(received)[grad.rows.start : grad.rows.stop]
+
     def carried(self) -> dict[str, Tensor]:
         """Tensors the next update of the same family builds on (K-FAC's running factors)."""
         return {}
@@ -132,6 +145,7 @@ class Exchange(enum.Enum):
 
     MEAN = "weighted mean over ranks (all-reduce)"
     ROWS = "every rank's rows, concatenated in rank order (all-gather)"
+    SUM = "sum over ranks (all-reduce)"
 
 
 @dataclass

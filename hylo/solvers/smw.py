@@ -25,7 +25,7 @@ from torch import Tensor
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.rows import SampleRows, rows_from_fields
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.solvers.base import LayerState, check_shapes
+from hylo.solvers.base import Exchange, LayerState, check_shapes
 
 
 @dataclass
@@ -55,6 +55,23 @@ class LowRankState(LayerState):
         c = self.inner @ self.rows.project(work)
         inv_damping = 1.0 / self.damping
         return self.rows.combine(work, c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
+
+    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
+        """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows: its rows of U_k against its rows of ∇W
+        (m numbers, summed over ranks)."""
+        rows = self._rows_of(grad)
+        return Exchange.SUM, rows.project(grad.to(rows.dtype))
+
+    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
+        """This rank's rows of V̂ = (∇W − Σ c_k U_k / D)/λ with c = M z from the summed z."""
+        rows = self._rows_of(grad)
+        inv_damping = 1.0 / self.damping
+        c = self.inner @ received
+        return rows.combine(grad.to(rows.dtype), c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
+
+    def _rows_of(self, grad: GradMatrix) -> SampleRows:
+        assert grad.rows is not None
+        return self.rows.output_rows(grad.rows.start, grad.rows.stop)
 
     def tensors(self) -> dict[str, Tensor]:
         """Rows and the inner matrix: O(m·w + m²) (w = d_a + d_g, or d_a·d_g for dense rows)."""

@@ -1,0 +1,248 @@
+"""FSDP2 (``fully_shard``) models (gloo, CPU, forked ranks of tests/kit/harness.py; docs/distributed.md, "FSDP2").
+
+- P = 2 and 4 ranks, per-layer and root sharding, every solver (ρ = 1): the preconditioned
+  gradients and the parameters after update and in-between steps equal one process on the whole
+  batch (the reference held to the dense definitions in test_distributed.py), with uneven and
+  empty shards (3 and 5 rows over 4 ranks).
+- Bytes per layer: a low-rank state's projection is one all-reduce of m numbers, K-FAC's one
+  gather of the rank's rows of ∇W Q_a; nothing weight-sized for the low-rank solvers.
+- ``kl_clip`` and the fallback decided over every rank's rows; checkpoints resume bit-exactly.
+- Unsupported layouts and options raise ``ValueError`` at construction.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import hylo
+from tests.kit.checks import rel_err
+from tests.kit.harness import run_distributed
+from tests.test_distributed import DAMPING, LAYERS, NORM_FLOOR, Net, assert_rel_close, make_data, make_model
+
+SOLVERS = ("kfac", "sngd", "kid", "kis")
+#: Relative error allowed between FSDP2 and one process (float64; the sums run in another order).
+TOL = 1e-6
+
+
+def shard(model: Net, mode: str) -> nn.Module:
+    """``fully_shard`` each layer then the root (``"layers"``), or the root only (``"root"``)."""
+    if mode == "layers":
+        for name in LAYERS:
+            fully_shard(getattr(model, name))
+    fully_shard(model)
+    return model
+
+
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def options(solver: str) -> dict[str, Any]:
+    return {"solver": solver, "damping": DAMPING, "factor_decay": 0.5, "rank_ratio": 1.0, "update_freq": 2}
+
+
+def train(
+    rank: int, world_size: int, solver: str, mode: str, xs: Tensor, ys: Tensor, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SGD with hylo on ``len(xs)`` steps (updates every other step); rank p takes its slice of each batch.
+
+    Returns per step the whole gradients before and after ``pre.step()``, the final parameters, and each layer's bytes
+    on the last (non-update) step.
+    """
+    model = make_model(xs.dtype)
+    net = shard(model, mode) if world_size > 1 else model
+    pre = hylo.HyLoPreconditioner(net, **{**options(solver), **(extra or {})})
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    size = xs.shape[1] // world_size
+    local = slice(rank * size, (rank + 1) * size)
+    raw, grads, traffic = [], [], {}
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad()
+        F.cross_entropy(net(x[local]), y[local]).backward()
+        raw.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+        before = dict(pre.comm.bytes_by_tag)
+        pre.step()
+        traffic = {name: pre.comm.bytes_by_tag[name] - before.get(name, 0) for name in LAYERS}
+        grads.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+        opt.step()
+    return {
+        "raw": raw,
+        "grads": grads,
+        "params": {k: full(p.detach()).clone() for k, p in model.named_parameters()},
+        "traffic": traffic,
+        "local_rows": {name: getattr(model, name).weight.to_local().shape[0] for name in LAYERS}
+        if world_size > 1
+        else {},
+        "world_size": pre.comm.world_size,
+    }
+
+
+@pytest.mark.parametrize(("world_size", "mode"), [(2, "layers"), (4, "layers"), (2, "root")])
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_fsdp2_matches_single_process(solver: str, world_size: int, mode: str) -> None:
+    """docs/distributed.md, "FSDP2": fully_shard on the split global batch == one process on the whole batch."""
+    xs, ys = make_data(4, 8, torch.float64)
+    reference = train(0, 1, solver, mode, xs, ys)
+    out = run_distributed(train, world_size, solver, mode, xs, ys, timeout=120)
+    for rank, result in enumerate(out):
+        assert result["world_size"] == world_size
+        if world_size == 4:  # uneven shards, one empty: conv 3 rows, fc1 5 rows, fc2 3 rows over 4 ranks
+            assert result["local_rows"] == {
+                "conv": [1, 1, 1, 0][rank],
+                "fc1": [2, 2, 1, 0][rank],
+                "fc2": [1, 1, 1, 0][rank],
+            }
+        for step, want in enumerate(reference["grads"]):
+            assert_rel_close(result["raw"][step], reference["raw"][step], 1e-10, f"rank {rank} step {step} raw")
+            assert_rel_close(result["grads"][step], want, TOL, f"rank {rank} step {step} preconditioned")
+        assert_rel_close(result["params"], reference["params"], TOL, f"rank {rank} final parameters")
+    for step, want in enumerate(reference["grads"]):  # not vacuous: far from the raw gradient over λ
+        pre = torch.cat([g.flatten() for g in want.values()])
+        raw = torch.cat([g.flatten() for g in reference["raw"][step].values()])
+        assert rel_err(pre * DAMPING, raw, NORM_FLOOR) > 0.1, f"step {step}: preconditioning is ~ identity/λ"
+
+
+@pytest.mark.parametrize("solver", ["sngd", "kfac"])
+def test_fsdp2_bytes_per_layer(solver: str) -> None:
+    """A non-update step moves, per layer, the m projections (low-rank: m = 8 rows at ρ = 1) or the rank's
+    rows of ∇W Q_a (K-FAC, padded to the largest shard, ⌈d_g/P⌉ rows), never a whole weight for the low-rank
+    solvers."""
+    xs, ys = make_data(4, 8, torch.float64)
+    out = run_distributed(train, 2, solver, "layers", xs, ys, timeout=120)
+    d_a, d_g = {"conv": 19, "fc1": 28, "fc2": 5}, {"conv": 3, "fc1": 5, "fc2": 3}
+    for result in out:
+        for name in LAYERS:
+            expected = 8 * 8 if solver == "sngd" else -(-d_g[name] // 2) * d_a[name] * 8
+            assert result["traffic"][name] == expected, (name, result["traffic"])
+
+
+def test_fsdp2_kl_clip_matches_single_process() -> None:
+    """kl_clip's sum ⟨V̂, ∇W⟩ runs over every rank's rows: the same clipped step as one process."""
+    xs, ys = make_data(3, 8, torch.float64)
+    extra = {"kl_clip": 1e-4, "lr": 0.1}
+    reference = train(0, 1, "sngd", "layers", xs, ys, extra)
+    unclipped = train(0, 1, "sngd", "layers", xs, ys)
+    assert not torch.allclose(reference["grads"][0]["fc1.weight"], unclipped["grads"][0]["fc1.weight"])
+    for result in run_distributed(train, 2, "sngd", "layers", xs, ys, extra, timeout=120):
+        for step, want in enumerate(reference["grads"]):
+            assert_rel_close(result["grads"][step], want, TOL, f"step {step} clipped")
+
+
+def _resume(rank: int, world_size: int, solver: str, xs: Tensor, ys: Tensor, stop: int | None) -> dict[str, Tensor]:
+    """Train under FSDP2; at ``stop``, save hylo's state (through torch.save), rebuild hylo, load, go on."""
+    model = make_model(xs.dtype)
+    net = shard(model, "layers")
+    pre = hylo.HyLoPreconditioner(net, **{**options(solver), "update_freq": 3})
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    local = slice(rank * 4, rank * 4 + 4)
+    for i in range(len(xs)):
+        if i == stop:
+            buffer = io.BytesIO()
+            torch.save(pre.state_dict(), buffer)
+            pre.remove()
+            pre = hylo.HyLoPreconditioner(net, **{**options(solver), "update_freq": 3})
+            buffer.seek(0)
+            pre.load_state_dict(torch.load(buffer, weights_only=False))
+        opt.zero_grad()
+        F.cross_entropy(net(xs[i][local]), ys[i][local]).backward()
+        pre.step()
+        opt.step()
+    return {k: full(p.detach()).clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("solver", ["kfac", "kis"])
+def test_fsdp2_checkpoint_resumes_exactly(solver: str) -> None:
+    """A state_dict saved under FSDP2 (between updates) and loaded into a new preconditioner: bit-exact."""
+    xs, ys = make_data(6, 8, torch.float64)
+    whole = run_distributed(_resume, 2, solver, xs, ys, None, timeout=120)
+    resumed = run_distributed(_resume, 2, solver, xs, ys, 4, timeout=120)
+    for rank in range(2):
+        for key, value in whole[rank].items():
+            assert torch.equal(resumed[rank][key], value), (rank, key)
+
+
+# ---------------------------------------------------------------------------- refused at construction
+def _refused(rank: int, world_size: int, case: str) -> str:
+    """Build the case's model and preconditioner; return the ValueError's message (every rank must raise)."""
+    model = make_model(torch.float64)
+    kwargs: dict[str, Any] = {}
+    if case == "gradient":
+        shard(model, "layers")
+        kwargs["strategy"] = "gradient"
+    elif case == "mix":
+        fully_shard(model.fc1)
+    elif case == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    elif case == "tensor_parallel":
+        mesh = init_device_mesh("cpu", (world_size,))
+        model.fc1.weight = nn.Parameter(distribute_tensor(model.fc1.weight.detach(), mesh, [Shard(1)]))
+    elif case == "embedding":
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))  # type: ignore[assignment]
+        fully_shard(model)
+    try:
+        hylo.HyLoPreconditioner(model, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("gradient", "strategy='gradient'"),
+        ("mix", "not sharded"),
+        ("hsdp", "2-D device mesh (HSDP"),
+        ("tensor_parallel", "tensor parallel"),
+        ("embedding", "['0']: its ∇W's rows are not its weight's dim 0"),
+    ],
+)
+def test_fsdp2_unsupported_combinations_refused(case: str, words: str) -> None:
+    """Each unsupported combination is a ValueError naming it at construction, on every rank (step() never runs)."""
+    for message in run_distributed(_refused, 4, case, timeout=120):
+        assert "FSDP2" in message and words in message, message
+
+
+def _refused_studies(rank: int, world_size: int, directory: str) -> tuple[str, bool]:
+    model = shard(make_model(torch.float64), "root")
+    try:
+        hylo.HyLoPreconditioner(model, studies=("grad_norm",), profile_dir=f"{directory}/{rank}")
+    except ValueError as err:
+        return str(err), os.path.exists(f"{directory}/{rank}")
+    return "no error", False
+
+
+def test_fsdp2_studies_refused(tmp_path: Path) -> None:
+    """The studies need whole gradients: refused at construction under FSDP2, before any file is written."""
+    for message, _ in run_distributed(_refused_studies, 2, str(tmp_path), timeout=60):
+        assert "FSDP2" in message and "studies" in message, message
+
+
+def _sharded_after(rank: int, world_size: int) -> str:
+    """hylo built on the plain model, then fully_shard: the first step() raises on every rank."""
+    model = make_model(torch.float64)
+    pre = hylo.HyLoPreconditioner(model)
+    shard(model, "root")
+    xs, ys = make_data(1, 4, torch.float64)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    try:
+        pre.step()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_fsdp2_sharded_after_construction_raises_at_first_step() -> None:
+    for message in run_distributed(_sharded_after, 2, timeout=60):
+        assert "sharded by fully_shard after the HyLoPreconditioner was built" in message, message
