@@ -383,7 +383,7 @@ def test_unsupported_variants_are_listed_with_their_reasons() -> None:
     for name in ("ln", "bn", "gn", "rms"):
         assert "normalisation" in reason(name)
     assert "weight does not require grad" in reason("frozen")
-    assert unsupported_reason(nn.Conv1d(2, 2, 3)).startswith("Conv1d is not a supported layer type")
+    assert unsupported_reason(nn.Conv3d(2, 2, 3)).startswith("Conv3d is not a supported layer type")
 
 
 def test_sparse_gradient_after_registration_raises_clearly() -> None:

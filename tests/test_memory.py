@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from hylo import HyLoPreconditioner
-from hylo.layers import FACTORS, ROWS, Conv2dMath, LayerBatch, LinearMath
+from hylo.layers import FACTORS, ROWS, ConvMath, LayerBatch, LinearMath
 from hylo.layers.rows import DenseRows, FactoredRows
 from hylo.records import Decision
 from hylo.solvers import family_of
@@ -156,7 +156,7 @@ def test_linear_lowrank_calls_stay_raw() -> None:
 
 
 # --------------------------------------------------------------------------- chunked unfolds
-def _unfold_sizes(math: Conv2dMath) -> list[int]:
+def _unfold_sizes(math: ConvMath) -> list[int]:
     """Record the bytes of every block of patches ``math`` unfolds."""
     sizes: list[int] = []
     unfold = math._unfold
@@ -177,10 +177,10 @@ def test_chunked_factors_and_rows_equal_one_block(case: str) -> None:
     x = torch.randn(5, 2, 11, 9, dtype=DT)
     grad_out = torch.randn_like(conv(x))
     scale = 3.0
-    whole = {rows: Conv2dMath(conv, rows, max_unfold_mb=1e6) for rows in ("exact", "sum", "mean")}
+    whole = {rows: ConvMath(conv, rows, max_unfold_mb=1e6) for rows in ("exact", "sum", "mean")}
     one_row = (grad_out.shape[3] * whole["exact"].d_a * DT.itemsize) / 2**20  # one output row of one sample
     for cap in (one_row, 2.5 * one_row, 2.5 * one_row * grad_out.shape[2]):  # rows of a sample; whole samples
-        chunked = {rows: Conv2dMath(conv, rows, max_unfold_mb=cap) for rows in ("exact", "sum", "mean")}
+        chunked = {rows: ConvMath(conv, rows, max_unfold_mb=cap) for rows in ("exact", "sum", "mean")}
         sizes = _unfold_sizes(chunked["exact"])
         for got, expected in zip(
             chunked["exact"].kfac_factors(x, grad_out, scale),
@@ -206,7 +206,7 @@ def test_whole_rows_reference_for_chunks() -> None:
     s = conv(x)
     ds = torch.randn_like(s)
     ref = conv_reference(conv, x, s, ds)
-    factor_a, factor_g = Conv2dMath(conv, max_unfold_mb=1e-4).kfac_factors(x, ds, 4.0)
+    factor_a, factor_g = ConvMath(conv, max_unfold_mb=1e-4).kfac_factors(x, ds, 4.0)
     torch.testing.assert_close(factor_a / ref["positions"] / 4, ref["A"], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(factor_g / 4, ref["G"], rtol=1e-12, atol=1e-14)
 

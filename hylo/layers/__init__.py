@@ -1,7 +1,8 @@
 """The per-layer side: each layer type's math, capture hooks, per-sample rows and the layer-type registry.
 
 - :mod:`~hylo.layers.math`: :class:`LayerMath`, the contract a layer type implements (public);
-  :mod:`~hylo.layers.linear`, :mod:`~hylo.layers.conv`, :mod:`~hylo.layers.embedding` and
+  :mod:`~hylo.layers.linear`, :mod:`~hylo.layers.conv` (also Conv1d),
+  :mod:`~hylo.layers.conv_transpose`, :mod:`~hylo.layers.embedding` and
   :mod:`~hylo.layers.attention`: the built-in types.
 - :mod:`~hylo.layers.rows`: per-sample gradients (:class:`FactoredRows`, :class:`DenseRows`),
   what every low-rank solver works on; :mod:`~hylo.layers.gradmatrix`: ∇W read in parts.
@@ -13,7 +14,8 @@
 """
 
 from hylo.layers.batch import DAMPING_CONVENTIONS, DampingConvention, LayerBatch, LayerShape
-from hylo.layers.conv import CONV_ROWS, DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD_MB, Conv2dMath, ConvRows
+from hylo.layers.conv import CONV_ROWS, DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD_MB, ConvMath, ConvRows
+from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.linear import LinearMath
@@ -32,8 +34,9 @@ __all__ = [
     "CallStatistic",
     "CapturePlan",
     "CapturedCall",
-    "Conv2dMath",
+    "ConvMath",
     "ConvRows",
+    "ConvTransposeMath",
     "DampingConvention",
     "DenseRows",
     "EmbeddingMath",

@@ -1,4 +1,4 @@
-"""``nn.Conv2d`` with groups == 1: KFC factors and per-sample rows (docs/solvers.md, "Convolutions")."""
+"""``nn.Conv2d`` and ``nn.Conv1d`` with groups == 1: KFC factors and per-sample rows (docs/solvers.md, "Convolutions")."""
 
 from __future__ import annotations
 
@@ -22,8 +22,16 @@ DEFAULT_KFC_EXPONENT = 1.0
 DEFAULT_MAX_UNFOLD_MB = 32.0
 
 
-class Conv2dMath(LayerMath):
-    """``nn.Conv2d`` with groups == 1 (stride, dilation, any padding and padding mode).
+def plane(values: tuple[int, ...]) -> tuple[int, int]:
+    """A 1-D convolution's (k,) geometry as the 2-D one of a unit-height image, (1, k); 2-D as it is."""
+    return (1, values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+class ConvMath(LayerMath):
+    """``nn.Conv2d`` and ``nn.Conv1d`` with groups == 1 (stride, dilation, any padding and padding mode).
+
+    A Conv1d is the Conv2d of a unit-height image (kernel (1, k)): every method below works on
+    2-D images, and 1-D inputs (N, C, L) are seen as (N, C, 1, L).
 
     K-FAC uses the KFC factors (docs/solvers.md, "K-FAC conventions"): A = mean over samples and
     output positions of the unfolded patches' outer product; G = L^e × the mean over samples and
@@ -39,11 +47,14 @@ class Conv2dMath(LayerMath):
     - ``"mean"``: HyLo's surrogate (mean_p g_ip)(mean_p a_ip)ᵀ, L times too small.
 
     A 1×1 kernel on a 1×1 image reduces to Linear in every mode and at every exponent.
+    Subclasses see another layer as a convolution of a prepared input (:meth:`_padded`) with
+    the geometry of :attr:`kernel_size`, :attr:`stride` and :attr:`dilation`
+    (:class:`~hylo.layers.conv_transpose.ConvTransposeMath`).
     """
 
     def __init__(
         self,
-        module: nn.Conv2d,
+        module: nn.Conv1d | nn.Conv2d | nn.ConvTranspose1d | nn.ConvTranspose2d,
         rows: ConvRows = "sum",
         kfc_exponent: float = DEFAULT_KFC_EXPONENT,
         max_unfold_mb: float = DEFAULT_MAX_UNFOLD_MB,
@@ -55,12 +66,19 @@ class Conv2dMath(LayerMath):
         self.dense_rows = rows == "exact"
         self.kfc_exponent = kfc_exponent
         self.max_unfold_mb = max_unfold_mb
+        #: The module's spatial dimensions (1 or 2).
+        self.spatial = len(module.kernel_size)
+        #: The geometry of the 2-D convolution whose patches are unfolded.
+        self.kernel_size = plane(module.kernel_size)
+        self.stride = plane(module.stride)
+        self.dilation = plane(module.dilation)
 
-    def _padded(self, x: Tensor) -> Tensor:
+    def _padded(self, x: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """The input the convolution reads, (N, C, H, W): ``x`` with the module's padding."""
         conv = self.conv
         if isinstance(conv.padding, str):
             if conv.padding == "valid":
-                pads = [(0, 0), (0, 0)]
+                pads = [(0, 0)] * self.spatial
             else:  # "same": PyTorch puts the extra element on the right/bottom
                 pads = []
                 for k, d in zip(conv.kernel_size, conv.dilation, strict=True):
@@ -68,6 +86,7 @@ class Conv2dMath(LayerMath):
                     pads.append((total // 2, total - total // 2))
         else:
             pads = [(p, p) for p in conv.padding]
+        pads = [(0, 0)] * (2 - self.spatial) + pads
         flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
         if not any(flat):
             return x
@@ -75,11 +94,12 @@ class Conv2dMath(LayerMath):
             return F.pad(x, flat)
         return F.pad(x, flat, mode=conv.padding_mode)
 
-    @staticmethod
-    def _batched(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
-        """Unbatched (C, H, W) calls become a batch of one."""
-        if x.dim() == 3:
-            return x.unsqueeze(0), grad_out.unsqueeze(0)
+    def _batched(self, x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Input and output gradient as (N, C, H, W): an unbatched call is a batch of one, a 1-D one has H = 1."""
+        if x.dim() == self.spatial + 1:
+            x, grad_out = x.unsqueeze(0), grad_out.unsqueeze(0)
+        if self.spatial == 1:
+            x, grad_out = x.unsqueeze(2), grad_out.unsqueeze(2)
         return x, grad_out
 
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
@@ -94,14 +114,14 @@ class Conv2dMath(LayerMath):
         samples when one sample's patches fit, else one sample and as many output rows as fit
         (at least one). Each block pads only its own samples, in the working dtype.
         """
-        (kh, _), (sh, _), (dh, _) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        (kh, _), (sh, _), (dh, _) = self.kernel_size, self.stride, self.dilation
         n, (ho, wo) = x.shape[0], out_hw
         cap = self.max_unfold_mb * 2**20
         row_bytes = wo * self.d_a * self.dtype.itemsize
         out_rows = max(1, min(ho, int(cap // row_bytes)))
         samples = max(1, min(n, int(cap // (row_bytes * ho)))) if out_rows == ho else 1
         for s0 in range(0, n, samples):
-            padded = self._padded(x[s0 : s0 + samples].to(self.dtype))
+            padded = self._padded(x[s0 : s0 + samples].to(self.dtype), out_hw)
             for r0 in range(0, ho, out_rows):
                 r1 = min(ho, r0 + out_rows)
                 block = padded[:, :, r0 * sh : (r1 - 1) * sh + dh * (kh - 1) + 1]
@@ -109,12 +129,11 @@ class Conv2dMath(LayerMath):
 
     def _unfold(self, block: Tensor) -> Tensor:
         """A block's patches (ns, L_block, C·kh·kw), without the bias column."""
-        conv = self.conv
-        return F.unfold(block, conv.kernel_size, dilation=conv.dilation, stride=conv.stride).transpose(1, 2)
+        return F.unfold(block, self.kernel_size, dilation=self.dilation, stride=self.stride).transpose(1, 2)
 
     def _patch_sum(self, block: Tensor, out_hw: tuple[int, int]) -> Tensor:
         """Sum over a block's output positions of each patch entry (ns, C·kh·kw), without unfolding."""
-        (kh, kw), (sh, sw), (dh, dw) = self.conv.kernel_size, self.conv.stride, self.conv.dilation
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
         ho, wo = out_hw
         sums = [
             block[:, :, i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw].sum(
@@ -185,11 +204,11 @@ class Conv2dMath(LayerMath):
             factor_g *= float(ho * wo) ** (self.kfc_exponent - 1.0)
         return factor_a, factor_g
 
-    def exact_rows_math(self) -> Conv2dMath | None:
+    def exact_rows_math(self) -> ConvMath | None:
         """The same convolution with ``rows="exact"`` (None when its rows already are)."""
         if self.dense_rows:
             return None
-        exact = Conv2dMath(self.conv, "exact", self.kfc_exponent, self.max_unfold_mb)
+        exact = type(self)(self.conv, "exact", self.kfc_exponent, self.max_unfold_mb)
         exact.name = self.name
         return exact
 

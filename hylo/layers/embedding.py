@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import LayerMath
 from hylo.layers.rows import OneHotRows
 
@@ -97,15 +96,10 @@ class EmbeddingMath(LayerMath):
             )
         return grad
 
-    def grad_parts(self) -> GradMatrix | None:
-        """∇W = ``weight.grad``ᵀ, (d_g, d_a) = (embedding_dim, num_embeddings), a view; None before backward."""
-        self._check_shapes()
-        grad = self.weight_grad()
-        return None if grad is None else GradMatrix(grad.mT)
+    def weight_matrix(self, weight_grad: Tensor) -> Tensor:
+        """∇W = ``weight.grad``ᵀ, (d_g, d_a) = (embedding_dim, num_embeddings), a view."""
+        return weight_grad.mT
 
-    def set_grad_matrix(self, matrix: Tensor) -> None:
+    def write_weight_matrix(self, weight_grad: Tensor, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix transposed into ``weight.grad`` in place (its dtype kept)."""
-        self._check_shapes()
-        grad = self.weight_grad()
-        assert grad is not None
-        grad.copy_(matrix.mT)
+        weight_grad.copy_(matrix.mT)

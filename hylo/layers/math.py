@@ -7,8 +7,8 @@ W's last column and every activation row gets a trailing 1. From a mean-reduced 
 
 :class:`LayerMath` is public: a new layer type is a subclass registered with
 :func:`hylo.register_layer_type` (docs/extending.md). The built-in types are in
-:mod:`hylo.layers.linear`, :mod:`hylo.layers.conv`, :mod:`hylo.layers.embedding` and
-:mod:`hylo.layers.attention`.
+:mod:`hylo.layers.linear`, :mod:`hylo.layers.conv`, :mod:`hylo.layers.conv_transpose`,
+:mod:`hylo.layers.embedding` and :mod:`hylo.layers.attention`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class LayerMath(ABC):
     are not a Linear's ``weight`` (d_g × d_in) and ``bias``, it also says which tensors form hylo's
     W (the :attr:`weight` and :attr:`bias` properties) and where ∇W is read and written in place
     (:meth:`weight_grad`, :meth:`bias_grad`, as views of the parameters' ``.grad``, and
-    :meth:`grad_tensor`). The rest has defaults: :attr:`dense_rows`, :attr:`rows_form`,
+    :meth:`grad_tensor`), and where the weight's gradient is not ∇W's weight part reshaped, how one
+    maps to the other (:meth:`weight_matrix`, :meth:`write_weight_matrix`). The rest has defaults: :attr:`dense_rows`, :attr:`rows_form`,
     :meth:`kaisa_ratio`, :meth:`exact_rows_math`, :attr:`module_type`.
     """
 
@@ -142,7 +143,17 @@ class LayerMath(ABC):
         cls = type(self)
         own = all(
             getattr(cls, name) is getattr(LayerMath, name)
-            for name in ("weight", "bias", "grad_tensor", "weight_grad", "bias_grad", "grad_parts", "set_grad_matrix")
+            for name in (
+                "weight",
+                "bias",
+                "grad_tensor",
+                "weight_grad",
+                "bias_grad",
+                "grad_parts",
+                "set_grad_matrix",
+                "weight_matrix",
+                "write_weight_matrix",
+            )
         )
         return unsupported_layout(weight, bias, self.d_g, own)
 
@@ -159,14 +170,25 @@ class LayerMath(ABC):
             if bias_grad is None:
                 bias_grad = torch.zeros_like(local(bias))
         shard = row_shard(self.weight, self.d_g)
-        rows = self.d_g if shard is None else shard.stop - shard.start
-        if shard is not None and weight_grad.shape[0] != rows:
+        if shard is None:
+            return GradMatrix(self.weight_matrix(weight_grad), None if bias_grad is None else bias_grad.reshape(-1))
+        rows = shard.stop - shard.start
+        if weight_grad.shape[0] != rows:
             raise ValueError(
                 f"layer {self.name!r}: its gradient holds {weight_grad.shape[0]} rows where the sharding gives "
                 f"{shard}; hylo supports fully_shard's even torch.chunk split on dim 0 only"
             )
-        width = -1 if shard is None else self.d_a - (bias is not None)  # a shard may hold no row
+        width = self.d_a - (bias is not None)  # a shard may hold no row
         return GradMatrix(weight_grad.reshape(rows, width), None if bias_grad is None else bias_grad.reshape(-1), shard)
+
+    def weight_matrix(self, weight_grad: Tensor) -> Tensor:
+        """∇W's weight part (d_g, d_a − bias) from :meth:`weight_grad` (a view where its layout allows)."""
+        return weight_grad.reshape(self.d_g, -1)
+
+    def write_weight_matrix(self, weight_grad: Tensor, matrix: Tensor) -> None:
+        """Write ∇W's weight part ``matrix`` (d_g, d_a − bias) into :meth:`weight_grad` in place: the inverse
+        of :meth:`weight_matrix`."""
+        weight_grad.copy_(matrix.reshape(weight_grad.shape))
 
     def grad_matrix(self) -> Tensor | None:
         """∇W as one (d_g, d_a) matrix, bias last (a copy when there is a bias), or None before backward."""
@@ -179,6 +201,6 @@ class LayerMath(ABC):
         weight_grad, bias_grad = self.weight_grad(), self.bias_grad()
         assert weight_grad is not None
         n_weight = self.d_a - (1 if self.bias is not None else 0)
-        weight_grad.copy_(matrix[:, :n_weight].reshape(weight_grad.shape))
+        self.write_weight_matrix(weight_grad, matrix[:, :n_weight])
         if bias_grad is not None:
             bias_grad.copy_(matrix[:, n_weight].reshape(bias_grad.shape))

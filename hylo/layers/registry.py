@@ -1,11 +1,13 @@
 """Which modules hylo preconditions: the layer-type registry and the walk over a model.
 
 A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/extending.md,
-"Layer types"). The built-in types are ``nn.Linear``, ``nn.Conv2d`` (groups = 1) and
-``nn.Embedding``, and ``nn.MultiheadAttention``, whose four projections are registered as Linear
-layers through an attention tap (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a
-type from user code (docs/extending.md); a module's type is looked up along its class's method
-resolution order, so a subclass of a registered class is supported unless registered itself.
+"Layer types"). The built-in types are ``nn.Linear``, the convolutions ``nn.Conv2d``,
+``nn.Conv1d``, ``nn.ConvTranspose2d`` and ``nn.ConvTranspose1d`` (groups = 1; a grouped one is
+left alone with its reason), ``nn.Embedding``, and ``nn.MultiheadAttention``, whose four
+projections are registered as Linear layers through an attention tap
+(:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a type from user code
+(docs/extending.md); a module's type is looked up along its class's method resolution order, so
+a subclass of a registered class is supported unless registered itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.layers.capture import LayerCapture
-from hylo.layers.conv import Conv2dMath
+from hylo.layers.conv import ConvMath
+from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
 from hylo.layers.linear import LinearMath
 from hylo.layers.math import LayerMath
@@ -119,16 +122,24 @@ def supported_types() -> list[str]:
     return [cls.__name__ for cls in _LAYER_TYPES] + ["MultiheadAttention"]
 
 
-def _conv2d(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
-    assert isinstance(module, nn.Conv2d)
+#: The convolutions of the built-in types: nn.Conv1d, nn.Conv2d and their transposes (groups = 1).
+CONVOLUTIONS: tuple[type[nn.modules.conv._ConvNd], ...] = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d)
+
+
+def _convolution(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
+        kind: type[ConvMath] = ConvTransposeMath
+    else:
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        kind = ConvMath
     if module.groups != 1:
         return None
-    return Conv2dMath(module, config.conv.conv_rows, config.kfac.kfc_exponent, config.conv.max_unfold_mb)
+    return kind(module, config.conv.conv_rows, config.kfac.kfc_exponent, config.conv.max_unfold_mb)
 
 
-def _conv2d_refused(module: nn.Module) -> str:
-    assert isinstance(module, nn.Conv2d)
-    return f"grouped/depthwise Conv2d (groups={module.groups}) is not supported"
+def _convolution_refused(module: nn.Module) -> str:
+    assert isinstance(module, CONVOLUTIONS)
+    return f"grouped/depthwise {type(module).__name__} (groups={module.groups}) is not supported"
 
 
 def _embedding(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
@@ -151,7 +162,8 @@ def _embedding_refused(module: nn.Module) -> str:
 
 
 register_layer_type(nn.Linear, lambda module, config: LinearMath(module))
-register_layer_type(nn.Conv2d, _conv2d, unsupported=_conv2d_refused)
+for _convolution_class in CONVOLUTIONS:
+    register_layer_type(_convolution_class, _convolution, unsupported=_convolution_refused)
 register_layer_type(nn.Embedding, _embedding, unsupported=_embedding_refused)
 
 

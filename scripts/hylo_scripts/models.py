@@ -20,8 +20,8 @@ and :func:`models_for` lists the models a dataset can train.
 - ``unet``: the U-Net of the LGG brain-MRI recipe (4 levels, 32 initial features, double 3×3
   conv + BatchNorm + ReLU blocks, 2×2 transposed-convolution up-sampling, skip concatenation;
   7,763,041 parameters at 3 channels in, 1 out). It outputs one logit map per class (no sigmoid:
-  the loss applies it); H and W must be multiples of 16. hylo preconditions its Conv2d layers
-  and leaves the ConvTranspose2d up-convolutions to the optimizer.
+  the loss applies it); H and W must be multiples of 16. hylo preconditions its 19 Conv2d
+  layers and its 4 ConvTranspose2d up-convolutions.
 - ``transformer`` (language models): the decoder-only :class:`DecoderLM` over a vocabulary of
   ``num_classes`` tokens with a context of T = ``input_shape[0]`` positions (canonical: 256
   byte values, T = 128) and the size options ``layers``, ``width`` and ``heads`` (default 4,
