@@ -3,15 +3,19 @@
 A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/extending.md,
 "Layer types"). The built-in types are ``nn.Linear``, ``nn.Conv2d`` (groups = 1) and
 ``nn.Embedding``, and ``nn.MultiheadAttention``, whose four projections are registered as Linear
-layers through an attention tap (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a
-type from user code (docs/extending.md); a module's type is looked up along its class's method
-resolution order, so a subclass of a registered class is supported unless registered itself.
+layers through an attention tap (:mod:`hylo.layers.attention`). Layer types of other packages
+(Hugging Face's ``Conv1D``) are registered through :func:`register_layer_type` once their module
+has been imported, never importing it (docs/extending.md, "Layers of other packages").
+:func:`register_layer_type` adds a type from user code (docs/extending.md); a module's type is
+looked up along its class's method resolution order, so a subclass of a registered class is
+supported unless registered itself.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +31,7 @@ from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, 
 from hylo.layers.capture import LayerCapture
 from hylo.layers.conv import Conv2dMath
 from hylo.layers.embedding import EmbeddingMath
-from hylo.layers.linear import LinearMath
+from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
 
 if TYPE_CHECKING:
@@ -93,8 +97,26 @@ def register_layer_type(
     return LayerTypeHandle(module_class, previous)
 
 
+#: Layer types of other packages: (module, class name, math). Each is registered through
+#: :func:`register_layer_type` when a model is walked after its module was imported (a model holding
+#: one has imported it) and the class is not registered yet, so a user's registration of the class,
+#: made before or after, wins (docs/extending.md, "Layers of other packages").
+OTHER_PACKAGES: tuple[tuple[str, str, MathFactory], ...] = (
+    ("transformers.pytorch_utils", "Conv1D", lambda module, config: TransposedLinearMath(module)),
+)
+
+
+def _register_other_packages() -> None:
+    """Register the :data:`OTHER_PACKAGES` types whose module is imported and whose class is not registered."""
+    for module_name, class_name, math in OTHER_PACKAGES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in _LAYER_TYPES:
+            register_layer_type(cls, math)
+
+
 def layer_type_of(module: nn.Module) -> LayerType | None:
     """The registered type of ``module``: the first class of its method resolution order that is registered."""
+    _register_other_packages()
     for cls in type(module).__mro__:
         found = _LAYER_TYPES.get(cls)
         if found is not None:
@@ -116,6 +138,7 @@ def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
 
 def supported_types() -> list[str]:
     """The registered module classes by name, and ``MultiheadAttention`` (for messages)."""
+    _register_other_packages()
     return [cls.__name__ for cls in _LAYER_TYPES] + ["MultiheadAttention"]
 
 
