@@ -9,16 +9,19 @@ hylo itself never imports ``transformers``.
 
 With ``transformers`` installed: on a small ``GPT2LMHeadModel`` every ``Conv1D`` is registered (the
 tied ``wte``/``lm_head`` stay with the optimizer, with that reason), K-FAC and SNGD equal the twin
-whose ``Conv1D`` modules are swapped for ``nn.Linear``, and training resumes exactly from a checkpoint.
+whose ``Conv1D`` modules are swapped for ``nn.Linear``, training resumes exactly from a checkpoint,
+and ``examples/gpt2.py`` runs.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import subprocess
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +38,7 @@ from tests.kit.reference import dense_natural_gradient
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
 
 
 class Conv1D(nn.Module):
@@ -321,3 +325,16 @@ def test_gpt2_trains_and_resumes_exactly_from_a_checkpoint() -> None:
     run(resumed, resumed_opt, resumed_pre, range(5, 9))
     for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_gpt2_example_runs() -> None:
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("gpt2_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    with pytest.warns(UserWarning, match="weight tied"):
+        results = example.main(["--steps", "2", "--warmup", "1", "--threads", str(threads)])
+    assert list(results) == ["AdamW", "AdamW + hylo hybrid"]
+    assert all(ms > 0 for clocks in results.values() for pair in clocks.values() for ms in pair)
