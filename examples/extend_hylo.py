@@ -3,10 +3,12 @@
 docs/extending.md walks through it. Two extensions, each registered with one call:
 
 - **A layer type.** ``TransposedLinear`` computes y = x W + b with W stored as (d_in, d_out), the
-  layout of GPT-2's ``Conv1D``. hylo's matrix is its transpose, so :class:`TransposedLinearMath`
-  says which tensors form hylo's W and where its gradient is read and written (views of
-  ``weight.grad``), and builds the rows and K-FAC factors from the layer's input and output
-  gradient; :func:`hylo.register_layer_type` maps the module class to it.
+  layout of GPT-2's ``Conv1D``: a module class hylo does not know. hylo's matrix is its transpose,
+  which hylo's own :class:`hylo.layers.TransposedLinearMath` (the math hylo registers for
+  ``Conv1D``) describes: it says which tensors form hylo's W and where its gradient is read and
+  written (views of ``weight.grad``), and takes a Linear's rows and K-FAC factors.
+  :func:`hylo.register_layer_type` maps the module class to it; a layer type with math of its own
+  subclasses :class:`hylo.LayerMath` the same way (docs/extending.md, "Layer types").
 - **A low-rank variant.** :class:`UniformRows` keeps r of a rank's n per-sample gradients drawn
   uniformly, each scaled by √(n/r), with divisor B: an unbiased estimate of the Fisher that ignores
   the row norms KIS samples by. :func:`hylo.register_variant` makes ``"uniform"`` a solver like
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo.layers import FactoredRows, LayerTypeHandle, with_ones
+from hylo.layers import LayerTypeHandle, TransposedLinearMath
 from hylo.solvers import LowRankUpdate, UpdateContext, VariantHandle
 
 
@@ -45,48 +47,6 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
-
-
-class TransposedLinearMath(hylo.LayerMath):
-    """hylo's view of a :class:`TransposedLinear`: W = ``weight``ᵀ (d_out × d_in), bias last; one row per
-    leading position of the input, as for ``nn.Linear``."""
-
-    @property
-    def weight(self) -> Tensor:
-        """hylo's W: the stored weight transposed (a view)."""
-        return self.module.weight.mT
-
-    def grad_tensor(self) -> Tensor | None:
-        """The parameter's own ``.grad``, whose identity and version say a backward reached the layer."""
-        return self.module.weight.grad
-
-    def weight_grad(self) -> Tensor | None:
-        """∇W as a view of ``weight.grad`` (d_out × d_in): hylo reads it and writes its result into it."""
-        grad = self.module.weight.grad
-        return None if grad is None else grad.mT
-
-    def _rows(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        a = with_ones(x.reshape(-1, x.shape[-1]).to(self.dtype))
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(self.dtype) * scale
-        return a, g
-
-    def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
-        """Every leading position is a sample for both paths."""
-        rows = x.numel() // x.shape[-1]
-        return rows, rows
-
-    def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> FactoredRows:
-        """Per-sample gradients g_i a_iᵀ, factored: a_i the input with a trailing 1, g_i the output gradient."""
-        return FactoredRows(*self._rows(x, grad_out, scale))
-
-    def row_work(self, rows: int, kfac_rows: int) -> float:
-        """The rows are the input and the output gradient themselves: nothing to compute."""
-        return 0.0
-
-    def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Σ a aᵀ and Σ g gᵀ over the rows."""
-        a, g = self._rows(x, grad_out, scale)
-        return a.mT @ a, g.mT @ g
 
 
 class UniformRows(hylo.RowReduction):

@@ -1,12 +1,14 @@
 """The public extension API, used from outside the package (docs/extending.md).
 
-``examples/extend_hylo.py`` adds a layer type (``TransposedLinear``, W stored transposed) and a
-low-rank variant (``"uniform"``: rows kept uniformly, rescaled) with no edit to hylo. Specified here:
+``examples/extend_hylo.py`` adds a layer type (``TransposedLinear``, W stored transposed: a module
+class hylo does not know, described by hylo's ``TransposedLinearMath``) and a low-rank variant
+(``"uniform"``: rows kept uniformly, rescaled) with no edit to hylo. Specified here:
 
 - the example runs as a user would run it, and its variant shows in ``decisions.csv`` (as a
   decision and as a ``cost_uniform`` column) and in the gradient-error study, its layer type in
   ``summary()``;
-- the registered layer type is exact: SNGD on it equals the dense (F + λI)⁻¹ ∇W built from the
+- the registered layer type is exact (a user's class through the registry, the hooks and the
+  transposed write-back): SNGD on it equals the dense (F + λI)⁻¹ ∇W built from the
   model's true per-sample gradients (a loop of single-sample backward passes), and its result is
   written into the transposed ``weight.grad``;
 - the registered variant at ρ = 1 is exact SNGD, and its estimate of the Fisher is unbiased;

@@ -1,8 +1,9 @@
 """The per-layer side: each layer type's math, capture hooks, per-sample rows and the layer-type registry.
 
 - :mod:`~hylo.layers.math`: :class:`LayerMath`, the contract a layer type implements (public);
-  :mod:`~hylo.layers.linear`, :mod:`~hylo.layers.conv` (also Conv1d),
-  :mod:`~hylo.layers.conv_transpose`, :mod:`~hylo.layers.embedding` and
+  :mod:`~hylo.layers.linear` (``nn.Linear``, and a Linear stored transposed: Hugging Face's
+  ``Conv1D``), :mod:`~hylo.layers.conv` (Conv2d and Conv1d), :mod:`~hylo.layers.conv_transpose`,
+  :mod:`~hylo.layers.embedding` and
   :mod:`~hylo.layers.attention`: the built-in types.
 - :mod:`~hylo.layers.rows`: per-sample gradients (:class:`FactoredRows`, :class:`DenseRows`),
   what every low-rank solver works on; :mod:`~hylo.layers.gradmatrix`: ∇W read in parts.
@@ -18,7 +19,7 @@ from hylo.layers.conv import CONV_ROWS, DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD
 from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.linear import LinearMath
+from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath, with_ones
 from hylo.layers.registry import LayerTypeHandle, layer_math, register_layer_type, unsupported_reason
 from hylo.layers.rows import DenseRows, FactoredRows, OneHotRows, SampleRows
@@ -49,6 +50,7 @@ __all__ = [
     "LinearMath",
     "OneHotRows",
     "SampleRows",
+    "TransposedLinearMath",
     "layer_math",
     "register_layer_type",
     "unsupported_reason",

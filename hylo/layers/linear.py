@@ -1,4 +1,5 @@
-"""``nn.Linear``: every leading position of the input is a row (docs/solvers.md, "Notation")."""
+"""``nn.Linear`` and a Linear stored transposed: every leading position of the input is a row
+(docs/solvers.md, "Notation")."""
 
 from __future__ import annotations
 
@@ -36,3 +37,32 @@ class LinearMath(LayerMath):
         """Σ a aᵀ and Σ g gᵀ over rows (A, G are their means)."""
         a, g = self._rows(x, grad_out, scale)
         return a.mT @ a, g.mT @ g
+
+
+class TransposedLinearMath(LinearMath):
+    """A Linear whose ``weight`` is stored as (d_in, d_out), y = x·weight + bias (Hugging Face's ``Conv1D``).
+
+    hylo's W is ``weight``ᵀ, a view: ∇W is read from, and the result written into, a transposed
+    view of ``weight.grad``. Rows and factors are a Linear's (docs/extending.md, "Layers of other
+    packages").
+    """
+
+    def _stored(self) -> Tensor:
+        """The module's weight as stored, (d_in, d_out) (read on every access: replacing the Parameter is followed)."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return weight
+
+    @property
+    def weight(self) -> Tensor:
+        """hylo's W (d_out × d_in): the stored weight transposed (a view)."""
+        return self._stored().mT
+
+    def grad_tensor(self) -> Tensor | None:
+        """The parameter's own ``.grad``: its identity and version say a backward reached the layer."""
+        return self._stored().grad
+
+    def weight_grad(self) -> Tensor | None:
+        """∇W as a transposed view of ``weight.grad`` (written in place)."""
+        grad = self.grad_tensor()
+        return None if grad is None else grad.mT

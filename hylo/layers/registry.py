@@ -7,13 +7,16 @@ left alone with its reason), ``nn.Embedding``, and ``nn.MultiheadAttention``, wh
 projections are registered as Linear layers through an attention tap
 (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a type from user code
 (docs/extending.md); a module's type is looked up along its class's method resolution order, so
-a subclass of a registered class is supported unless registered itself.
+a subclass of a registered class is supported unless registered itself. Layer types of other
+packages (Hugging Face's ``Conv1D``) are registered through :func:`register_layer_type` once their
+module has been imported, never importing it (docs/extending.md, "Layers of other packages").
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from hylo.layers.capture import LayerCapture
 from hylo.layers.conv import ConvMath
 from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
-from hylo.layers.linear import LinearMath
+from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
 
 if TYPE_CHECKING:
@@ -96,8 +99,26 @@ def register_layer_type(
     return LayerTypeHandle(module_class, previous)
 
 
+#: Layer types of other packages: (module, class name, math). Each is registered through
+#: :func:`register_layer_type` when a model is walked after its module was imported (a model holding
+#: one has imported it) and the class is not registered yet, so a user's registration of the class,
+#: made before or after, wins (docs/extending.md, "Layers of other packages").
+OTHER_PACKAGES: tuple[tuple[str, str, MathFactory], ...] = (
+    ("transformers.pytorch_utils", "Conv1D", lambda module, config: TransposedLinearMath(module)),
+)
+
+
+def _register_other_packages() -> None:
+    """Register the :data:`OTHER_PACKAGES` types whose module is imported and whose class is not registered."""
+    for module_name, class_name, math in OTHER_PACKAGES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in _LAYER_TYPES:
+            register_layer_type(cls, math)
+
+
 def layer_type_of(module: nn.Module) -> LayerType | None:
     """The registered type of ``module``: the first class of its method resolution order that is registered."""
+    _register_other_packages()
     for cls in type(module).__mro__:
         found = _LAYER_TYPES.get(cls)
         if found is not None:
@@ -119,6 +140,7 @@ def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
 
 def supported_types() -> list[str]:
     """The registered module classes by name, and ``MultiheadAttention`` (for messages)."""
+    _register_other_packages()
     return [cls.__name__ for cls in _LAYER_TYPES] + ["MultiheadAttention"]
 
 
