@@ -73,7 +73,7 @@ class Guard:
                 grads.append(None)
             else:
                 grads.append(parts := layer.math.grad_parts())
-                if parts is not None and (parts.rows is not None) != self.sharded:
+                if parts is not None and (parts.shard is not None) != self.sharded:
                     raise ValueError(
                         f"layer {layer.name!r}: its parameters were sharded by fully_shard after the "
                         "HyLoPreconditioner was built (or unsharded since); build it on the sharded model"

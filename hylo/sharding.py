@@ -2,8 +2,8 @@
 
 Only the parameters are sharded: the captured inputs and output gradients are whole on every
 rank, so factors and rows are exchanged as under DDP and every rank holds every layer's state
-(``strategy="inverse"``). Each rank holds rows ``start:stop`` of every ∇W, already averaged over
-ranks by FSDP's reduce-scatter, and writes back only those rows. What a step reduces over a
+(``strategy="inverse"``). Each rank holds rows ``start:stop`` of every ∇W (an embedding's: columns),
+already averaged over ranks by FSDP's reduce-scatter, and writes back only those. What a step reduces over a
 gradient is made global here, with one collective each and only on this path:
 
 - :func:`check`: at construction, the layouts and options this supports, or a ``ValueError``;
@@ -36,7 +36,8 @@ def check(layers: Sequence[RegisteredLayer], config: HyLoConfig, comm: Communica
     """Whether the registered layers are sharded by ``fully_shard``; ``ValueError`` naming what is not supported.
 
     Every registered layer's weight must be sharded on dim 0 over a 1-D mesh of this communicator's
-    ranks (no HSDP, no tensor parallel, no mix with unsharded layers), with ``strategy="inverse"``
+    ranks, in a layout its layer type maps to rows or columns of ∇W (no HSDP, no tensor parallel, no
+    mix with unsharded layers), with ``strategy="inverse"``
     and no studies. Every rank raises alike (the layout is the same on every rank; the mesh's rank
     order is agreed in one collective).
     """

@@ -187,7 +187,7 @@ class UpdateStage:
 
         Every rank must pass the same layers in the same order (the preconditioner agrees on them).
         """
-        if any(grad.rows is not None for _, _, _, grad in items):  # FSDP2: every rank holds every state
+        if any(grad.shard is not None for _, _, _, grad in items):  # FSDP2: every rank holds every state
             held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
             return sharding.precondition(self.comm, held, watch)
         results: dict[str, Tensor] = {}

@@ -111,7 +111,7 @@ def precondition(
     if values.kl_clip is not None:
         assert values.lr is not None
         clip = values.kl_clip, values.lr
-    if ready[0][1].rows is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
+    if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
         written, fallbacks = sharding.agree_results(
             stage.comm, [grad for _, grad in ready], [results[layer.name] for layer, _ in ready], clip
         )

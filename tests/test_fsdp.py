@@ -173,6 +173,97 @@ def test_fsdp2_checkpoint_resumes_exactly(solver: str) -> None:
             assert torch.equal(resumed[rank][key], value), (rank, key)
 
 
+# ---------------------------------------------------------------------------- a transformer: embeddings, attention
+#: The decoder's sharded layout at P = 2: the vocabulary (50 tokens) in halves of 25 columns of ∇W; the packed
+#: in_proj_weight (48 rows) in halves of 24 rows: q whole and k's first 8 rows on rank 0, k's last 8 and v on rank 1.
+VOCAB, WIDTH, CONTEXT = 50, 16, 8
+#: ``positions`` is called on arange(T), shared by every sequence: its rows are the batch's sums, which no data
+#: parallelism (DDP included) splits like one process, so it is left to the optimizer here.
+LM_SKIP = ("positions",)
+
+
+def _lm_data(steps: int) -> Tensor:
+    return torch.randint(0, VOCAB, (steps, 8, CONTEXT + 1), generator=torch.Generator().manual_seed(3))
+
+
+def train_lm(rank: int, world_size: int, solvers: tuple[str, ...], tokens: Tensor) -> dict[str, Any]:
+    """The repository's decoder (1 block, width 16, 2 heads), sharded per block and root when P > 1, trained with
+    SGD and hylo as :func:`train` does, once per solver; per solver the same record as :func:`train`."""
+    from hylo_scripts.models import DecoderLM
+
+    out: dict[str, Any] = {}
+    size = tokens.shape[1] // world_size
+    local = slice(rank * size, (rank + 1) * size)
+    for solver in solvers:
+        torch.manual_seed(0)
+        model = DecoderLM(vocab=VOCAB, context=CONTEXT, layers=1, width=WIDTH, heads=2).double()
+        if world_size > 1:
+            fully_shard(model.blocks[0])
+            fully_shard(model)
+        pre = hylo.HyLoPreconditioner(model, **options(solver), skip_layers=LM_SKIP)
+        names = [info.name for info in pre.layer_info()]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        raw, grads, traffic = [], [], {}
+        for batch in tokens:
+            opt.zero_grad()
+            logits = model(batch[local, :-1])
+            F.cross_entropy(logits.reshape(-1, VOCAB), batch[local, 1:].reshape(-1)).backward()
+            raw.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+            before = dict(pre.comm.bytes_by_tag)
+            pre.step()
+            traffic = {name: pre.comm.bytes_by_tag[name] - before.get(name, 0) for name in names}
+            grads.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+            opt.step()
+        params = {k: full(p.detach()).clone() for k, p in model.named_parameters()}
+        out[solver] = {"raw": raw, "grads": grads, "params": params, "traffic": traffic, "names": names}
+    return out
+
+
+@pytest.mark.parametrize(("world_size", "solvers"), [(2, SOLVERS), (4, ("kfac",))])
+def test_fsdp2_decoder_lm_matches_single_process(world_size: int, solvers: tuple[str, ...]) -> None:
+    """docs/distributed.md, "FSDP2": a transformer LM (token embedding, packed attention projections, MLP, head)
+    sharded per block and root equals one process on the whole batch, over update and in-between steps; at
+    P = 2, the bytes of the last (non-update) step are :func:`lm_bytes`."""
+    tokens = _lm_data(4)
+    reference = train_lm(0, 1, solvers, tokens)
+    out = run_distributed(train_lm, world_size, solvers, tokens, timeout=120)
+    for solver in solvers:
+        want = reference[solver]
+        assert {"tokens", "blocks.0.attn.q_proj", "blocks.0.attn.v_proj", "head"} <= set(want["names"])
+        for rank, result in enumerate(out):
+            got = result[solver]
+            assert got["names"] == want["names"]
+            for step, grads in enumerate(want["grads"]):
+                where = f"{solver} rank {rank} step {step}"
+                assert_rel_close(got["raw"][step], want["raw"][step], 1e-10, f"{where} raw")
+                assert_rel_close(got["grads"][step], grads, TOL, f"{where} preconditioned")
+            assert_rel_close(got["params"], want["params"], TOL, f"{solver} rank {rank} final parameters")
+            if world_size == 2:
+                for name, sent in lm_bytes(solver).items():
+                    assert got["traffic"][name] == sent, (solver, name, got["traffic"])
+        for step, grads in enumerate(want["grads"]):  # not vacuous: the embedding and projections preconditioned
+            for key in ("tokens.weight", "blocks.0.attn.in_proj_weight"):
+                raw = want["raw"][step][key]
+                assert rel_err(grads[key] * DAMPING, raw, NORM_FLOOR) > 0.05, f"{solver} step {step} {key} ~ identity/λ"
+
+
+def lm_bytes(solver: str) -> dict[str, int]:
+    """What each rank sends for the decoder's embedding and packed projections on a non-update step at P = 2
+    (docs/distributed.md, "FSDP2"): the m projections for the low-rank solvers (every token of the global batch
+    is a row at ρ = 1); for K-FAC, the embedding's ∇W Q_a summed over the two halves of the vocabulary
+    (d_g·d_a numbers) and each projection's rows of ∇W Q_a padded to the larger of the two ranks' blocks (q
+    and v: all 16 rows on one rank, none on the other; k: 8 and 8), d_a = 17 with the bias."""
+    if solver != "kfac":
+        return dict.fromkeys(("tokens", "blocks.0.attn.q_proj", "blocks.0.attn.k_proj"), 8 * CONTEXT * 8)
+    d_a = WIDTH + 1
+    return {
+        "tokens": WIDTH * VOCAB * 8,
+        "blocks.0.attn.q_proj": WIDTH * d_a * 8,
+        "blocks.0.attn.k_proj": 8 * d_a * 8,
+        "blocks.0.attn.v_proj": WIDTH * d_a * 8,
+    }
+
+
 # ---------------------------------------------------------------------------- refused at construction
 def _refused(rank: int, world_size: int, case: str) -> str:
     """Build the case's model and preconditioner; return the ValueError's message (every rank must raise)."""
@@ -188,8 +279,8 @@ def _refused(rank: int, world_size: int, case: str) -> str:
     elif case == "tensor_parallel":
         mesh = init_device_mesh("cpu", (world_size,))
         model.fc1.weight = nn.Parameter(distribute_tensor(model.fc1.weight.detach(), mesh, [Shard(1)]))
-    elif case == "embedding":
-        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))  # type: ignore[assignment]
+    elif case == "unpacked_attention":  # q/k/v_proj_weight split by ⌈E/P⌉ rows, in_proj_bias by ⌈3E/P⌉
+        model = nn.Sequential(nn.MultiheadAttention(8, 2, kdim=6, vdim=6))  # type: ignore[assignment]
         fully_shard(model)
     try:
         hylo.HyLoPreconditioner(model, **kwargs)
@@ -205,7 +296,7 @@ def _refused(rank: int, world_size: int, case: str) -> str:
         ("mix", "not sharded"),
         ("hsdp", "2-D device mesh (HSDP"),
         ("tensor_parallel", "tensor parallel"),
-        ("embedding", "['0']: its ∇W's rows are not its weight's dim 0"),
+        ("unpacked_attention", "['0.q_proj', '0.k_proj', '0.v_proj']: its weight (q/k/v_proj_weight"),
     ],
 )
 def test_fsdp2_unsupported_combinations_refused(case: str, words: str) -> None:

@@ -23,7 +23,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from hylo.layers.capture import LayerCapture, Record, watch_gradient
+from hylo.layers.gradmatrix import GradShard
 from hylo.layers.linear import LinearMath
+from hylo.layers.sharded import dim0_chunk, is_sharded, local, unsupported_layout
 
 #: The input projections in their packing order, then the output projection.
 PROJECTIONS = ("q", "k", "v", "out")
@@ -63,33 +65,79 @@ class ProjectionMath(LinearMath):
         assert isinstance(weight, Tensor)
         return weight
 
+    def _current_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """(E, d_in) and (E,), from the parameters' shapes (no slice: under FSDP2 slicing would gather them)."""
+        embed = self._slice.stop - self._slice.start
+        bias = self.module.in_proj_bias
+        return (embed, *self._parameter().shape[1:]), (embed,) if isinstance(bias, Tensor) else None
+
     @property
     def weight(self) -> Tensor:
-        """The projection's (E, d_in) weight: a view of the module's parameter."""
+        """The projection's (E, d_in) weight: a view of the module's parameter; under FSDP2 the parameter itself
+        (slicing a sharded DTensor would gather it; :meth:`grad_shard` says which rows are this projection's)."""
         weight = self._parameter()
-        return weight[self._slice] if self._packed else weight
+        return weight[self._slice] if self._packed and not is_sharded(weight) else weight
 
     @property
     def bias(self) -> Tensor | None:
-        """The projection's rows of ``in_proj_bias``, or None."""
+        """The projection's rows of ``in_proj_bias``, or None; under FSDP2 the parameter itself."""
         bias = self.module.in_proj_bias
-        return bias[self._slice] if isinstance(bias, Tensor) else None
+        if not isinstance(bias, Tensor):
+            return None
+        return bias if is_sharded(bias) else bias[self._slice]
+
+    def _held(self) -> tuple[slice, GradShard] | None:
+        """Under FSDP2, this projection's part of the rank's rows of the parameter: where they are in its local
+        tensor and which rows of ∇W they are (a packed parameter's shard may straddle q, k and v); else None."""
+        held = dim0_chunk(self._parameter())
+        if held is None:
+            return None
+        embed = self._slice.stop - self._slice.start
+        if not self._packed:
+            return slice(None), GradShard(*held, embed)
+        low, high = (self._slice.start, self._slice.stop)
+        first, last = (min(max(index, low), high) for index in held)
+        return slice(first - held[0], last - held[0]), GradShard(first - low, last - low, embed)
+
+    def grad_shard(self) -> GradShard | None:
+        """This rank's rows of ∇W under FSDP2 (possibly none), or None when unsharded."""
+        held = self._held()
+        return None if held is None else held[1]
+
+    def sharding_problem(self) -> str | None:
+        """None for a packed ``in_proj_weight`` (and ``in_proj_bias``) sharded by ``fully_shard``: its shards are
+        row blocks of q, k and v (docs/distributed.md, "FSDP2")."""
+        weight, packed_bias = self._parameter(), self.module.in_proj_bias
+        bias = packed_bias if isinstance(packed_bias, Tensor) else None
+        if not is_sharded(weight) and not is_sharded(bias):
+            return None
+        problem = unsupported_layout(weight, bias, int(weight.shape[0]), True)
+        if problem is None and not self._packed and bias is not None:
+            return (
+                "its weight (q/k/v_proj_weight, kdim or vdim != embed_dim) and its bias (rows of in_proj_bias) are "
+                "sharded over different rows"
+            )
+        return problem
 
     def grad_tensor(self) -> Tensor | None:
-        """The whole parameter's ``.grad`` (shared by q, k and v when packed)."""
-        return self._parameter().grad
+        """The whole parameter's ``.grad`` (shared by q, k and v when packed; this rank's part under FSDP2)."""
+        return local(self._parameter().grad)
 
     def weight_grad(self) -> Tensor | None:
-        grad = self._parameter().grad
+        grad = local(self._parameter().grad)
         if grad is None:
             return None
+        held = self._held()
+        if held is not None:
+            return grad[held[0]]
         return grad[self._slice] if self._packed else grad
 
     def bias_grad(self) -> Tensor | None:
         bias = self.module.in_proj_bias
         if not isinstance(bias, Tensor) or bias.grad is None:
             return None
-        return bias.grad[self._slice]
+        held = self._held()
+        return local(bias.grad)[self._slice if held is None else held[0]]
 
 
 class OutProjectionMath(LinearMath):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.math import LayerMath
 from hylo.layers.rows import OneHotRows
+from hylo.layers.sharded import grad_shard, is_sharded, local, placement_problem
 
 
 class EmbeddingMath(LayerMath):
@@ -87,8 +89,9 @@ class EmbeddingMath(LayerMath):
         return torch.diag(counts), g.mT @ g
 
     def weight_grad(self) -> Tensor | None:
-        """The weight's (V, D) gradient, written in place; ``ValueError`` if it is sparse."""
-        grad = self.weight.grad
+        """The weight's (V, D) gradient (this rank's (V_p, D) rows under FSDP2), written in place; ``ValueError``
+        if it is sparse."""
+        grad = local(self.weight.grad)
         if grad is not None and grad.layout != torch.strided:
             raise ValueError(
                 f"layer {self.name!r}: the embedding's gradient is sparse ({grad.layout}); hylo preconditions "
@@ -103,3 +106,27 @@ class EmbeddingMath(LayerMath):
     def write_weight_matrix(self, weight_grad: Tensor, matrix: Tensor) -> None:
         """Write a (d_g, d_a) matrix transposed into ``weight.grad`` in place (its dtype kept)."""
         weight_grad.copy_(matrix.mT)
+
+    def sharding_problem(self) -> str | None:
+        """None for ``fully_shard``'s layout: the weight's dim-0 shards are columns of ∇W (a slice of the vocabulary;
+        docs/distributed.md, "FSDP2")."""
+        weight = self.weight
+        return placement_problem(weight) if is_sharded(weight) else None
+
+    def grad_shard(self) -> GradShard | None:
+        """The columns of ∇W (tokens) this rank holds under FSDP2, or None when unsharded."""
+        return grad_shard(self.weight, axis=1)
+
+    def grad_parts(self) -> GradMatrix | None:
+        """∇W = ``weight.grad``ᵀ, (d_g, d_a) = (embedding_dim, num_embeddings), a view (under FSDP2 this rank's
+        columns of it); None before backward."""
+        self._check_shapes()
+        grad = self.weight_grad()
+        return None if grad is None else GradMatrix(self.weight_matrix(grad), None, self.grad_shard())
+
+    def set_grad_matrix(self, matrix: Tensor) -> None:
+        """Write a (d_g, d_a) matrix (this rank's columns under FSDP2) transposed into ``weight.grad`` in place."""
+        self._check_shapes()
+        grad = self.weight_grad()
+        assert grad is not None
+        self.write_weight_matrix(grad, matrix)

@@ -15,24 +15,27 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class RowShard:
-    """Rows ``start:stop`` of a matrix of ``total`` rows: the part of ∇W one rank holds under FSDP2."""
+class GradShard:
+    """The part of ∇W one rank holds under FSDP2: rows (``axis`` 0) or columns (``axis`` 1) ``start:stop`` of
+    ``total`` (docs/distributed.md, "FSDP2")."""
 
     start: int
     stop: int
     total: int
+    axis: int = 0
 
 
 @dataclass(frozen=True)
 class GradMatrix:
     """∇W = [weight | bias]: ``weight`` (d_g, d_w) and ``bias`` (d_g,) or None (then d_a = d_w).
 
-    With ``rows`` set, the parts are only those rows of ∇W (``weight`` (stop − start, d_w)).
+    With ``shard`` set, the parts are only those rows of ∇W (``weight`` (stop − start, d_w)), or those
+    columns (``weight`` (d_g, stop − start), no bias).
     """
 
     weight: Tensor
     bias: Tensor | None = None
-    rows: RowShard | None = None
+    shard: GradShard | None = None
 
     @classmethod
     def of(cls, grad: Tensor | GradMatrix) -> GradMatrix:
@@ -41,7 +44,7 @@ class GradMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(d_g, d_a); the rows held, under FSDP2."""
+        """(d_g, d_a); the rows or columns held, under FSDP2."""
         return int(self.weight.shape[0]), int(self.weight.shape[1]) + (0 if self.bias is None else 1)
 
     @property
@@ -59,7 +62,7 @@ class GradMatrix:
 
     def to(self, dtype: torch.dtype) -> GradMatrix:
         """Both parts in ``dtype`` (no copy when they already are)."""
-        return GradMatrix(self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype), self.rows)
+        return GradMatrix(self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype), self.shard)
 
     def full(self) -> Tensor:
         """The concatenated (d_g, d_a) matrix (a copy when there is a bias; for the rare paths)."""

@@ -13,14 +13,15 @@ W's last column and every activation row gets a trailing 1. From a mean-reduced 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
 from torch import Tensor, nn
 
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.rows import SampleRows
-from hylo.layers.sharded import is_sharded, local, row_shard, unsupported_layout
+from hylo.layers.sharded import grad_shard, is_sharded, local, unsupported_layout
 from hylo.numerics import working_dtype
 
 
@@ -46,10 +47,10 @@ class LayerMath(ABC):
         self.module = module
         #: The layer's name in messages (the registry sets the module's name in the model).
         self.name = type(module).__name__
-        weight, bias = self.weight, self.bias
-        self._shapes = (tuple(weight.shape), None if bias is None else tuple(bias.shape))
-        self.d_g = int(weight.shape[0])
-        self.d_a = int(weight[0].numel()) + (1 if bias is not None else 0)
+        self._shapes = self._current_shapes()
+        weight_shape, bias_shape = self._shapes
+        self.d_g = int(weight_shape[0])
+        self.d_a = math.prod(weight_shape[1:]) + (1 if bias_shape is not None else 0)
 
     @property
     def weight(self) -> Tensor:
@@ -64,10 +65,14 @@ class LayerMath(ABC):
         bias = getattr(self.module, "bias", None)
         return bias if isinstance(bias, Tensor) else None
 
+    def _current_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """The weight's and bias's shapes now (the bias's None without a bias)."""
+        weight, bias = self.weight, self.bias
+        return tuple(weight.shape), None if bias is None else tuple(bias.shape)
+
     def _check_shapes(self) -> None:
         """Raise ``ValueError`` if the weight or bias no longer has its shape at registration."""
-        bias = self.bias
-        now = (tuple(self.weight.shape), None if bias is None else tuple(bias.shape))
+        now = self._current_shapes()
         if now != self._shapes:
             raise ValueError(
                 f"layer {self.name!r}: weight/bias shapes are now {now[0]}/{now[1]}, registered as "
@@ -157,6 +162,10 @@ class LayerMath(ABC):
         )
         return unsupported_layout(weight, bias, self.d_g, own)
 
+    def grad_shard(self) -> GradShard | None:
+        """The rows of ∇W this rank holds under FSDP2 (the weight's dim-0 shard), or None when unsharded."""
+        return grad_shard(self.weight)
+
     def grad_parts(self) -> GradMatrix | None:
         """∇W as views of the weight's and bias's gradients (docs/design.md, "Memory"), or None before backward;
         under FSDP2 this rank's rows of it (docs/distributed.md, "FSDP2")."""
@@ -164,15 +173,15 @@ class LayerMath(ABC):
         weight_grad, bias = self.weight_grad(), self.bias
         if weight_grad is None:
             return None
+        shard = self.grad_shard()
+        rows = self.d_g if shard is None else shard.stop - shard.start
         bias_grad = None
         if bias is not None:
             bias_grad = self.bias_grad()
             if bias_grad is None:
-                bias_grad = torch.zeros_like(local(bias))
-        shard = row_shard(self.weight, self.d_g)
+                bias_grad = torch.zeros_like(bias) if shard is None else weight_grad.new_zeros(rows)
         if shard is None:
             return GradMatrix(self.weight_matrix(weight_grad), None if bias_grad is None else bias_grad.reshape(-1))
-        rows = shard.stop - shard.start
         if weight_grad.shape[0] != rows:
             raise ValueError(
                 f"layer {self.name!r}: its gradient holds {weight_grad.shape[0]} rows where the sharding gives "

@@ -88,6 +88,11 @@ class SampleRows(ABC):
         under FSDP2 (docs/distributed.md, "FSDP2")."""
 
     @abstractmethod
+    def input_columns(self, start: int, stop: int) -> SampleRows:
+        """Every U_i restricted to its columns ``start:stop`` (of d_a): the part that meets a rank's columns of ∇W
+        under FSDP2 (an embedding's slice of the vocabulary)."""
+
+    @abstractmethod
     def to(self, dtype: torch.dtype) -> SampleRows:
         """The rows in ``dtype``."""
 
@@ -154,6 +159,10 @@ class FactoredRows(SampleRows):
     def output_rows(self, start: int, stop: int) -> FactoredRows:
         """g_i restricted to ``start:stop`` (a_i kept; a subclass keeps its other fields)."""
         return dataclasses.replace(self, g=self.g[:, start:stop])
+
+    def input_columns(self, start: int, stop: int) -> FactoredRows:
+        """a_i restricted to ``start:stop`` (g_i kept), as plain factored rows."""
+        return FactoredRows(self.a[:, start:stop], self.g)
 
     def to(self, dtype: torch.dtype) -> FactoredRows:
         """The rows in ``dtype``."""
@@ -226,6 +235,10 @@ class DenseRows(SampleRows):
     def output_rows(self, start: int, stop: int) -> DenseRows:
         """U_i's rows ``start:stop``."""
         return DenseRows(self.u[:, start:stop])
+
+    def input_columns(self, start: int, stop: int) -> DenseRows:
+        """U_i's columns ``start:stop``."""
+        return DenseRows(self.u[:, :, start:stop])
 
     def to(self, dtype: torch.dtype) -> DenseRows:
         """The rows in ``dtype``."""

@@ -4,10 +4,12 @@
 torch.chunk-style: with n rows and P ranks, rank p holds rows [p·c, min((p + 1)·c, n)) with
 c = ⌈n/P⌉ (empty on the last ranks when n < P·c). A Linear's or Conv2d's weight has ∇W's rows
 on dim 0 and its bias is sharded the same way, so a rank's weight and bias shards are the rows
-``start:stop`` of ∇W = [weight | bias] (:class:`~hylo.layers.gradmatrix.RowShard`).
+``start:stop`` of ∇W = [weight | bias] (:class:`~hylo.layers.gradmatrix.GradShard`); an embedding's
+weight is ∇Wᵀ, so its shards are columns of ∇W, and an attention's packed ``in_proj_weight`` holds
+q, k and v as row blocks, so a shard is a (possibly empty) block of rows of each.
 
 :func:`local` reads a parameter or gradient as this rank's tensor (the identity on a plain
-tensor); :func:`unsupported_layout` says why a layer's layout cannot be preconditioned by rows.
+tensor); :func:`unsupported_layout` says why a layer's layout cannot be preconditioned by rows or columns.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from hylo.layers.gradmatrix import RowShard
+from hylo.layers.gradmatrix import GradShard
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -45,14 +47,32 @@ def local(tensor: Tensor | None) -> Tensor | None:
     return tensor
 
 
-def row_shard(param: Tensor, rows: int) -> RowShard | None:
-    """The rows of a ``rows``-row matrix this rank holds when ``param`` is sharded on dim 0, else None."""
+def dim0_chunk(param: Tensor) -> tuple[int, int] | None:
+    """The indices ``start:stop`` of ``param``'s dim 0 this rank holds when it is sharded on dim 0, else None."""
     if not is_sharded(param):
         return None
     mesh: Any = param.device_mesh  # type: ignore[attr-defined]
-    chunk = -(-rows // mesh.size())
-    start = min(mesh.get_coordinate()[0] * chunk, rows)
-    return RowShard(start, min(start + chunk, rows), rows)
+    total = int(param.shape[0])
+    chunk = -(-total // mesh.size())
+    start = min(mesh.get_coordinate()[0] * chunk, total)
+    return start, min(start + chunk, total)
+
+
+def grad_shard(param: Tensor, axis: int = 0) -> GradShard | None:
+    """The part of ∇W this rank holds when ``param``'s dim 0 is ∇W's rows (``axis`` 0) or columns (``axis`` 1)."""
+    held = dim0_chunk(param)
+    return None if held is None else GradShard(*held, int(param.shape[0]), axis)
+
+
+def placement_problem(param: Tensor, what: str = "its weight") -> str | None:
+    """Why ``param`` (a DTensor) is not placed as ``fully_shard`` places it (dim 0 over a 1-D mesh), or None."""
+    mesh: Any = param.device_mesh  # type: ignore[attr-defined]
+    if mesh.ndim != 1:
+        return f"{what} is on a {mesh.ndim}-D device mesh (HSDP or FSDP with tensor parallel); only 1-D meshes"
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    if placements != (Shard(0),):
+        return f"{what} is placed {placements} (tensor parallel?); only fully_shard's (Shard(dim=0),)"
+    return None
 
 
 def unsupported_layout(weight: Tensor, bias: Tensor | None, d_g: int, own_grads: bool) -> str | None:
@@ -63,18 +83,17 @@ def unsupported_layout(weight: Tensor, bias: Tensor | None, d_g: int, own_grads:
     """
     if not is_sharded(weight):
         return "its bias is a DTensor but its weight is not"
-    mesh: Any = weight.device_mesh  # type: ignore[attr-defined]
-    if mesh.ndim != 1:
-        return f"its weight is on a {mesh.ndim}-D device mesh (HSDP or FSDP with tensor parallel); only 1-D meshes"
-    placements = tuple(weight.placements)  # type: ignore[attr-defined]
-    if placements != (Shard(0),):
-        return f"its weight is placed {placements} (tensor parallel?); only fully_shard's (Shard(dim=0),)"
+    if (problem := placement_problem(weight)) is not None:
+        return problem
     if bias is not None and (
         not is_sharded(bias)
-        or bias.device_mesh != mesh  # type: ignore[attr-defined]
+        or bias.device_mesh != weight.device_mesh  # type: ignore[attr-defined]
         or tuple(bias.placements) != (Shard(0),)  # type: ignore[attr-defined]
     ):
         return "its bias is not sharded like its weight (Shard(dim=0) on the same mesh)"
     if not own_grads or int(weight.shape[0]) != d_g:
-        return "its ∇W's rows are not its weight's dim 0 (hylo shards Linear-like and Conv2d layers by rows)"
+        return (
+            "its layer type does not say which rows or columns of ∇W its weight's dim-0 shards are (hylo knows "
+            "Linear-like, Conv2d, nn.Embedding and nn.MultiheadAttention's packed projections)"
+        )
     return None

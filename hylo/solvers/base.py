@@ -55,17 +55,23 @@ class LayerState(ABC):
         """Every tensor of the state, by name (what ``state_dict`` saves)."""
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """Under FSDP2, this rank's share of what :meth:`precondition` needs from the other ranks' rows of
-        ∇W (``grad`` holds rows ``grad.rows``), and how the ranks combine it (docs/distributed.md, "FSDP2").
+        """Under FSDP2, this rank's share of what :meth:`precondition` needs from the other ranks' rows (or
+        columns) of ∇W (``grad`` holds ``grad.shard``), and how the ranks combine it (docs/distributed.md, "FSDP2").
 
-        The default gathers ∇W whole (:attr:`Exchange.ROWS`); a state that needs less overrides this.
+        The default gathers ∇W whole (:attr:`Exchange.ROWS`, columns as rows of ∇Wᵀ); a state that needs less
+        overrides this.
         """
-        return Exchange.ROWS, grad.full()
+        assert grad.shard is not None
+        return Exchange.ROWS, grad.full() if grad.shard.axis == 0 else grad.full().mT.contiguous()
 
     def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows of V̂ from its ``grad`` and the combined :meth:`shard_partial` of every rank."""
-        assert grad.rows is not None
-        return self.precondition(received)[grad.rows.start : grad.rows.stop]
+        """This rank's rows (or columns) of V̂ from its ``grad`` and the combined :meth:`shard_partial` of every
+        rank."""
+        shard = grad.shard
+        assert shard is not None
+        if shard.axis == 0:
+            return self.precondition(received)[shard.start : shard.stop]
+        return self.precondition(received.mT)[:, shard.start : shard.stop]
 
     def carried(self) -> dict[str, Tensor]:
         """Tensors the next update of the same family builds on (K-FAC's running factors)."""

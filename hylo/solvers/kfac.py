@@ -69,15 +69,24 @@ class KFACState(LayerState):
         return (self.evecs_g @ rotated @ self.evecs_a.mT).to(parts.dtype)
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's rows of ∇W Q_a: Q_gᵀ (∇W Q_a) mixes all rows, so they are gathered (d_g·d_a numbers)."""
-        return Exchange.ROWS, grad.to(self.evecs_a.dtype).times(self.evecs_a)
+        """This rank's part of ∇W Q_a: Q_gᵀ (∇W Q_a) mixes all rows, so a rank's rows of it are gathered; from a
+        rank's columns of ∇W, ∇W Q_a is a sum over ranks (d_g·d_a numbers either way)."""
+        shard = grad.shard
+        assert shard is not None
+        work = grad.to(self.evecs_a.dtype)
+        if shard.axis == 0:
+            return Exchange.ROWS, work.times(self.evecs_a)
+        return Exchange.SUM, work.times(self.evecs_a[shard.start : shard.stop])
 
     def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows of V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ from the gathered ∇W Q_a."""
-        assert grad.rows is not None
+        """This rank's rows (or columns) of V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ from the whole ∇W Q_a."""
+        shard = grad.shard
+        assert shard is not None
         rotated = self.evecs_g.mT @ received
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-        return (self.evecs_g[grad.rows.start : grad.rows.stop] @ rotated @ self.evecs_a.mT).to(grad.dtype)
+        if shard.axis == 0:
+            return (self.evecs_g[shard.start : shard.stop] @ rotated @ self.evecs_a.mT).to(grad.dtype)
+        return (self.evecs_g @ rotated @ self.evecs_a[shard.start : shard.stop].mT).to(grad.dtype)
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and eigendecompositions by name."""

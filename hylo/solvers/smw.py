@@ -57,21 +57,24 @@ class LowRankState(LayerState):
         return self.rows.combine(work, c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows: its rows of U_k against its rows of ∇W
-        (m numbers, summed over ranks)."""
+        """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows (or columns): its rows of U_k against its
+        rows of ∇W (m numbers, summed over ranks)."""
         rows = self._rows_of(grad)
         return Exchange.SUM, rows.project(grad.to(rows.dtype))
 
     def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows of V̂ = (∇W − Σ c_k U_k / D)/λ with c = M z from the summed z."""
+        """This rank's rows (or columns) of V̂ = (∇W − Σ c_k U_k / D)/λ with c = M z from the summed z."""
         rows = self._rows_of(grad)
         inv_damping = 1.0 / self.damping
         c = self.inner @ received
         return rows.combine(grad.to(rows.dtype), c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
 
     def _rows_of(self, grad: GradMatrix) -> SampleRows:
-        assert grad.rows is not None
-        return self.rows.output_rows(grad.rows.start, grad.rows.stop)
+        shard = grad.shard
+        assert shard is not None
+        if shard.axis == 0:
+            return self.rows.output_rows(shard.start, shard.stop)
+        return self.rows.input_columns(shard.start, shard.stop)
 
     def tensors(self) -> dict[str, Tensor]:
         """Rows and the inner matrix: O(m·w + m²) (w = d_a + d_g, or d_a·d_g for dense rows)."""
