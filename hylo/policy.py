@@ -89,7 +89,8 @@ def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig) -> str |
     size = kfac_state_bytes(d_a, d_g, itemsize)
     if limit is None or size <= limit * MB:
         return None
-    return f"K-FAC state {size / MB:,.0f} MB (A {d_a}×{d_a}, G {d_g}×{d_g}) > kfac_max_state_mb={limit:g}"
+    shown = f"{size / MB:,.0f}" if size >= 10 * MB else f"{size / MB:.3g}"
+    return f"K-FAC state {shown} MB (A {d_a}×{d_a}, G {d_g}×{d_g}) > kfac_max_state_mb={limit:g}"
 
 
 def check_kfac_budget(layers: Sequence[tuple[str, str, int, int, torch.dtype]], config: HyLoConfig) -> None:
