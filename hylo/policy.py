@@ -229,8 +229,10 @@ class SolverPolicy:
             return config.solver, "fixed"
         if stats.cost_sngd <= stats.budget:
             return "sngd", "fidelity"
-        if stats.cost_kfac <= stats.budget or stats.cost_kfac <= stats.cost_lowrank:
-            if refused is None:
-                return "kfac", "fidelity" if stats.cost_kfac <= stats.budget else "cost"
-            return regime_variant(stats.step, stats.critical, policy)[0], "memory"
+        if refused is not None:  # vocabulary-sized: the cheaper variant (docs/hybrid-policy.md, "Memory budget")
+            return min((policy.critical_variant, policy.stable_variant), key=lambda v: stats.costs[v]), "memory"
+        if stats.cost_kfac <= stats.budget:
+            return "kfac", "fidelity"
+        if stats.cost_kfac <= stats.cost_lowrank:
+            return "kfac", "cost"
         return regime_variant(stats.step, stats.critical, policy)

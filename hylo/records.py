@@ -9,8 +9,8 @@ from typing import Literal, get_args
 #: Why a solver was chosen (see :class:`Decision`).
 #: ``"planned"``: the backward reduced the layer's calls for another family than the update's decision
 #: (docs/design.md, "Memory"), so the update keeps the family the data was reduced for.
-#: ``"memory"``: the rule would take K-FAC, but the layer's K-FAC state is over ``kfac_max_state_mb``, so it
-#: takes the regime's low-rank variant (docs/hybrid-policy.md, "Decisions and reasons").
+#: ``"memory"``: the layer's K-FAC state is over ``kfac_max_state_mb``: it takes the cheaper of the critical
+#: and stable low-rank variants (docs/hybrid-policy.md, "Memory budget").
 Reason = Literal[
     "override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable", "planned", "memory"
 ]
