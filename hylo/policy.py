@@ -96,13 +96,13 @@ def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig) -> str |
 def check_kfac_budget(layers: Sequence[tuple[str, str, int, int, torch.dtype]], config: HyLoConfig) -> None:
     """``ValueError`` naming every layer (name, module type, d_a, d_g, working dtype) configured for K-FAC
     (``solver`` or a ``layer_solvers`` entry) whose state would exceed ``kfac_max_state_mb``."""
-    refused = []
+    refused, names = [], []
     for name, kind, d_a, d_g, dtype in layers:
         why = kfac_refusal(d_a, d_g, dtype.itemsize, config)
         if why is not None and config.initial_solver(name) == "kfac":
             refused.append(f"{name!r} ({kind}, {str(dtype).removeprefix('torch.')}): {why}")
+            names.append(name)
     if refused:
-        names = [entry.split("'")[1] for entry in refused]
         raise ValueError(
             f"K-FAC would hold more than kfac_max_state_mb per layer for {'; '.join(refused)}. Use solver='hybrid' "
             f"(it gives such layers a low-rank solver), leave them to the optimizer with skip_layers={names}, or opt "

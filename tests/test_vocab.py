@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
+from hylo.distributed import BucketedCommunicator
+from hylo.distributed.payload import Payload
+from hylo.layers import EmbeddingMath
+from hylo.layers.rows import FactoredRows, OneHotRows, rows_from_fields
 from hylo.policy import MB, kfac_state_bytes
+from tests.kit.cluster import ThreadCluster
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -230,3 +235,51 @@ def test_summary_columns_stay_aligned_for_long_names() -> None:
         end = lines[0].index(column) + len(column)
         for line in lines[1:]:
             assert line[end] == " " and line[end - 1] != " ", (column, line)
+
+
+# ------------------------------------------------------------------------------------ one-hot rows
+def test_one_hot_rows_gathered_from_two_ranks_are_the_concatenated_rows() -> None:
+    """Rank 0 has four token rows (one padding), rank 1 none: the all-gather of their fields (indices and g,
+    no V-wide one-hot matrix) gives back rank 0's rows as one-hot rows, and their kernel equals the one-hot
+    product's."""
+    math = EmbeddingMath(nn.Embedding(V, D, padding_idx=7))
+    tokens, grad_out = torch.tensor([3, 7, 299, 3]), torch.randn(4, D)
+    mine = [math.lowrank_rows(tokens, grad_out, 4.0), math.empty_rows()]
+
+    def body(rank: int, comm: BucketedCommunicator) -> OneHotRows:
+        fields = mine[rank].fields()
+        assert fields.keys() == {"tokens", "g"} and fields["tokens"].shape == (mine[rank].count, 1)
+        received = comm.all_gather_rows(Payload({("tokens", k): v for k, v in fields.items()})).wait()
+        rows = rows_from_fields(received.fields("tokens"), D, V)
+        assert isinstance(rows, OneHotRows)
+        return rows
+
+    for rows in ThreadCluster(2, timeout=30.0).run(body):
+        assert rows.tokens.tolist() == [3, -1, 299, 3] and torch.equal(rows.g, mine[0].g)
+        assert torch.equal(rows.kernel(), FactoredRows(rows.a, rows.g).kernel())
+
+
+def test_a_checkpoint_of_one_hot_rows_resumes_exactly_and_bad_tokens_are_refused() -> None:
+    model, twin = TinyLM(), TinyLM()
+    pre = HyLoPreconditioner(model, solver="kid", damping=0.1, update_freq=2, kfac_max_state_mb=None)
+    _train(model, pre, steps=1)
+    saved = pre.state_dict()
+    assert set(saved["layers"]["tokens"]["tensors"]) == {"tokens", "g", "inner"}
+    other = HyLoPreconditioner(twin, solver="kid", damping=0.1, update_freq=2)
+    twin.load_state_dict(model.state_dict())
+    other.load_state_dict(saved)
+    x, y = _batch(7)
+    grads = []
+    for net, p in ((model, pre), (twin, other)):
+        net.zero_grad()
+        F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+        p.step()  # an apply step: the restored one-hot rows precondition
+        grads.append(net.tokens.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    for bad in (1.5, float(V), -2.0):
+        tensors = dict(saved["layers"]["tokens"]["tensors"])
+        tensors["tokens"] = tensors["tokens"].clone()
+        tensors["tokens"][0, 0] = bad
+        layers = {**saved["layers"], "tokens": {**saved["layers"]["tokens"], "tensors": tensors}}
+        with pytest.raises(ValueError, match="tokens must be integers"):
+            other.load_state_dict({**saved, "layers": layers})
