@@ -38,9 +38,11 @@ from hylo.rules import (
     is_bool,
     is_real,
     option,
+    window_decay,
 )
-from hylo.solvers import HYBRID, solver_names, variant_names
+from hylo.solvers import HYBRID, solver_names
 from hylo.solvers.lowrank import rows_for_ratio
+from hylo.solvers.registry import solver_rule, variant_rule
 
 T = TypeVar("T", int, float)
 #: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
@@ -53,20 +55,6 @@ KISEstimator = Literal["unbiased", "hylo"]
 #: The studies ``studies`` accepts (docs/profiling.md, "Studies").
 Study = Literal["grad_norm", "rank", "grad_error"]
 STUDIES: tuple[Study, ...] = get_args(Study)
-
-
-def _solver(allow_hybrid: bool) -> Rule:
-    def holds(name: object) -> bool:
-        return name in solver_names() or (allow_hybrid and name == HYBRID)
-
-    return Rule(holds, lambda: f"one of {solver_names() + ((HYBRID,) if allow_hybrid else ())}")
-
-
-def _variant() -> Rule:
-    return Rule(
-        lambda name: name in variant_names(),
-        lambda: f"a registered low-rank variant, one of {variant_names()}",
-    )
 
 
 # --------------------------------------------------------------------------- sections
@@ -95,6 +83,15 @@ class KFACConfig(Section):
         "positions: 1 is Grosse & Martens' KFC, 2 fully correlated positions, 0 a position per sample",
         rule=Rule(lambda x: is_real(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
         fixed=True,
+    )
+    kfac_max_state_mb: float | None = option(
+        2048.0,
+        doc="the most MB of one layer's K-FAC state (A, G, their eigenvectors and eigenvalues: 2(d_a² + d_g²) + "
+        "d_a + d_g numbers in the working dtype, held on every rank), known at construction: over it "
+        "solver='kfac' (or a layer_solvers entry) refuses the layer, naming it, and hybrid never gives it K-FAC. "
+        "2048 (MB of 2²⁰ bytes, an eighth of a 16 GB GPU) keeps K-FAC for layers up to 11,585 wide (a 4096×11008 "
+        "MLP: 1,053 MB) and refuses vocabulary-sized ones (V = 32,000: 7,813 MB); inf or None: no limit",
+        rule=Rule(lambda x: is_real(x) and x > 0, "a number > 0 (inf or None: no limit)"),
     )
 
     def __post_init__(self) -> None:
@@ -224,8 +221,10 @@ class PolicyConfig(Section):
         "keep it critical); 0 disables the noise floor",
         rule=NON_NEGATIVE,
     )
-    critical_variant: str = option("kid", doc="the low-rank variant of a layer in the critical regime", rule=_variant())
-    stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=_variant())
+    critical_variant: str = option(
+        "kid", doc="the low-rank variant of a layer in the critical regime", rule=variant_rule()
+    )
+    stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=variant_rule())
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -362,7 +361,7 @@ class HyLoConfig(Section):
     solver: str = option(
         HYBRID,
         doc="'kfac', 'sngd', 'kid', 'kis' (or a registered variant), or 'hybrid' to choose one per layer and update",
-        rule=_solver(allow_hybrid=True),
+        rule=solver_rule(allow_hybrid=True),
     )
     update_freq: IntHyper = option(
         10, doc="steps between curvature updates (step 0 is an update step)", rule=COUNT, schedule=True
@@ -478,11 +477,6 @@ for _spec_ in options():
     _SPECS[_spec_.name] = _spec_
 #: Each option's section (None: the top level), by flat name.
 _SECTION_OF: dict[str, str | None] = {name: spec.section for name, spec in _SPECS.items()}
-
-
-def window_decay(window: int) -> float:
-    """EMA decay whose effective memory is ``window`` steps: 1 − 2/(window + 1)."""
-    return 1.0 - 2.0 / (window + 1)
 
 
 def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:

@@ -72,6 +72,44 @@ def is_dynamic(config: HyLoConfig) -> bool:
     return config.solver == HYBRID or config.policy.solver_fn is not None
 
 
+#: Bytes of a MB in ``kfac_max_state_mb``.
+MB = 2**20
+
+
+def kfac_state_bytes(d_a: int, d_g: int, itemsize: int) -> int:
+    """Bytes of one layer's K-FAC state as :class:`~hylo.solvers.kfac.KFACState` holds it: the running A
+    (d_a×d_a, dense also for an embedding's diagonal one) and G (d_g×d_g), their eigenvectors (the same
+    sizes) and eigenvalues (d_a + d_g), in the working dtype."""
+    return (2 * (d_a * d_a + d_g * d_g) + d_a + d_g) * itemsize
+
+
+def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig) -> str | None:
+    """Why a (d_g, d_a) layer never gets K-FAC (its state over ``kfac_max_state_mb``), or None."""
+    limit = config.kfac.kfac_max_state_mb
+    size = kfac_state_bytes(d_a, d_g, itemsize)
+    if limit is None or size <= limit * MB:
+        return None
+    shown = f"{size / MB:,.0f}" if size >= 10 * MB else f"{size / MB:.3g}"
+    return f"K-FAC state {shown} MB (A {d_a}×{d_a}, G {d_g}×{d_g}) > kfac_max_state_mb={limit:g}"
+
+
+def check_kfac_budget(layers: Sequence[tuple[str, str, int, int, torch.dtype]], config: HyLoConfig) -> None:
+    """``ValueError`` naming every layer (name, module type, d_a, d_g, working dtype) configured for K-FAC
+    (``solver`` or a ``layer_solvers`` entry) whose state would exceed ``kfac_max_state_mb``."""
+    refused, names = [], []
+    for name, kind, d_a, d_g, dtype in layers:
+        why = kfac_refusal(d_a, d_g, dtype.itemsize, config)
+        if why is not None and config.initial_solver(name) == "kfac":
+            refused.append(f"{name!r} ({kind}, {str(dtype).removeprefix('torch.')}): {why}")
+            names.append(name)
+    if refused:
+        raise ValueError(
+            f"K-FAC would hold more than kfac_max_state_mb per layer for {'; '.join(refused)}. Use solver='hybrid' "
+            f"(it gives such layers a low-rank solver), leave them to the optimizer with skip_layers={names}, or opt "
+            "in with kfac_max_state_mb=None (or a larger budget) if the device has the memory"
+        )
+
+
 def in_critical_window(step: int, config: PolicyConfig) -> bool:
     """HyLo's ``--adaptive a0 a1 a2`` with I steps per epoch: critical iff step < I·a0 or I·a1 < step ≤ I·a2.
 
@@ -147,7 +185,8 @@ class SolverPolicy:
                 lowrank,
                 budget,
             )
-            solver, reason = self._choose(stats, config)
+            refused = kfac_refusal(shape.d_a, shape.d_g, shape.itemsize, config)
+            solver, reason = self._choose(stats, config, refused)
             decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], costs, lowrank))
         return decisions
 
@@ -168,7 +207,8 @@ class SolverPolicy:
         return dataclasses.replace(decision, solver=solver, reason="planned")
 
     @staticmethod
-    def _choose(stats: LayerStats, config: HyLoConfig) -> tuple[str, Reason]:
+    def _choose(stats: LayerStats, config: HyLoConfig, refused: str | None) -> tuple[str, Reason]:
+        """The rule of the module docstring; ``refused``: why the layer never gets K-FAC (:func:`kfac_refusal`)."""
         policy = config.policy
         forced = policy.override_for(stats.name)
         if forced is not None:
@@ -179,11 +219,18 @@ class SolverPolicy:
                 raise ValueError(
                     f"solver_fn returned {chosen!r} for layer {stats.name!r}; expected one of {solver_names()}"
                 )
+            if chosen == "kfac" and refused is not None:
+                raise ValueError(
+                    f"solver_fn returned 'kfac' for layer {stats.name!r}: {refused}; return a low-rank solver "
+                    "for it, or raise kfac_max_state_mb"
+                )
             return chosen, "solver_fn"
         if config.solver != HYBRID:
             return config.solver, "fixed"
         if stats.cost_sngd <= stats.budget:
             return "sngd", "fidelity"
+        if refused is not None:  # vocabulary-sized: the cheaper variant (docs/hybrid-policy.md, "Memory budget")
+            return min((policy.critical_variant, policy.stable_variant), key=lambda v: stats.costs[v]), "memory"
         if stats.cost_kfac <= stats.budget:
             return "kfac", "fidelity"
         if stats.cost_kfac <= stats.cost_lowrank:

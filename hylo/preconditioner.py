@@ -31,12 +31,12 @@ from hylo.layers.registry import register_layers, supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.memory import MemoryUsage
 from hylo.planner import STATISTICS, Planner
-from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
+from hylo.policy import SolverPolicy, check_kfac_budget, decode_decisions, encode_decisions, is_dynamic
 from hylo.records import Decision, LayerInfo, format_summary
 from hylo.solvers import RemoteState
 from hylo.solvers.base import UpdateJob
 from hylo.stage import UpdateStage
-from hylo.state import UNSOLVED, RegisteredLayer
+from hylo.state import UNSOLVED, RegisteredLayer, registered_layers
 from hylo.step import Outcome, StepValues, precondition
 from hylo.telemetry.monitor import Telemetry
 from hylo.version import __version__
@@ -103,9 +103,7 @@ class HyLoPreconditioner:
         self._removed = False
         found = register_layers(model, self._config, _weakly(self._capturing, lambda name: False))
         self._registration = found
-        self._layers = [
-            RegisteredLayer(f.name, f.math, f.capture, self._config.initial_solver(f.name)) for f in found.layers
-        ]
+        self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         for index, layer in enumerate(self._layers):
             layer.capture.reducer = self._reducer(index)
@@ -152,6 +150,7 @@ class HyLoPreconditioner:
         changed = sorted(name for name in FIXED_OPTIONS if new.value(name) != self._config.value(name))
         if changed:
             raise ValueError(f"options {changed} cannot change after construction: create a new HyLoPreconditioner")
+        check_kfac_budget([layer.shape() for layer in self._layers], new)
         if new.lowrank.seed != self._config.lowrank.seed:
             self._generator = torch.Generator().manual_seed(new.lowrank.seed)
         self._config = new
@@ -379,7 +378,7 @@ class HyLoPreconditioner:
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
         """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
-        return [layer.info() for layer in self._layers]
+        return [layer.info(self._config) for layer in self._layers]
 
     def solver_of(self, name: str) -> str:
         """The solver layer ``name`` used at the latest update (its configured one before any)."""

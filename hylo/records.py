@@ -9,7 +9,11 @@ from typing import Literal, get_args
 #: Why a solver was chosen (see :class:`Decision`).
 #: ``"planned"``: the backward reduced the layer's calls for another family than the update's decision
 #: (docs/design.md, "Memory"), so the update keeps the family the data was reduced for.
-Reason = Literal["override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable", "planned"]
+#: ``"memory"``: the layer's K-FAC state is over ``kfac_max_state_mb``: it takes the cheaper of the critical
+#: and stable low-rank variants (docs/hybrid-policy.md, "Memory budget").
+Reason = Literal[
+    "override", "solver_fn", "fixed", "fidelity", "cost", "epoch window", "critical", "stable", "planned", "memory"
+]
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
@@ -93,17 +97,25 @@ class LayerInfo:
     #: The rank that solved the layer's current state (0 before the first update; -1 while only its
     #: carried statistics are held, after a checkpoint from another world size, until the next update).
     owner: int
+    #: Why the layer is kept from a solver, e.g. its K-FAC state over ``kfac_max_state_mb`` (empty: nothing).
+    note: str = ""
 
 
 def format_summary(head: str, layers: Sequence[LayerInfo], left_alone: Sequence[tuple[str, str]]) -> str:
-    """``summary()``'s table: ``head``, one line per registered layer, one per module left alone and why."""
-    width = max([9, *(len(info.module_type) for info in layers)])
-    lines = [head, f"  {'layer':<32} {'type':<{width}} {'d_a':>7} {'d_g':>7} {'bias':>5}  solver"]
-    for info in layers:
-        lines.append(
-            f"  {info.name:<32} {info.module_type:<{width}} {info.d_a:>7} {info.d_g:>7} {str(info.bias):>5}"
-            f"  {info.solver}"
-        )
+    """``summary()``'s table: ``head``, one line per registered layer, one per module left alone and why.
+
+    Every column is as wide as its longest entry (Hugging Face module names run past 60 characters), so
+    the columns stay aligned; a layer's note, if any, ends its line."""
+    rows = [("layer", "type", "d_a", "d_g", "bias", "solver", "")]
+    rows += [
+        (i.name, i.module_type, str(i.d_a), str(i.d_g), str(i.bias), i.solver, i.note and f"({i.note})") for i in layers
+    ]
+    widths = [max(len(row[k]) for row in rows) for k in range(6)]
+    lines = [head]
+    for name, kind, d_a, d_g, bias, solver, note in rows:
+        numbers = " ".join(cell.rjust(w) for cell, w in zip((d_a, d_g, bias), widths[2:5], strict=True))
+        line = f"  {name.ljust(widths[0])} {kind.ljust(widths[1])} {numbers}  {solver.ljust(widths[5])}  {note}"
+        lines.append(line.rstrip())
     for name, why in left_alone:
         lines.append(f"  not preconditioned: {name or '<root>'} ({why})")
     return "\n".join(lines)

@@ -72,6 +72,11 @@ REGEXES = Rule(_regexes, "a sequence of valid regular expressions (not a single 
 PATH = Rule(lambda x: isinstance(x, (str, os.PathLike)), "a path or None")
 
 
+def window_decay(window: int) -> float:
+    """EMA decay whose effective memory is ``window`` steps: 1 − 2/(window + 1)."""
+    return 1.0 - 2.0 / (window + 1)
+
+
 def option(
     default: Any = dataclasses.MISSING,
     *,

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from hylo.config import HyLoConfig
 from hylo.layers.capture import LayerCapture
 from hylo.layers.math import LayerMath
+from hylo.layers.registry import Registration
+from hylo.policy import check_kfac_budget, kfac_refusal
 from hylo.records import LayerInfo
 from hylo.solvers import HeldState
 
@@ -28,9 +33,29 @@ class RegisteredLayer:
     state: HeldState | None = None
     owner: int = 0
 
-    def info(self) -> LayerInfo:
-        """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it."""
+    def info(self, config: HyLoConfig) -> LayerInfo:
+        """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it, with why ``config`` keeps it
+        from K-FAC, if it does."""
         math = self.math
+        why = kfac_refusal(math.d_a, math.d_g, math.dtype.itemsize, config)
+        note = "" if why is None else f"never K-FAC: {why}"
         return LayerInfo(
-            self.name, math.module_type, math.d_a, math.d_g, math.bias is not None, self.solver, self.owner
+            self.name, math.module_type, math.d_a, math.d_g, math.bias is not None, self.solver, self.owner, note
         )
+
+    def shape(self) -> tuple[str, str, int, int, torch.dtype]:
+        """(name, module type, d_a, d_g, working dtype): what the K-FAC memory budget reads."""
+        return self.name, self.math.module_type, self.math.d_a, self.math.d_g, self.math.dtype
+
+
+def registered_layers(found: Registration, config: HyLoConfig) -> list[RegisteredLayer]:
+    """The layers ``register_layers`` found, each with its initial solver; ``ValueError`` from
+    :func:`~hylo.policy.check_kfac_budget` if one configured for K-FAC is over ``kfac_max_state_mb``, and
+    then every hook ``found`` placed is removed (the model is left as it was)."""
+    layers = [RegisteredLayer(f.name, f.math, f.capture, config.initial_solver(f.name)) for f in found.layers]
+    try:
+        check_kfac_budget([layer.shape() for layer in layers], config)
+    except ValueError:
+        found.remove()
+        raise
+    return layers

@@ -40,7 +40,8 @@ from hylo.layers import (
     layer_math,
     unsupported_reason,
 )
-from hylo.layers.rows import FactoredRows
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.rows import FactoredRows, rows_from_fields
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, rel_err
 from tests.kit.reference import dense_kfac, dense_natural_gradient
 
@@ -179,7 +180,7 @@ def test_embedding_math_shapes_and_factors() -> None:
     torch.testing.assert_close(rows.g, g)
     assert isinstance(rows, OneHotRows)
     assert rows.tokens.tolist() == [1, -1, 1, 4, -1, 0, 1, 10]  # padding marked −1
-    assert math.row_work(8, 8) == 8.0 * V
+    assert math.row_work(8, 8) == 0.0  # no n×V one-hot matrix is built
     batch = LayerBatch.of(math, [(idx, grad_out)], lambda n: n)
     assert batch.shape(1).d_a == V and batch.shape(1).rows == 8
 
@@ -197,7 +198,15 @@ def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
         assert torch.equal(view.kernel(), plain.kernel())
         assert torch.equal(view.sq_norms(), plain.sq_norms())
         assert torch.equal(view.kernel_columns(index[:3]), plain.kernel_columns(index[:3]))
-        assert view.fields().keys() == {"a", "g"}  # what the all-gather sends
+        assert view.fields().keys() == {"tokens", "g"}  # what the all-gather sends: no n×V matrix
+        grad = GradMatrix(torch.randn(D, V, dtype=view.dtype))
+        torch.testing.assert_close(view.project(grad), plain.project(grad), rtol=1e-6, atol=0)
+        coefficients = torch.randn(view.count, dtype=view.dtype)
+        torch.testing.assert_close(
+            view.combine(grad, coefficients, 0.5, -2.0), plain.combine(grad, coefficients, 0.5, -2.0)
+        )
+        again = rows_from_fields(view.fields(), D, V)
+        assert isinstance(again, OneHotRows) and torch.equal(again.tokens, view.tokens)
 
 
 # ---------------------------------------------------------------------------------------- (1) SNGD, (4) KID/KIS at ρ = 1

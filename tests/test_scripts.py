@@ -224,6 +224,20 @@ def test_bench_overhead_times_a_profiled_run(tmp_path: Path) -> None:
         bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, profile_dir=tmp_path)
 
 
+def test_bench_overhead_times_a_language_model_of_a_given_vocabulary() -> None:
+    """``--vocab`` and the size flags reach the model, AdamW runs, and a solver whose construction refuses the
+    model (K-FAC over ``kfac_max_state_mb``) raises before any step."""
+    workload = {"classes": 300, "model_options": {"layers": 1, "width": 16, "heads": 2}, "optimizer": "adamw"}
+    times: list[float] = []
+    seconds = bench_overhead.iteration_time("transformer", "hybrid", 2, 3, 1, 2, 8, times=times, **workload)
+    assert len(times) == 3 and seconds == pytest.approx(sum(times) / 3)
+    bench_overhead.iteration_time("transformer", None, 2, 1, 0, 1, 8, **workload)
+    with pytest.raises(ValueError, match="'tokens' \\(Embedding"):
+        bench_overhead.iteration_time(
+            "transformer", "kfac", 2, 1, 0, 1, 8, options={"kfac_max_state_mb": 0.01}, **workload
+        )
+
+
 def test_kfac_convention_flags_reach_the_preconditioner() -> None:
     cfg = _parse(["--solver", "kfac", "--kfc-exponent", "2", "--damping-convention", "kaisa"])
     assert (cfg.value("kfc_exponent"), cfg.value("damping_convention")) == (2.0, "kaisa")

@@ -24,14 +24,11 @@ class EmbeddingMath(LayerMath):
       factors: V² numbers per factor and an O(V³) eigendecomposition, affordable for
       vocabularies of a few thousand, not for a 50k one (the cost model charges d_a³ = V³, so
       the hybrid policy keeps large vocabularies on the low-rank path).
-    - Low-rank: one factored row per token with a_i the one-hot row (:class:`OneHotRows`), so
-      the kernel's activation part a_iᵀ a_j is δ(t_i = t_j). The rows are built with one
-      ``scatter`` into an n×V zero matrix: n·V numbers (8 MB for 2,048 tokens and V = 1,024 in
-      float32; :meth:`row_work` charges them). The local kernel (KID) and row norms (KIS) use
-      the indices: O(n·r·d_g) and O(n·d_g). After the all-gather the rows are plain factored
-      rows, so the gathered kernel costs O(m²(V + d_g)) and the projection and apply
-      O(m·V·d_g) a step, as for a Linear with d_a = V — fine for character/byte vocabularies;
-      for V in the tens of thousands the n×V rows themselves are the limit.
+    - Low-rank: one factored row per token with a_i the one-hot row, held as the token's index
+      (:class:`OneHotRows`: no n×V one-hot matrix), so the kernel's activation part a_iᵀ a_j is
+      δ(t_i = t_j). The local kernel (KID), the row norms (KIS), the gathered kernel and the
+      projection cost O(n·r·d_g), O(n·d_g), O(m²·d_g) and O(m·d_g); the apply O(m·d_g) plus the
+      d_g×V result. The rows travel and are saved as the indices and g: m·(1 + d_g) numbers.
     - ``padding_idx``: torch gives the padding row a zero gradient, so padding tokens are rows
       with a_i = 0 (they count in n, like any row of a Linear whose input is zero, but add
       nothing to A, to the kernel or to the preconditioned gradient, whose padding column
@@ -64,18 +61,20 @@ class EmbeddingMath(LayerMath):
         return grad_out.reshape(-1, self.d_g).to(self.dtype) * scale
 
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> OneHotRows:
-        """a_i = onehot(t_i) (zero for padding tokens), g_i = scale·∂L/∂s_i: an n×V one-hot matrix."""
+        """a_i = onehot(t_i) held as t_i (−1 for padding tokens), g_i = scale·∂L/∂s_i."""
         tokens, keep = self._tokens(x)
-        dtype = self.dtype
-        a = torch.zeros(tokens.shape[0], self.d_a, dtype=dtype, device=tokens.device)
-        ones = a.new_ones(tokens.shape[0], 1) if keep is None else keep.to(dtype).unsqueeze(1)
-        a.scatter_(1, tokens.unsqueeze(1), ones)
         marked = tokens if keep is None else torch.where(keep, tokens, -1)
-        return OneHotRows(a, self._g(grad_out, scale), marked)
+        return OneHotRows(marked, self._g(grad_out, scale), self.d_a)
+
+    def empty_rows(self) -> OneHotRows:
+        """No rows, as indices (every rank's rows must have one form for the all-gather)."""
+        device = self.weight.device
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return OneHotRows(empty, torch.zeros(0, self.d_g, dtype=self.dtype, device=device), self.d_a)
 
     def row_work(self, rows: int, kfac_rows: int) -> float:
-        """The n×V one-hot matrix written (n·d_a numbers)."""
-        return float(rows) * self.d_a
+        """Nothing beyond a copy: the rows are the indices and the output gradients."""
+        return 0.0
 
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Σ a aᵀ = diag(counts of each token, padding excluded) by ``bincount``; Σ g gᵀ over every token."""

@@ -99,6 +99,10 @@ class LayerMath(ABC):
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
         """Per-sample gradients of one call (output gradients scaled by ``scale``) for the SMW solvers."""
 
+    def empty_rows(self) -> SampleRows | None:
+        """This layer's rows when a rank has none, if not the plain empty factored or dense ones (None)."""
+        return None
+
     @abstractmethod
     def row_work(self, rows: int, kfac_rows: int) -> float:
         """Multiply-adds to build the low-rank rows of ``rows`` samples (``kfac_rows`` positions)."""

@@ -251,6 +251,8 @@ class DenseRows(SampleRows):
 
 def rows_from_fields(fields: Mapping[str, Tensor], d_g: int, d_a: int) -> SampleRows:
     """Rows from :meth:`SampleRows.fields` (possibly gathered from several ranks) of a (d_g, d_a) layer."""
+    if "tokens" in fields:
+        return OneHotRows(fields["tokens"].squeeze(1).to(torch.long), fields["g"], d_a)
     if "u" in fields:
         flat = fields["u"]
         return DenseRows(flat.reshape(flat.shape[0], d_g, d_a))
@@ -261,6 +263,9 @@ def concat_rows(parts: Sequence[SampleRows]) -> SampleRows:
     """The rows of several calls of one layer, in order (all parts of one form)."""
     if len(parts) == 1:
         return parts[0]
+    if all(isinstance(part, OneHotRows) for part in parts):
+        hot = [part for part in parts if isinstance(part, OneHotRows)]
+        return OneHotRows(torch.cat([p.tokens for p in hot]), torch.cat([p.g for p in hot]), hot[0].vocab)
     factored = [part for part in parts if isinstance(part, FactoredRows)]
     if len(factored) == len(parts):
         return FactoredRows(torch.cat([part.a for part in factored]), torch.cat([part.g for part in factored]))
@@ -270,21 +275,59 @@ def concat_rows(parts: Sequence[SampleRows]) -> SampleRows:
     raise TypeError("the calls of one layer produced rows of different forms")
 
 
-@dataclass(frozen=True)
-class OneHotRows(FactoredRows):
-    """Factored rows whose a_i are one-hot (zero for padding), with their token indices kept.
+#: Largest vocabulary whose token indices travel exactly in a float32 field (2²⁴); above it, float64.
+EXACT_FLOAT32_INTEGERS = 2**24
 
-    The same rows as :class:`FactoredRows` (``fields``, the projection and the apply use ``a``),
-    but the kernel's activation part a_iᵀ a_j is δ(t_i = t_j) from the indices, O(m²) instead
-    of O(m²·V), and the row norms skip the one-hot matrix. Selection, rescaling and dtype
-    changes keep the indices, so KID's local kernel and KIS's norms (docs/solvers.md, "KID", "KIS") run on them; after the all-gather the rows are plain :class:`FactoredRows`.
+
+@dataclass(frozen=True)
+class OneHotRows(SampleRows):
+    """Factored rows U_i = g_i a_iᵀ whose a_i are one-hot (zero for padding), held as their token indices.
+
+    No n×V one-hot matrix is ever formed (docs/solvers.md, "Embeddings"): the kernel's activation
+    part a_iᵀ a_j is δ(t_i = t_j), O(m²) instead of O(m²·V); the row norms skip it; the projection
+    g_iᵀ ∇W a_i reads column t_i of ∇W (O(m·d_g)) and Σ c_i U_i adds c_i g_i into column t_i
+    (O(m·d_g), plus the d_g×V result). The rows travel and are saved as ``tokens`` (one number per
+    row, in the rows' dtype while V ≤ 2²⁴, else float64) and ``g``.
     """
 
     #: (m,) token of each row, −1 for a zero row (a padding token).
     tokens: Tensor
+    g: Tensor
+    #: The vocabulary V (d_a).
+    vocab: int
+
+    @property
+    def count(self) -> int:
+        """Number of rows m."""
+        return int(self.g.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the stored rows."""
+        return self.g.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored rows."""
+        return self.g.device
+
+    @property
+    def row_width(self) -> int:
+        """1 + d_g: a token and g_i."""
+        return 1 + int(self.g.shape[1])
+
+    @property
+    def a(self) -> Tensor:
+        """The one-hot rows as an m×V matrix (zero for padding): built on request, for checks only."""
+        a = torch.zeros(self.count, self.vocab, dtype=self.dtype, device=self.device)
+        return a.index_put_((torch.nonzero(self._present()).squeeze(1), self.tokens[self._present()]), a.new_ones(()))
 
     def _present(self) -> Tensor:
         return self.tokens >= 0
+
+    def _columns(self) -> Tensor:
+        """Each row's column of ∇W, padding rows pointed at column 0 (their weight is zeroed)."""
+        return self.tokens.clamp_min(0)
 
     def kernel(self) -> Tensor:
         """δ(t_i = t_j) (G Gᵀ), zero on padding rows: the same numbers as (A Aᵀ) ∘ (G Gᵀ)."""
@@ -302,14 +345,29 @@ class OneHotRows(FactoredRows):
 
     def select(self, index: Tensor) -> OneHotRows:
         """The rows at ``index``."""
-        return OneHotRows(
-            self.a.index_select(0, index), self.g.index_select(0, index), self.tokens.index_select(0, index)
-        )
+        return OneHotRows(self.tokens.index_select(0, index), self.g.index_select(0, index), self.vocab)
 
     def scaled(self, factors: Tensor) -> OneHotRows:
-        """g_i scaled (a_i kept), so U_i scales by ``factors_i``."""
-        return OneHotRows(self.a, self.g * factors.to(self.g.dtype).unsqueeze(1), self.tokens)
+        """g_i scaled, so U_i scales by ``factors_i``."""
+        return OneHotRows(self.tokens, self.g * factors.to(self.g.dtype).unsqueeze(1), self.vocab)
+
+    def project(self, grad: GradMatrix) -> Tensor:
+        """g_iᵀ ∇W[:, t_i] (0 for padding): m columns of ∇W read, O(m·d_g)."""
+        columns = grad.full().index_select(1, self._columns())  # (d_g, m); no copy without a bias
+        return (columns.mT * self.g).sum(dim=1) * self._present().to(self.g.dtype)
+
+    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·∇W + alpha·Σ_i c_i g_i e_{t_i}ᵀ: each row's g_i added into its token's column."""
+        weights = (coefficients * alpha) * self._present().to(coefficients.dtype)
+        out = torch.zeros(grad.shape, dtype=self.g.dtype, device=self.g.device)
+        out.index_add_(1, self._columns(), (self.g * weights.unsqueeze(1)).mT)
+        return grad.add_to(out, beta)
 
     def to(self, dtype: torch.dtype) -> OneHotRows:
         """The rows in ``dtype`` (the indices unchanged)."""
-        return OneHotRows(self.a.to(dtype), self.g.to(dtype), self.tokens)
+        return OneHotRows(self.tokens, self.g.to(dtype), self.vocab)
+
+    def fields(self) -> dict[str, Tensor]:
+        """``tokens`` (a column, exact in the rows' dtype up to V = 2²⁴, else float64) and ``g``."""
+        dtype = self.g.dtype if self.vocab <= EXACT_FLOAT32_INTEGERS else torch.float64
+        return {"tokens": self.tokens.to(dtype).unsqueeze(1), "g": self.g}

@@ -120,6 +120,9 @@ class PerSampleRows(CallStatistic[SampleRows]):
     def empty(self, math: LayerMath) -> SampleRows:
         """No rows, in the layer's form."""
         device = math.weight.device
+        own = math.empty_rows()
+        if own is not None:
+            return own
         if math.dense_rows:
             return DenseRows(torch.zeros(0, math.d_g, math.d_a, dtype=math.dtype, device=device))
         return FactoredRows(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from hylo.rules import Rule
 from hylo.solvers.base import SolverFamily
 from hylo.solvers.kfac import KFACFamily
 from hylo.solvers.lowrank import ExactRows, LowRankFamily, RowReduction, SampledRows, SkeletonRows
@@ -45,6 +46,23 @@ def family_of(solver: str) -> SolverFamily:
 def variant_names() -> tuple[str, ...]:
     """The low-rank variants (the solvers that work on per-sample rows)."""
     return LOWRANK.solvers
+
+
+def solver_rule(allow_hybrid: bool) -> Rule:
+    """An option naming a registered solver (or ``"hybrid"`` when ``allow_hybrid``), checked when it is read."""
+
+    def holds(name: object) -> bool:
+        return name in solver_names() or (allow_hybrid and name == HYBRID)
+
+    return Rule(holds, lambda: f"one of {solver_names() + ((HYBRID,) if allow_hybrid else ())}")
+
+
+def variant_rule() -> Rule:
+    """An option naming a registered low-rank variant."""
+    return Rule(
+        lambda name: name in variant_names(),
+        lambda: f"a registered low-rank variant, one of {variant_names()}",
+    )
 
 
 class VariantHandle:

@@ -88,15 +88,20 @@ class LowRankState(LayerState):
     def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LowRankState:
         """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
         t = {k: v.to(device) for k, v in entry["tensors"].items()}
-        first = "u" if "u" in t else "a"
+        first = next((name for name in ("u", "tokens") if name in t), "a")
         if first not in t:
             raise ValueError("state_dict entry lacks tensor 'a'")
         rows = t[first].shape[0] if t[first].dim() else 0
         if first == "u":
             expected = {"u": (rows, d_g * d_a), "inner": (rows, rows)}
+        elif first == "tokens":
+            expected = {"tokens": (rows, 1), "g": (rows, d_g), "inner": (rows, rows)}
         else:
             expected = {"a": (rows, d_a), "g": (rows, d_g), "inner": (rows, rows)}
         check_shapes(t, expected)
+        tokens = t.get("tokens")
+        if tokens is not None and not bool(((tokens == tokens.round()) & (tokens >= -1) & (tokens < d_a)).all()):
+            raise ValueError(f"state_dict entry's tokens must be integers in [-1, {d_a})")
         if "divisor" not in entry:
             raise ValueError("state_dict entry lacks the low-rank divisor")
         return cls(rows_from_fields(t, d_g, d_a), t["inner"], float(entry["divisor"]), float(entry["damping"]))

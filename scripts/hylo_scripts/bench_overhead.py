@@ -3,10 +3,16 @@
 Example:
     python scripts/bench_overhead.py --model resnet32 --batch-size 128 --steps 30 --update-freq 10
     python scripts/bench_overhead.py --model resnet32 --solvers hybrid kfac --profile
+    python scripts/bench_overhead.py --model transformer --vocab 32000 --layers 2 --width 128 --image-size 64 \
+        --batch-size 32 --optimizer adamw --threads 2 --solvers hybrid kfac
 
-Random inputs of the workload's shape (the data does not change the cost). Reports the mean
+Random inputs of the workload's shape (the data does not change the cost): images, or uniform
+tokens of ``--vocab`` (a language model's vocabulary, a classifier's classes). Reports the mean
 time of an iteration (forward, backward, preconditioner, optimizer) over ``--steps`` after
-``--warmup`` iterations, averaged over update and non-update steps as they occur.
+``--warmup`` iterations, averaged over update and non-update steps as they occur, and the median
+(a step between updates when updates are fewer than half the steps). ``--set KEY=VALUE`` passes
+hylo options (Python literals: ``--set "skip_layers=('head',)"``); a solver whose construction
+refuses the model (e.g. ``kfac`` over ``kfac_max_state_mb``) is reported as refused.
 
 ``--profile`` measures the cost of hylo's profiling itself: each solver is run a second time
 with ``profile_dir`` set (a fresh temporary directory per run, deleted afterwards; no
@@ -21,11 +27,15 @@ machine differences of a few percent are within the run-to-run noise.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import os
+import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -42,36 +52,67 @@ def iteration_time(
     update_freq: int,
     image: int | None,
     profile_dir: str | os.PathLike[str] | None = None,
+    *,
+    classes: int | None = None,
+    model_options: Mapping[str, int] | None = None,
+    optimizer: str = "sgd",
+    options: Mapping[str, Any] | None = None,
+    times: list[float] | None = None,
 ) -> float:
-    """Mean seconds per iteration (solver None = plain SGD); ``profile_dir`` turns on hylo's profiling."""
+    """Mean seconds per iteration (solver None = the plain optimizer); ``profile_dir`` turns on hylo's
+    profiling. ``classes``: the model's classes (a language model's vocabulary); ``model_options``: its
+    size options; ``optimizer``: ``"sgd"`` (momentum 0.9) or ``"adamw"``; ``options``: more hylo options;
+    ``times``, if given, receives every timed iteration's seconds."""
     if profile_dir is not None and solver is None:
         raise ValueError("profile_dir profiles hylo: it needs a solver")
     spec = MODELS[model_name]
     side = image or None
     torch.manual_seed(0)
-    model = build_model(model_name, spec.shape(side))
+    model = build_model(model_name, spec.shape(side), classes, **(model_options or {}))
     x, y = spec.random_batch(batch, side=side)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if classes is not None:  # labels (or tokens) of the model's own classes
+        x = torch.randint(0, classes, x.shape) if spec.task == "lm" else x
+        y = torch.randint(0, classes, y.shape) if y.dtype == torch.long else y
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
     pre = None
     if solver is not None:
         pre = hylo.HyLoPreconditioner(
-            model, solver=solver, update_freq=update_freq, damping=0.03, profile_dir=profile_dir
+            model,
+            **{
+                "solver": solver,
+                "update_freq": update_freq,
+                "damping": 0.03,
+                "profile_dir": profile_dir,
+                **(options or {}),
+            },
         )
-    elapsed = 0.0
+    timed = [] if times is None else times
     try:
         for i in range(warmup + steps):
             start = time.perf_counter()
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.zero_grad()
+            out = model(x)
+            loss = (
+                torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+                if spec.task == "lm"
+                else torch.nn.functional.cross_entropy(out, y)
+            )
+            loss.backward()
             if pre is not None:
                 pre.step()
-            optimizer.step()
+            opt.step()
             if i >= warmup:
-                elapsed += time.perf_counter() - start
+                timed.append(time.perf_counter() - start)
     finally:
         if pre is not None:
             pre.remove()
-    return elapsed / steps
+    return sum(timed[-steps:]) / steps
 
 
 #: The columns of steps-r0.csv the phase table reports, in order.
@@ -93,26 +134,56 @@ def phase_breakdown(steps_csv: str | os.PathLike[str], skip: int = 0) -> tuple[d
 
 
 def profiled_iteration_time(
-    model_name: str, solver: str, batch: int, steps: int, warmup: int, update_freq: int, image: int | None
+    model_name: str,
+    solver: str,
+    batch: int,
+    steps: int,
+    warmup: int,
+    update_freq: int,
+    image: int | None,
+    **workload: Any,
 ) -> tuple[float, dict[str, float], float]:
-    """:func:`iteration_time` of ``solver`` with hylo's profiling into a fresh temporary directory, and
-    :func:`phase_breakdown` of its timed steps."""
+    """:func:`iteration_time` of ``solver`` (``workload``: its keyword arguments) with hylo's profiling into a
+    fresh temporary directory, and :func:`phase_breakdown` of its timed steps."""
     with tempfile.TemporaryDirectory(prefix="hylo-bench-profile-") as directory:
-        t = iteration_time(model_name, solver, batch, steps, warmup, update_freq, image, profile_dir=directory)
+        t = iteration_time(
+            model_name, solver, batch, steps, warmup, update_freq, image, profile_dir=directory, **workload
+        )
         phases, apply_ms = phase_breakdown(os.path.join(directory, "steps-r0.csv"), skip=warmup)
         return t, phases, apply_ms
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """argparse type of ``--set KEY=VALUE``: a hylo option and a Python literal."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main() -> None:
-    """Print the per-iteration time of SGD and of each solver, and the ratio (with ``--profile``, profiled too)."""
+    """Print the per-iteration time of the plain optimizer and of each solver, and the ratios (with
+    ``--profile``, profiled too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet32", choices=model_names())
+    parser.add_argument("--model", default="resnet32", choices=model_names() + model_names("lm"))
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--image-size", type=int, default=None, help="input side (default: the workload's)")
+    parser.add_argument(
+        "--image-size", type=int, default=None, help="input side, a language model's T (default: the workload's)"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help="a language model's vocabulary (a classifier's classes)"
+    )
+    for size in ("layers", "width", "heads"):
+        parser.add_argument(f"--{size}", type=int, default=None, help=f"the model's {size} (models that take it)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--update-freq", type=int, default=10)
     parser.add_argument("--solvers", nargs="+", default=["hybrid", "kid", "kis", "sngd", "kfac"])
+    parser.add_argument("--set", nargs="+", type=_option, default=[], metavar="KEY=VALUE", help="hylo options")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
         "--profile", action="store_true", help="also time each solver with hylo's profiling on (profile_dir)"
@@ -122,20 +193,38 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
     shape = (args.batch_size, args.steps, args.warmup, args.update_freq, args.image_size)
-    base = iteration_time(args.model, None, *shape)
-    header = f"{'optimizer':<12} {'ms/iter':>9} {'vs SGD':>7}"
+    sizes = {k: getattr(args, k) for k in ("layers", "width", "heads") if getattr(args, k) is not None}
+    workload: dict[str, Any] = {
+        "classes": args.vocab,
+        "model_options": sizes,
+        "optimizer": args.optimizer,
+        "options": dict(args.set),
+    }
+    base_times: list[float] = []
+    base = iteration_time(
+        args.model, None, *shape, classes=args.vocab, model_options=sizes, optimizer=args.optimizer, times=base_times
+    )
+    base_median = statistics.median(base_times)
+    name = args.optimizer
+    header = f"{'optimizer':<14} {'ms/iter':>9} {'vs ' + name:>9} {'median':>9} {'vs ' + name:>9}"
     if args.profile:
-        header += f" {'profiled':>9} {'vs SGD':>7} {'prof/plain':>10}"
+        header += f" {'profiled':>9} {'vs ' + name:>9} {'prof/plain':>10}"
     print(header)
-    print(f"{'sgd':<12} {1e3 * base:>9.1f} {1.0:>7.2f}")
+    print(f"{name:<14} {1e3 * base:>9.1f} {1.0:>9.2f} {1e3 * base_median:>9.1f} {1.0:>9.2f}")
     breakdowns: dict[str, tuple[dict[str, float], float]] = {}
     for solver in args.solvers:
-        t = iteration_time(args.model, solver, *shape)
-        line = f"{'sgd+' + solver:<12} {1e3 * t:>9.1f} {t / base:>7.2f}"
+        times: list[float] = []
+        try:
+            t = iteration_time(args.model, solver, *shape, times=times, **workload)
+        except ValueError as err:
+            print(f"{name + '+' + solver:<14} refused: {str(err)[:200]}", flush=True)
+            continue
+        median = statistics.median(times)
+        line = f"{name + '+' + solver:<14} {1e3 * t:>9.1f} {t / base:>9.2f} {1e3 * median:>9.1f} {median / base_median:>9.2f}"
         if args.profile:
-            p, phases, apply_ms = profiled_iteration_time(args.model, solver, *shape)
+            p, phases, apply_ms = profiled_iteration_time(args.model, solver, *shape, **workload)
             breakdowns[solver] = (phases, apply_ms)
-            line += f" {1e3 * p:>9.1f} {p / base:>7.2f} {p / t:>10.2f}"
+            line += f" {1e3 * p:>9.1f} {p / base:>9.2f} {p / t:>10.2f}"
         print(line, flush=True)
     if breakdowns:
         print("\nms in hylo's step() per update step, by phase (steps-r0.csv), and per other step:")
