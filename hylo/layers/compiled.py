@@ -32,7 +32,7 @@ def eager(fn: F) -> F:
     """``fn``; while dynamo traces, ``fn`` excluded from tracing (run eagerly at a graph break)."""
     if torch.compiler.is_compiling():
         dynamo = sys.modules["torch._dynamo"]  # imported: it is tracing this call
-        return dynamo.disable(fn)  # type: ignore[no-any-return]
+        return dynamo.disable(fn)
     return fn
 
 
