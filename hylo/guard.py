@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hylo import sharding
 from hylo.distributed import Communicator
+from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
 from hylo.state import RegisteredLayer
@@ -202,16 +203,36 @@ class Guard:
             stacklevel=4,
         )
 
-    def warn_no_rows(self, step: int, layers: Sequence[RegisteredLayer]) -> None:
-        """Warn once per layer that has a gradient but whose hooks captured nothing at an update."""
-        new = [layer.name for layer in layers if layer.name not in self._warned_no_rows]
+    def warn_no_rows(self, step: int, layers: Sequence[RegisteredLayer], worked: bool) -> None:
+        """Layers with a gradient whose hooks captured nothing at a capture step (docs/reliability.md, "Layers
+        without rows"): ``RuntimeError`` when no layer captured anything (the step would be plain SGD),
+        else one warning per layer, naming the layers and the likely cause."""
+        if not layers:
+            return
+        names = [layer.name for layer in layers]
+        listed = f"{names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        evaluating = [layer.name for layer in layers if not layer.math.module.training]
+        causes = [f"modules in eval mode ({evaluating[:4]}): call model.train()"] if evaluating else []
+        if compiled_code_ran():
+            causes.append(
+                "torch.compile: compiled code ran the model without hylo's hooks (a compiled function that calls "
+                "the model while a torch.compiler stance other than hylo's is set?); compile the model itself, "
+                "attach hylo before or after, and leave the stance to hylo on capture steps (docs/wrappers.md)"
+            )
+        causes.append("the module called under torch.no_grad(), or its weight used without its own forward")
+        why = "; ".join(causes)
+        if not worked:
+            raise RuntimeError(
+                f"step {step}: a capture step, and no registered layer captured anything although {listed} have "
+                f"gradients: this step would be plain SGD. Likely causes: {why}"
+            )
+        new = [name for name in names if name not in self._warned_no_rows]
         if not new:
             return
         self._warned_no_rows.update(new)
         warnings.warn(
-            f"step {step}: layers {new} have gradients but their hooks captured no rows (is the module "
-            "called in train mode, with autograd enabled, through its own forward?); they keep their "
-            "previous state (unpreconditioned until they have one). Warned once per layer.",
+            f"step {step}: layers {new} have gradients but their hooks captured no rows ({why}); they keep "
+            "their previous state (unpreconditioned until they have one). Warned once per layer.",
             stacklevel=4,
         )
 

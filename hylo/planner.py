@@ -22,6 +22,7 @@ collective is ever issued from a hook.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerShape
+from hylo.layers.capture import LayerCapture
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
 from hylo.policy import SolverPolicy, is_dynamic
 from hylo.records import Decision
@@ -39,10 +41,17 @@ from hylo.state import RegisteredLayer
 STATISTICS: tuple[CallStatistic[Any], ...] = tuple(dict.fromkeys(family.statistic for family in FAMILIES))
 
 
+def _disarm(captures: list[LayerCapture]) -> None:
+    for capture in captures:
+        capture.arm(False)
+
+
 class Planner:
     """The run's cadence counters and each step's capture plans."""
 
-    def __init__(self, layers: Sequence[RegisteredLayer], policy: SolverPolicy, world_size: int) -> None:
+    def __init__(
+        self, layers: Sequence[RegisteredLayer], policy: SolverPolicy, world_size: int, config: HyLoConfig
+    ) -> None:
         self.layers = list(layers)
         self.policy = policy
         self.world_size = world_size
@@ -54,11 +63,28 @@ class Planner:
         self.needs_update = False
         self._cadence: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
+        self.arm(config)
+        # a preconditioner dropped without remove() leaves hooks that must capture nothing
+        weakref.finalize(self, _disarm, [layer.capture for layer in self.layers])
 
-    def reset(self) -> None:
-        """Forget the current step's cadence and plans (after a load or a new config)."""
+    def reset(self, config: HyLoConfig) -> None:
+        """Forget the current step's cadence and plans (after a load or a new config); arm the hooks anew."""
         self._cadence = (-1, False, frozenset())
         self._plans = (-1, [])
+        self.arm(config)
+
+    def arm(self, config: HyLoConfig) -> None:
+        """Set each layer's capture flag for the current step, between steps (docs/wrappers.md, "torch.compile").
+
+        The hooks read these plain flags, never this planner: on steps that do not capture, compiled
+        code traces them to nothing; on steps that do, compiled code runs eagerly.
+        """
+        try:
+            wanted = [self.capturing(config, layer.name) for layer in self.layers]
+        except ValueError:  # a callable option's invalid value: the step raises it, before anything changes
+            wanted = [False] * len(self.layers)
+        for layer, active in zip(self.layers, wanted, strict=True):
+            layer.capture.arm(active)
 
     def cadence(self, config: HyLoConfig) -> tuple[bool, frozenset[str]]:
         """This step's (update?, layers refreshing their running statistics), computed once per step.
@@ -82,10 +108,10 @@ class Planner:
             self._cadence = (self.step, update, refreshing)
         return update, refreshing
 
-    def capturing(self, config: HyLoConfig, name: str | None = None) -> bool:
-        """Whether this step captures (layer ``name``'s, or any layer's) inputs and output gradients."""
+    def capturing(self, config: HyLoConfig, name: str) -> bool:
+        """Whether this step captures layer ``name``'s inputs and output gradients."""
         update, refreshing = self.cadence(config)
-        return update or (bool(refreshing) if name is None else name in refreshing)
+        return update or name in refreshing
 
     def plan(self, index: int, config: HyLoConfig, inputs: Callable[[], tuple[bool, float]]) -> CapturePlan | None:
         """What layer ``index``'s calls are reduced to at this step (None: kept raw), fixed at the step's
@@ -163,8 +189,9 @@ class Planner:
             reconciled.append(decision)
         return reconciled
 
-    def advance(self, update: bool, needs_update: bool) -> None:
-        """Move to the next step after a successful one."""
+    def advance(self, update: bool, needs_update: bool, config: HyLoConfig) -> None:
+        """Move to the next step after a successful one (the layers' new states stored) and arm its hooks."""
         self.step += 1
         self.updates += int(update)
         self.needs_update = needs_update
+        self.arm(config)

@@ -101,7 +101,7 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.comm)
         self._generator = torch.Generator().manual_seed(self._config.lowrank.seed)
         self._removed = False
-        found = register_layers(model, self._config, _weakly(self._capturing, lambda name: False))
+        found = register_layers(model, self._config)
         self._registration = found
         self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
@@ -113,7 +113,7 @@ class HyLoPreconditioner:
                 f"model has no layer hylo can precondition ({', '.join(supported_types())}; Conv2d with groups=1)"
             )
         self._policy = SolverPolicy([layer.name for layer in self._layers])
-        self._planner = Planner(self._layers, self._policy, self.comm.world_size)
+        self._planner = Planner(self._layers, self._policy, self.comm.world_size, self._config)
         try:  # FSDP2-sharded layers: checked here, before any step (docs/distributed.md, "FSDP2")
             self._guard = Guard(self._layers, self.comm, sharding.check(self._layers, self._config, self.comm))
             self._telemetry = Telemetry.open(self._config, self.comm, self._layers, __version__)
@@ -154,11 +154,7 @@ class HyLoPreconditioner:
         if new.lowrank.seed != self._config.lowrank.seed:
             self._generator = torch.Generator().manual_seed(new.lowrank.seed)
         self._config = new
-        self._planner.reset()
-
-    def _capturing(self, name: str | None = None) -> bool:
-        """Whether the current step captures (layer ``name``'s, or any layer's) inputs and output gradients."""
-        return self._planner.capturing(self._config, name)
+        self._planner.reset(new)
 
     def _scaling(self) -> bool:
         """Whether a GradScaler scales the loss (its scale divides the captured output gradients)."""
@@ -245,7 +241,7 @@ class HyLoPreconditioner:
             for layer, took, rows in zip(self._layers, taking, agreed.rows, strict=True):
                 if took:
                     (outcome.worked if rows else without_rows).append(layer)
-            self._guard.warn_no_rows(step, without_rows)
+            self._guard.warn_no_rows(step, without_rows, bool(outcome.worked))
             scale, convention = self._loss_scale(), config.damping_convention
             outcome.batches = [
                 LayerBatch.of(layer.math, layer.capture.calls(), config.lowrank.rows_kept, scale, convention)
@@ -369,7 +365,7 @@ class HyLoPreconditioner:
                 layer.math.set_grad_matrix(outcome.written[layer.name])
         self._guard.mark_seen()
         self._telemetry.watch.lap("precondition")
-        self._planner.advance(outcome.kind == "update", outcome.needs_update)
+        self._planner.advance(outcome.kind == "update", outcome.needs_update, self._config)
         if outcome.norms is not None:
             self._telemetry.record_norms(step, self._layers, outcome.norms, outcome.written, self._policy.trend)
         worked = list(zip(outcome.worked, outcome.batches, strict=True))
@@ -452,7 +448,7 @@ class HyLoPreconditioner:
             layer.solver, layer.state, layer.owner = restored.layers[layer.name]
         planner = self._planner
         planner.step, planner.updates, planner.needs_update = restored.steps, restored.updates, restored.needs_update
-        planner.reset()
+        planner.reset(self._config)
         self._generator = restored.generator
         if restored.trend is not None:
             self._policy.trend = restored.trend

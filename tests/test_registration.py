@@ -36,7 +36,7 @@ def _names(pre: HyLoPreconditioner) -> list[str]:
 # --------------------------------------------------------------------------- MultiheadAttention
 def test_multihead_attention_at_the_root_registers_its_projections_once() -> None:
     mha = nn.MultiheadAttention(8, 2, dtype=DT)
-    found = register_layers(mha, HyLoConfig(solver="sngd"), lambda name: True)
+    found = register_layers(mha, HyLoConfig(solver="sngd"))
     assert [layer.name for layer in found.layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
     assert found.unsupported == [] and len(found.taps) == 1
     assert not mha.out_proj._forward_hooks  # captured by the attention's tap, never by a hook of its own

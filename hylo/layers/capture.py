@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from hylo.layers.compiled import eager, run_eagerly
 from hylo.layers.statistics import Call, CapturedCall
 
 #: Reduces a call's (input, output gradient) in its gradient hook (docs/design.md, "Memory").
@@ -72,7 +73,9 @@ class LayerCapture:
     The tensor hook is registered inside the forward hook, before any in-place op that
     follows the layer (e.g. ``ReLU(inplace=True)``) modifies the output, so it receives
     the gradient with respect to the layer's own output. Nothing is stored unless
-    ``should_capture()`` is true, the module is training and autograd is recording.
+    :attr:`active` is true, the module is training and autograd is recording. ``active`` is a
+    plain attribute the planner sets between steps, so that a compiled model's graph on steps
+    that do not capture is the graph without hylo (docs/wrappers.md, "torch.compile").
 
     A call whose graph is freed before its backward ran (e.g. evaluation in train mode with
     autograd on, at a capture step) is dropped at the next call, with one warning per layer;
@@ -82,10 +85,11 @@ class LayerCapture:
     beyond their graphs.
     """
 
-    def __init__(self, module: nn.Module | None, should_capture: Callable[[], bool], name: str = "") -> None:
+    def __init__(self, module: nn.Module | None, name: str = "") -> None:
         self.records: list[Record] = []
         self.name = name or type(module).__name__
-        self._should_capture = should_capture
+        #: Whether this layer captures at the current step (set by :meth:`arm` between steps).
+        self.active = False
         #: Reduces each call in its gradient hook; None keeps inputs and output gradients until step().
         self.reducer: Reducer | None = None
         self._warned = False
@@ -94,16 +98,24 @@ class LayerCapture:
             None if module is None else module.register_forward_hook(self._forward_hook, with_kwargs=True)
         )
 
+    def arm(self, active: bool) -> None:
+        """Capture at the coming step or not; while capturing, compiled code runs eagerly (hylo.layers.compiled)."""
+        self.active = active
+        run_eagerly(self, active)
+
     def wants(self) -> bool:
         """Whether this layer captures at the current step (the module's mode and autograd aside)."""
-        return self._should_capture()
+        return self.active
 
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
-        if not (module.training and torch.is_grad_enabled() and self._should_capture()):
+        if not (self.active and module.training and torch.is_grad_enabled()):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0] if args else kwargs["input"]
+        eager(self._watch)(x, output)
+
+    def _watch(self, x: Tensor, output: Tensor) -> None:
         watch_gradient(output, [(self.open(x, output.shape), _whole)])
 
     def open(self, x: Tensor, out_shape: torch.Size | None = None) -> Record:
@@ -150,7 +162,8 @@ class LayerCapture:
         self.records = []
 
     def remove(self) -> None:
-        """Detach the forward hook and drop captured data."""
+        """Detach the forward hook and drop captured data; compiled code that still calls the hook captures nothing."""
+        self.arm(False)
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

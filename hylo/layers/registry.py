@@ -14,7 +14,6 @@ module has been imported, never importing it (docs/extending.md, "Layers of othe
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 import warnings
@@ -30,6 +29,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.layers.capture import LayerCapture
+from hylo.layers.compiled import unwrap_compiled
 from hylo.layers.conv import ConvMath
 from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
@@ -262,10 +262,11 @@ def _matcher(patterns: tuple[str, ...]) -> Callable[[str, nn.Module], bool]:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel/DataParallel, or ``model`` itself."""
+    """The module inside DistributedDataParallel/DataParallel and ``torch.compile``'s wrapper, or ``model`` itself."""
+    model = unwrap_compiled(model)
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module) and isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        return inner
+        return unwrap_compiled(inner)
     return model
 
 
@@ -311,7 +312,6 @@ def _register_attention(
     name: str,
     attention: nn.MultiheadAttention,
     skip: Callable[[str, nn.Module], bool],
-    should_capture: Callable[[str], bool],
     result: Registration,
 ) -> None:
     """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention")."""
@@ -332,7 +332,7 @@ def _register_attention(
         if not math.weight.requires_grad:
             result.skipped.append((layer_name, "weight does not require grad"))
             continue
-        capture = LayerCapture(None, functools.partial(should_capture, layer_name), layer_name)
+        capture = LayerCapture(None, layer_name)
         captures[part] = capture
         result.layers.append(FoundLayer(layer_name, math, capture))
     for extra in ("bias_k", "bias_v"):
@@ -401,10 +401,10 @@ def _check_lazy(model: nn.Module, skip: Callable[[str, nn.Module], bool], inner:
         )
 
 
-def register_layers(model: nn.Module, config: HyLoConfig, should_capture: Callable[[str], bool]) -> Registration:
+def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
     """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
 
-    ``should_capture(name)`` says whether layer ``name`` captures at the current step.
+    A layer captures at the steps its capture's ``active`` flag is set for (by the planner).
     """
     skip = _matcher(config.skip_layers)
     model = _unwrap(model)
@@ -417,7 +417,7 @@ def register_layers(model: nn.Module, config: HyLoConfig, should_capture: Callab
             if id(module) in inner:
                 continue
             if isinstance(module, nn.MultiheadAttention):
-                _register_attention(name, module, skip, should_capture, result)
+                _register_attention(name, module, skip, result)
                 continue
             parametrized = _parametrized_reason(module)
             if parametrized is None and next(module.parameters(recurse=False), None) is None:
@@ -447,7 +447,7 @@ def register_layers(model: nn.Module, config: HyLoConfig, should_capture: Callab
             if not math.weight.requires_grad:
                 result.skipped.append((name, "weight does not require grad"))
                 continue
-            capture = LayerCapture(module, functools.partial(should_capture, name), name)
+            capture = LayerCapture(module, name)
             result.layers.append(FoundLayer(name, math, capture))
     except BaseException:
         result.remove()  # leave no hooks behind

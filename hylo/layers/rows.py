@@ -363,6 +363,17 @@ class OneHotRows(SampleRows):
         out.index_add_(1, self._columns(), (self.g * weights.unsqueeze(1)).mT)
         return grad.add_to(out, beta)
 
+    def output_rows(self, start: int, stop: int) -> OneHotRows:
+        """g_i restricted to ``start:stop`` (the tokens kept)."""
+        return dataclasses.replace(self, g=self.g[:, start:stop])
+
+    def input_columns(self, start: int, stop: int) -> OneHotRows:
+        """The one-hot a_i restricted to the vocabulary slice ``start:stop``: a row whose token lies outside it
+        becomes a zero row (token −1), the others are renumbered from ``start``."""
+        inside = (self.tokens >= start) & (self.tokens < stop)
+        tokens = torch.where(inside, self.tokens - start, torch.full_like(self.tokens, -1))
+        return OneHotRows(tokens, self.g, stop - start)
+
     def to(self, dtype: torch.dtype) -> OneHotRows:
         """The rows in ``dtype`` (the indices unchanged)."""
         return OneHotRows(self.tokens, self.g.to(dtype), self.vocab)
