@@ -312,6 +312,26 @@ def test_checkpointed_recomputation_does_not_warn() -> None:
         pre.step()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+def test_checkpointed_model_is_preconditioned_as_the_plain_one(solver: str, reentrant: bool) -> None:
+    """Activation checkpointing (either implementation): each call is captured once, the step is the plain run's."""
+    results = []
+    for checkpointed in (False, True):
+        model = mlp()
+        pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.1)
+        for step in range(3):
+            model.zero_grad()
+            x, y = batch(step)
+            x.requires_grad_(reentrant)  # the reentrant implementation needs an input that requires grad
+            out = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+            F.cross_entropy(out, y).backward()
+            pre.step()
+        results.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for plain, checkpointed in zip(*results, strict=True):
+        torch.testing.assert_close(checkpointed, plain, rtol=1e-12, atol=0)
+
+
 # --------------------------------------------------------------------------- tied weights
 class _Tied(nn.Module):
     """A language-model head tied to its token embedding (the tied weight's gradient sums both uses)."""
