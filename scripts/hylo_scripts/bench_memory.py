@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 import warnings
@@ -41,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import hylo
 from hylo_scripts.models import MODELS, build_model, model_names
-from hylo_scripts.process import child_environment
+from hylo_scripts.process import run_child
 
 #: The phases of a profiled iteration, in order (record_function names).
 PHASES = ("forward", "backward", "hylo.step", "optimizer.step")
@@ -210,15 +209,8 @@ def child_run(config: RunConfig) -> dict[str, Any]:
 
 def run_in_process(config: RunConfig, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
     """:func:`child_run` in a fresh Python process; ``RuntimeError`` with its stderr's tail if it fails."""
-    command = [sys.executable, "-m", "hylo_scripts.bench_memory", "--child", json.dumps(dataclasses.asdict(config))]
-    try:
-        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{config.solver} on {config.model} did not finish within {timeout:.0f} s") from err
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"{config.solver} on {config.model} failed (exit {done.returncode}):\n{tail}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    what = f"{config.solver} on {config.model}"
+    return run_child("hylo_scripts.bench_memory", dataclasses.asdict(config), what, timeout)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -24,8 +24,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -43,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 import hylo
 from hylo_scripts.bench_memory import peak_rss_mb
 from hylo_scripts.models import MODELS, build_model
-from hylo_scripts.process import child_environment
+from hylo_scripts.process import run_child
 
 WRAPPERS = ("none", "autocast", "scaler", "checkpoint", "compile", "ddp", "fsdp2")
 #: Wrappers that run on ``--world`` ranks.
@@ -211,16 +209,8 @@ def child(run: WrapperRun) -> dict[str, Any]:
 
 def run_in_process(run: WrapperRun, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
     """:func:`child` in a fresh Python process; ``RuntimeError`` with its stderr's tail if it fails."""
-    command = [sys.executable, "-m", "hylo_scripts.bench_wrappers", "--child", json.dumps(dataclasses.asdict(run))]
     what = f"{run.wrapper} ({run.solver or 'plain'}) on {run.model}"
-    try:
-        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s") from err
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_child("hylo_scripts.bench_wrappers", dataclasses.asdict(run), what, timeout)
 
 
 def measure(base: WrapperRun, solver: str, wrappers: Sequence[str]) -> list[dict[str, Any]]:

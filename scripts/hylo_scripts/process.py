@@ -3,10 +3,14 @@ scripts start (torchrun's ranks, benchmark children)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,3 +69,17 @@ def child_environment(**overrides: str) -> dict[str, str]:
     roots = [str(Path(hylo.__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1])]
     path = os.pathsep.join(dict.fromkeys(filter(None, [*roots, os.environ.get("PYTHONPATH")])))
     return dict(os.environ, PYTHONPATH=path, **overrides)
+
+
+def run_child(module: str, config: dict[str, Any], what: str, timeout: float) -> dict[str, Any]:
+    """Run ``python -m module --child <config as JSON>`` in a fresh process and return the JSON object its
+    last line of output holds; ``RuntimeError`` naming ``what`` with its stderr's tail if it fails or times out."""
+    command = [sys.executable, "-m", module, "--child", json.dumps(config)]
+    try:
+        done = subprocess.run(command, env=child_environment(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s") from err
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
