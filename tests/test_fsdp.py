@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,30 @@ def options(solver: str) -> dict[str, Any]:
     return {"solver": solver, "damping": DAMPING, "factor_decay": 0.5, "rank_ratio": 1.0, "update_freq": 2}
 
 
+def record_steps(
+    model: nn.Module,
+    pre: hylo.HyLoPreconditioner,
+    batches: Iterable[Any],
+    loss: Callable[[Any], Tensor],
+    names: Sequence[str],
+) -> dict[str, Any]:
+    """SGD (lr 0.1) with hylo, one step per batch: per step the whole gradients before and after ``pre.step()``,
+    the final parameters, and each of ``names``' bytes on the last step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw, grads, traffic = [], [], {}
+    for batch in batches:
+        opt.zero_grad()
+        loss(batch).backward()
+        raw.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+        before = dict(pre.comm.bytes_by_tag)
+        pre.step()
+        traffic = {name: pre.comm.bytes_by_tag[name] - before.get(name, 0) for name in names}
+        grads.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+        opt.step()
+    params = {k: full(p.detach()).clone() for k, p in model.named_parameters()}
+    return {"raw": raw, "grads": grads, "params": params, "traffic": traffic}
+
+
 def train(
     rank: int, world_size: int, solver: str, mode: str, xs: Tensor, ys: Tensor, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -64,24 +89,13 @@ def train(
     model = make_model(xs.dtype)
     net = shard(model, mode) if world_size > 1 else model
     pre = hylo.HyLoPreconditioner(net, **{**options(solver), **(extra or {})})
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
     size = xs.shape[1] // world_size
     local = slice(rank * size, (rank + 1) * size)
-    raw, grads, traffic = [], [], {}
-    for x, y in zip(xs, ys, strict=True):
-        opt.zero_grad()
-        F.cross_entropy(net(x[local]), y[local]).backward()
-        raw.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
-        before = dict(pre.comm.bytes_by_tag)
-        pre.step()
-        traffic = {name: pre.comm.bytes_by_tag[name] - before.get(name, 0) for name in LAYERS}
-        grads.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
-        opt.step()
+    steps = record_steps(
+        model, pre, zip(xs, ys, strict=True), lambda xy: F.cross_entropy(net(xy[0][local]), xy[1][local]), LAYERS
+    )
     return {
-        "raw": raw,
-        "grads": grads,
-        "params": {k: full(p.detach()).clone() for k, p in model.named_parameters()},
-        "traffic": traffic,
+        **steps,
         "local_rows": {name: getattr(model, name).weight.to_local().shape[0] for name in LAYERS}
         if world_size > 1
         else {},
@@ -202,20 +216,16 @@ def train_lm(rank: int, world_size: int, solvers: tuple[str, ...], tokens: Tenso
             fully_shard(model)
         pre = hylo.HyLoPreconditioner(model, **options(solver), skip_layers=LM_SKIP)
         names = [info.name for info in pre.layer_info()]
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        raw, grads, traffic = [], [], {}
-        for batch in tokens:
-            opt.zero_grad()
-            logits = model(batch[local, :-1])
-            F.cross_entropy(logits.reshape(-1, VOCAB), batch[local, 1:].reshape(-1)).backward()
-            raw.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
-            before = dict(pre.comm.bytes_by_tag)
-            pre.step()
-            traffic = {name: pre.comm.bytes_by_tag[name] - before.get(name, 0) for name in names}
-            grads.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
-            opt.step()
-        params = {k: full(p.detach()).clone() for k, p in model.named_parameters()}
-        out[solver] = {"raw": raw, "grads": grads, "params": params, "traffic": traffic, "names": names}
+        steps = record_steps(
+            model,
+            pre,
+            tokens,
+            lambda batch, lm=model: F.cross_entropy(
+                lm(batch[local, :-1]).reshape(-1, VOCAB), batch[local, 1:].reshape(-1)
+            ),
+            names,
+        )
+        out[solver] = {**steps, "names": names}
     return out
 
 
