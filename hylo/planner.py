@@ -23,16 +23,18 @@ collective is ever issued from a hook.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from hylo.config import HyLoConfig, resolve
-from hylo.layers.batch import LayerShape
+from hylo.distributed import Communicator
+from hylo.distributed.payload import CONTROL, Payload
+from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.capture import LayerCapture
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
-from hylo.policy import SolverPolicy, is_dynamic
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
 from hylo.records import Decision
 from hylo.solvers import FAMILIES, SolverFamily, family_of
 from hylo.state import RegisteredLayer
@@ -168,6 +170,34 @@ class Planner:
             shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, self.world_size))
         freq = resolve("update_freq", config.update_freq, self.step)
         return self.policy.forecast(self.step, shapes, freq, self.world_size, config)
+
+    def decide(
+        self,
+        step: int,
+        config: HyLoConfig,
+        batch_of: Mapping[str, LayerBatch],
+        gives: dict[CallStatistic[Any], list[bool]],
+        comm: Communicator,
+        device: torch.device,
+    ) -> list[Decision]:
+        """The solver of every layer in ``batch_of`` (the layers this update works on), chosen once and identically
+        on all ranks (rank 0's choice is broadcast when it can differ); a layer whose calls serve another family
+        keeps that one (:meth:`reconcile`)."""
+        freq = resolve("update_freq", config.update_freq, step)
+        world = comm.world_size
+        shapes = [
+            batch_of[layer.name].shape(world)
+            if layer.name in batch_of
+            else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world)
+            for layer in self.layers
+        ]
+        decisions = self.policy.decide(step, shapes, freq, world, config)
+        if world > 1 and is_dynamic(config):
+            key = (CONTROL, "decisions")
+            encoded = comm.broadcast(Payload({key: encode_decisions(decisions, device)}), src=0)[key]
+            decisions = decode_decisions(encoded, step, [layer.name for layer in self.layers])
+        worked = [decision for decision in decisions if decision.layer in batch_of]
+        return self.reconcile(worked, gives, config)
 
     def reconcile(
         self, decisions: Sequence[Decision], gives: dict[CallStatistic[Any], list[bool]], config: HyLoConfig

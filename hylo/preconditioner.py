@@ -21,17 +21,16 @@ import torch
 from torch import Tensor, nn
 
 from hylo import checkpoint, memory, sharding
-from hylo.config import HyLoConfig, options, resolve
+from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
-from hylo.distributed.payload import CONTROL, Payload
 from hylo.guard import Agreement, Guard
-from hylo.layers.batch import LayerBatch, LayerShape
+from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.registry import register_layers, supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.memory import MemoryUsage
 from hylo.planner import STATISTICS, Planner
-from hylo.policy import SolverPolicy, check_kfac_budget, decode_decisions, encode_decisions, is_dynamic
+from hylo.policy import SolverPolicy, check_kfac_budget
 from hylo.records import Decision, LayerInfo, format_summary
 from hylo.solvers import RemoteState
 from hylo.solvers.base import UpdateJob
@@ -284,32 +283,12 @@ class HyLoPreconditioner:
             return config.distributed.strategy == "gradient" and self.comm.world_size > 1 and owner != UNSOLVED
         return state is not None
 
-    def _decide(self, step: int, config: HyLoConfig, outcome: Outcome, agreed: Agreement) -> list[str]:
-        """Choose the solver of every layer this update works on, once, identically on all ranks; a layer
-        whose calls serve another family keeps that one (:meth:`Planner.reconcile`)."""
-        freq = resolve("update_freq", config.update_freq, step)
-        world = self.comm.world_size
-        batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
-        shapes = [
-            batch_of[layer.name].shape(world)
-            if layer.name in batch_of
-            else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world)
-            for layer in self._layers
-        ]
-        decisions = self._policy.decide(step, shapes, freq, world, config)
-        if world > 1 and is_dynamic(config):
-            key = (CONTROL, "decisions")
-            device = self._guard.device
-            encoded = self.comm.broadcast(Payload({key: encode_decisions(decisions, device)}), src=0)[key]
-            decisions = decode_decisions(encoded, step, [layer.name for layer in self._layers])
-        worked = [decision for decision in decisions if decision.layer in batch_of]
-        outcome.decisions = self._planner.reconcile(worked, agreed.gives, config)
-        self._telemetry.watch.lap("decide")
-        return [decision.solver for decision in outcome.decisions]
-
     def _update(self, step: int, config: HyLoConfig, values: StepValues, outcome: Outcome, agreed: Agreement) -> None:
         """Run the update stage on the layers with rows; their new states (non-finite ones rejected) go to ``outcome``."""
-        solvers = self._decide(step, config, outcome, agreed)
+        batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
+        outcome.decisions = self._planner.decide(step, config, batch_of, agreed.gives, self.comm, self._guard.device)
+        self._telemetry.watch.lap("decide")
+        solvers = [decision.solver for decision in outcome.decisions]
         seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
         jobs = [
             UpdateJob(layer.name, solver, batch, layer.state)
