@@ -1,13 +1,14 @@
 """Which layers hylo registers and how it follows them (hylo/registry.py, hylo/capture.py, LayerMath).
 
 MultiheadAttention's projections (root or nested), parametrized and lazy modules, parameters
-replaced after attaching, captured calls whose backward never runs, and the checks of
-boolean hyperparameters and ``seed``.
+replaced after attaching, tied parameters (attention projections included), captured calls whose
+backward never runs, and the checks of boolean hyperparameters and ``seed``.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -71,6 +72,129 @@ def test_multihead_attention_projection_is_registered_once_under_its_attention()
     raw = model.attn.out_proj.weight.grad.clone()
     pre.step()
     assert not torch.allclose(model.attn.out_proj.weight.grad, raw)
+
+
+# --------------------------------------------------------------------------- tied attention weights
+class _TiedAttention(nn.Module):
+    """Three attention modules (``b`` with separate q/k/v weights), three Linears and a head; ``tie`` makes two
+    uses hold one Parameter. Both uses run in the forward, so the tied Parameter's gradient sums them."""
+
+    def __init__(self, tie: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.MultiheadAttention(8, 2, dtype=DT)
+        self.b = nn.MultiheadAttention(8, 2, kdim=6, vdim=6, dtype=DT)
+        self.c = nn.MultiheadAttention(8, 2, dtype=DT)
+        self.mix = nn.Linear(8, 24, dtype=DT)
+        self.gate = nn.Linear(8, 8, dtype=DT)
+        self.other = nn.Linear(8, 8, dtype=DT)
+        self.head = nn.Linear(8, 3, dtype=DT)
+        if tie == "linear_to_out_proj":
+            self.other.weight = self.a.out_proj.weight
+        elif tie == "linear_to_out_proj_bias":
+            self.other.bias = self.a.out_proj.bias
+        elif tie == "out_proj_module":  # both attention modules apply it functionally: no hook of its own sees it
+            self.c.out_proj = self.a.out_proj
+        elif tie == "in_proj_weight":
+            self.c.in_proj_weight = self.a.in_proj_weight
+        elif tie == "linear_to_in_proj_weight":
+            self.mix.weight = self.a.in_proj_weight
+        elif tie == "linear_to_in_proj_bias":
+            self.mix.bias = self.a.in_proj_bias
+        elif tie == "linear_to_q_proj_weight":
+            self.other.weight = self.b.q_proj_weight
+        elif tie == "k_to_v_proj_weight":
+            self.b.v_proj_weight = self.b.k_proj_weight
+        elif tie == "linear_biases":
+            self.other.bias = self.gate.bias
+        else:
+            raise AssertionError(tie)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        h = x + self.a(x, x, x, need_weights=False)[0]
+        h = h + self.b(h, memory, memory, need_weights=False)[0]
+        h = h + self.c(h, h, h, need_weights=False)[0]
+        h = torch.tanh(h + self.mix(h)[..., :8] + self.gate(h) * self.other(h))
+        return self.head(h.mean(dim=0))
+
+
+#: tie → the registered users it ties, each with the words of its reason in summary().
+TIES: dict[str, dict[str, str]] = {
+    "linear_to_out_proj": {"a.out_proj": "weight tied to other", "other": "weight tied to a.out_proj"},
+    "linear_to_out_proj_bias": {"a.out_proj": "bias tied to other", "other": "bias tied to a.out_proj"},
+    "out_proj_module": {"a.out_proj": "weight tied to c.out_proj", "c.out_proj": "weight tied to a.out_proj"},
+    "in_proj_weight": {f"{m}.{part}_proj": f"in_proj_weight tied to {n}" for m, n in ("ac", "ca") for part in "qkv"},
+    "linear_to_in_proj_weight": {
+        **{f"a.{part}_proj": "in_proj_weight tied to mix.weight" for part in "qkv"},
+        "mix": "weight tied to a.in_proj_weight",
+    },
+    "linear_to_in_proj_bias": {
+        **{f"a.{part}_proj": "in_proj_bias tied to mix.bias" for part in "qkv"},
+        "mix": "bias tied to a.in_proj_bias",
+    },
+    "linear_to_q_proj_weight": {
+        "b.q_proj": "q_proj_weight tied to other.weight",
+        "other": "weight tied to b.q_proj_weight",
+    },
+    "k_to_v_proj_weight": {
+        "b.k_proj": "k_proj_weight tied to b.v_proj_weight",
+        "b.v_proj": "v_proj_weight tied to b.k_proj_weight",
+    },
+    "linear_biases": {"gate": "bias tied to other", "other": "bias tied to gate"},
+}
+
+
+def _attention_step(model: nn.Module, skip_layers: tuple[str, ...] | None = ()) -> HyLoPreconditioner | None:
+    """One backward on a fixed batch, then hylo's step when ``skip_layers`` is not None (the raw gradients else)."""
+    pre = None
+    if skip_layers is not None:
+        pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=1e-3, skip_layers=skip_layers)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 4, 8, dtype=DT, generator=generator)
+    memory = torch.randn(7, 4, 6, dtype=DT, generator=generator)
+    F.cross_entropy(model(x, memory), torch.tensor([0, 1, 2, 0])).backward()
+    if pre is not None:
+        pre.step()
+    return pre
+
+
+@pytest.mark.parametrize("tie", list(TIES))
+def test_every_user_of_a_tied_parameter_stays_with_the_optimizer(tie: str) -> None:
+    """Each user of a Parameter held twice (an attention projection's weight or bias, a Linear's) is left to the
+    optimizer with the tie in summary(): its gradients are the raw ones bit for bit, and every other layer gets
+    exactly what it gets when those users are named in skip_layers."""
+    tied = TIES[tie]
+    model = _TiedAttention(tie)
+    skipped, raw = copy.deepcopy(model), copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="tied to"):
+        pre = _attention_step(model)
+    assert pre is not None
+    summary = pre.summary()
+    for name, words in tied.items():
+        assert f"{name} ({words}" in summary, (name, summary)
+    reference = _attention_step(skipped, tuple(re.escape(name) for name in tied))
+    assert reference is not None and _names(pre) == _names(reference)
+    _attention_step(raw, None)
+    for (name, p), skipped_p in zip(model.named_parameters(), skipped.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, skipped_p.grad), name
+    for name in tied:  # the optimizer's gradients
+        for grad, raw_grad in zip(_grads_of(model, name), _grads_of(raw, name), strict=True):
+            assert torch.equal(grad, raw_grad), name
+    assert not torch.allclose(model.head.weight.grad, raw.head.weight.grad)  # the others are preconditioned
+
+
+def _grads_of(model: nn.Module, layer: str) -> list[Tensor]:
+    """The gradients of a registered layer's weight and bias (a projection's rows of the packed parameters)."""
+    owner, _, part = layer.rpartition(".")
+    attention = model.get_submodule(owner)
+    if isinstance(attention, nn.MultiheadAttention) and part != "out_proj":
+        index, embed = "qkv".index(part[0]), attention.embed_dim
+        rows = slice(index * embed, (index + 1) * embed)
+        packed = attention.in_proj_weight
+        weight = packed.grad[rows] if packed is not None else getattr(attention, f"{part}_weight").grad
+        return [weight, attention.in_proj_bias.grad[rows]]
+    module = model.get_submodule(layer)
+    return [module.weight.grad, module.bias.grad]
 
 
 # --------------------------------------------------------------------------- parametrized modules
@@ -360,3 +484,28 @@ def test_tied_weights_stay_with_the_optimizer() -> None:
     pre.step()
     assert torch.equal(model.tok.weight.grad, tied)
     assert not torch.allclose(model.mid.weight.grad, mid)
+
+
+class _Lens(nn.Module):
+    """Not a layer type: multiplies by a Parameter it holds as ``matrix``, here a Linear's weight."""
+
+    def __init__(self, matrix: nn.Parameter) -> None:
+        super().__init__()
+        self.matrix = matrix
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.matrix
+
+
+def test_a_weight_held_by_a_module_of_any_type_is_tied() -> None:
+    """A Parameter held under any name by any other module is tied: its gradient sums that module's use too."""
+    model = nn.Sequential(nn.Linear(5, 5, dtype=DT), nn.Tanh(), nn.Linear(5, 5, dtype=DT), nn.Linear(5, 2, dtype=DT))
+    model.insert(3, _Lens(model[2].weight))
+    with pytest.warns(UserWarning, match="weight tied to 3.matrix"):
+        pre = HyLoPreconditioner(model, solver="sngd", update_freq=1, damping=1e-3)
+    assert _names(pre) == ["0", "4"]
+    assert "2 (weight tied to 3.matrix: its gradient sums every use" in pre.summary()
+    F.cross_entropy(model(torch.randn(6, 5, dtype=DT)), torch.tensor([0, 1, 0, 1, 1, 0])).backward()
+    tied = model[2].weight.grad.clone()
+    pre.step()
+    assert torch.equal(model[2].weight.grad, tied)

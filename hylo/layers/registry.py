@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -308,13 +308,101 @@ def _parametrized_reason(module: nn.Module) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Holder:
+    """One use of a Parameter: the module that uses it (reached under ``name``) and its path there, ``attr``.
+
+    A MultiheadAttention uses its ``out_proj``'s parameters itself, so they are held by the attention
+    module at ``out_proj.weight``/``out_proj.bias``.
+    """
+
+    module: nn.Module
+    name: str
+    attr: str
+
+    def label(self, role: str) -> str:
+        """This holder in a message about another holder's ``role`` (``weight``, ``in_proj_weight``): the
+        parameter's path without a trailing ``role`` (``head``, ``attn.out_proj``, ``attn.in_proj_weight``)."""
+        path = f"{self.name}.{self.attr}" if self.name else self.attr
+        return "<root>" if path == role else path.removesuffix(f".{role}")
+
+
+def _holders(model: nn.Module) -> dict[int, list[_Holder]]:
+    """Every use of each Parameter of ``model`` by a module, by the Parameter's id.
+
+    A module's own parameters are its uses; a MultiheadAttention's are all those of its submodules
+    (it applies ``out_proj`` functionally), which are not counted again when reached under another
+    name. A module reached under several names counts once. So a Parameter with two holders is
+    tied: its gradient sums the uses of two modules (docs/reliability.md, "Registration").
+    """
+    inside = {
+        id(sub)
+        for module in model.modules()
+        if isinstance(module, nn.MultiheadAttention)
+        for sub in module.modules()
+        if sub is not module
+    }
+    holders: dict[int, list[_Holder]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            used = list(module.named_parameters(remove_duplicate=False))
+        elif id(module) in inside:
+            continue
+        else:
+            used = [(attr, parameter) for attr, parameter in module._parameters.items() if parameter is not None]
+        for attr, parameter in used:
+            holders.setdefault(id(parameter), []).append(_Holder(module, name, attr))
+    return holders
+
+
+def _parameter(tensor: Tensor) -> Tensor:
+    """The Parameter a layer's weight or bias is, or is a view of (a slice of ``in_proj_weight``, a transpose)."""
+    return tensor if tensor._base is None else tensor._base
+
+
+def _own_attr(module: nn.Module, tensor: Tensor, role: str) -> str:
+    """The attribute of ``module`` holding the Parameter behind ``tensor`` (``role`` when none does)."""
+    parameter = _parameter(tensor)
+    return next((attr for attr, held in module._parameters.items() if held is parameter), role)
+
+
+def _tied_reason(
+    holders: dict[int, list[_Holder]], module: nn.Module, parts: Sequence[tuple[str, Tensor | None]]
+) -> str | None:
+    """Why a layer whose W is made of ``parts`` (its weight and bias with their paths in ``module``, the module
+    holding them) stays with the optimizer because one of them is tied (held elsewhere too: its gradient sums
+    every use), or None."""
+    tied: list[str] = []
+    for attr, tensor in parts:
+        if tensor is None:
+            continue
+        role = attr.rpartition(".")[2]
+        others = [
+            holder.label(role)
+            for holder in holders.get(id(_parameter(tensor)), [])
+            if not (holder.module is module and holder.attr == attr)
+        ]
+        if others:
+            tied.append(f"{role} tied to {', '.join(others)}")
+    if not tied:
+        return None
+    if len(tied) == 1:
+        return f"{tied[0]}: its gradient sums every use, so it stays with the optimizer"
+    return f"{' and '.join(tied)}: their gradients sum every use, so the layer stays with the optimizer"
+
+
 def _register_attention(
     name: str,
     attention: nn.MultiheadAttention,
     skip: Callable[[str, nn.Module], bool],
+    holders: dict[int, list[_Holder]],
     result: Registration,
 ) -> None:
-    """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention")."""
+    """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention").
+
+    A projection whose weight or bias is tied (``out_proj.weight``, ``in_proj_weight``, ``in_proj_bias`` or a
+    ``q/k/v_proj_weight`` held elsewhere too) stays with the optimizer, with the reason.
+    """
     if skip(name, attention):
         result.skipped.append((name, "skip_layers"))
         return
@@ -328,6 +416,15 @@ def _register_attention(
         math.name = layer_name
         if skip(layer_name, attention.out_proj if part == "out" else attention):
             result.skipped.append((layer_name, "skip_layers"))
+            continue
+        if part == "out":
+            parts = [("out_proj.weight", math.weight), ("out_proj.bias", math.bias)]
+        else:
+            packed = attention.in_proj_weight is not None
+            parts = [("in_proj_weight" if packed else f"{part}_proj_weight", math.weight), ("in_proj_bias", math.bias)]
+        tied = _tied_reason(holders, attention, parts)
+        if tied is not None:
+            result.unsupported.append((layer_name, tied))
             continue
         if not math.weight.requires_grad:
             result.skipped.append((layer_name, "weight does not require grad"))
@@ -353,16 +450,6 @@ _NORMALISATIONS: tuple[type[nn.Module], ...] = tuple(
     )
     if kind is not None
 )
-
-
-def _shared_weights(model: nn.Module, inner: set[int]) -> dict[int, list[str]]:
-    """Weight parameters that more than one module uses (tied weights), with the modules' names."""
-    users: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if id(module) not in inner and isinstance(weight, nn.Parameter):
-            users.setdefault(id(weight), []).append(name or "<root>")
-    return {key: names for key, names in users.items() if len(names) > 1}
 
 
 def _stays_with_optimizer(module: nn.Module) -> str | None:
@@ -410,14 +497,14 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
     model = _unwrap(model)
     inner = _internal_modules(model)
     _check_lazy(model, skip, inner)
-    shared = _shared_weights(model, inner)
+    holders = _holders(model)
     result = Registration()
     try:
         for name, module in model.named_modules():
             if id(module) in inner:
                 continue
             if isinstance(module, nn.MultiheadAttention):
-                _register_attention(name, module, skip, result)
+                _register_attention(name, module, skip, holders, result)
                 continue
             parametrized = _parametrized_reason(module)
             if parametrized is None and next(module.parameters(recurse=False), None) is None:
@@ -428,13 +515,6 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
             if parametrized is not None:
                 result.unsupported.append((name, parametrized))
                 continue
-            tied = shared.get(id(getattr(module, "weight", None)))
-            if tied is not None:
-                others = ", ".join(other for other in tied if other != (name or "<root>"))
-                result.unsupported.append(
-                    (name, f"weight tied to {others}: its gradient sums every use, so it stays with the optimizer")
-                )
-                continue
             math = layer_math(module, config)
             kept = None if math is not None else _stays_with_optimizer(module)
             if kept is not None:
@@ -442,6 +522,15 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
                 continue
             if math is None:
                 result.unsupported.append((name, unsupported_reason(module)))
+                continue
+            parts = [
+                (_own_attr(module, tensor, role), tensor)
+                for role, tensor in (("weight", math.weight), ("bias", math.bias))
+                if tensor is not None
+            ]
+            tied = _tied_reason(holders, module, parts)
+            if tied is not None:
+                result.unsupported.append((name, tied))
                 continue
             math.name = name
             if not math.weight.requires_grad:
