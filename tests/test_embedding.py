@@ -200,7 +200,9 @@ def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
         assert torch.equal(view.kernel_columns(index[:3]), plain.kernel_columns(index[:3]))
         assert view.fields().keys() == {"tokens", "g"}  # what the all-gather sends: no n×V matrix
         grad = GradMatrix(torch.randn(D, V, dtype=view.dtype))
-        torch.testing.assert_close(view.project(grad), plain.project(grad), rtol=1e-6, atol=0)
+        # a gather-sum against a dense matmul: the same terms summed in another order (float32 rounding)
+        rtol = 1e-12 if view.dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(view.project(grad), plain.project(grad), rtol=rtol, atol=0)
         coefficients = torch.randn(view.count, dtype=view.dtype)
         torch.testing.assert_close(
             view.combine(grad, coefficients, 0.5, -2.0), plain.combine(grad, coefficients, 0.5, -2.0)
