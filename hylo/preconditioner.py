@@ -392,6 +392,16 @@ class HyLoPreconditioner:
         self._removed = True
         self.close()
 
+    def flush_profile(self) -> dict[str, int]:
+        """Write the ``profile_dir`` files' queued rows to disk (``fsync``) and return each file's size by name.
+
+        Call it when saving a checkpoint and store the sizes with it: on resume,
+        ``hylo.telemetry.recording.rewind_profile(profile_dir, sizes)`` cuts the files back to them
+        before the new preconditioner appends (docs/profiling.md, "Checkpoints and kills"). Empty
+        when not profiling.
+        """
+        return self._telemetry.flush()
+
     def close(self) -> None:
         """Flush and close the ``profile_dir`` files and stop recording (idempotent; also run at exit)."""
         telemetry = getattr(self, "_telemetry", None)
