@@ -21,10 +21,14 @@ rank) every ``checkpoint_freq`` epochs and after the last one (see
 :mod:`hylo_scripts.checkpoint`); with ``profiling`` or ``studies``, hylo's profile files (its
 ``profile_dir`` is ``log_dir``).
 
-A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv`` or checkpoint) is
-refused unless ``resume``: then the run continues from its latest checkpoint up to
-``epochs`` — model, optimizer, lr scheduler, hylo's state (its step, so its damping
-schedule, and its generator), the sampler epoch and the RNG — and appends to ``metrics.csv``.
+A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv``, hylo's files or a
+checkpoint) is refused unless ``resume``: then the run continues from its latest checkpoint up
+to ``epochs`` — model, optimizer, lr scheduler, hylo's state (its step, so its damping
+schedule, and its generator), the sampler epoch and the RNG — and appends to ``metrics.csv``
+and the profile files, cut back to what the checkpoint covers. Every file is checked on every
+rank (hylo's state in a preconditioner that writes nothing) before anything is written; a run
+that stopped before its first checkpoint starts again from scratch (docs/training-scripts.md,
+"Checkpoints and resume").
 """
 
 from __future__ import annotations

@@ -119,7 +119,10 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "files; a directory holding another run is refused unless --resume",
     )
     group.add_argument(
-        "--resume", action="store_true", help="continue the run in --log-dir from its latest checkpoint up to --epochs"
+        "--resume",
+        action="store_true",
+        help="continue the run in --log-dir from its latest checkpoint up to --epochs (a run that stopped "
+        "before its first checkpoint starts again)",
     )
     group.add_argument(
         "--checkpoint-freq",
