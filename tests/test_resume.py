@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from hylo import integrity
+from hylo import HyLoPreconditioner, integrity
 from hylo_scripts import checkpoint
 from hylo_scripts import train as train_script
 from hylo_scripts.checkpoint import RunError
@@ -128,9 +128,6 @@ def test_profile_rows_written_after_the_checkpoint_are_dropped_on_resume(tmp_pat
 
 def test_flush_profile_puts_every_queued_row_on_disk_and_rewind_cuts_back_to_it(tmp_path: Path) -> None:
     """The library's side of it: ``flush_profile()`` at a checkpoint, ``rewind_profile`` at the resume."""
-    from hylo import HyLoPreconditioner
-    from hylo.telemetry.recording import rewind_profile
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3))
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=2, profile_dir=tmp_path, studies=("grad_norm",))
@@ -147,12 +144,13 @@ def test_flush_profile_puts_every_queued_row_on_disk_and_rewind_cuts_back_to_it(
         model(torch.randn(8, 4)).square().sum().backward()
         pre.step()
     pre.close()
-    assert rewind_profile(tmp_path, sizes) == sorted(sizes, key=list(sizes).index)
+    assert HyLoPreconditioner.profile_files(tmp_path) == sorted([*sizes, "run.json"])
+    assert HyLoPreconditioner.rewind_profile(tmp_path, sizes) == list(sizes)  # every file had rows past the flush
     assert {name: (tmp_path / name).stat().st_size for name in sizes} == sizes
     with pytest.raises(ValueError, match="shorter"):
-        rewind_profile(tmp_path, {"steps-r0.csv": sizes["steps-r0.csv"] + 1})
+        HyLoPreconditioner.rewind_profile(tmp_path, {"steps-r0.csv": sizes["steps-r0.csv"] + 1})
     with pytest.raises(ValueError, match="not one of hylo's CSV files"):
-        rewind_profile(tmp_path, {"../elsewhere.csv": 0})
+        HyLoPreconditioner.rewind_profile(tmp_path, {"../elsewhere.csv": 0})
 
 
 # --------------------------------------------------------------------------- item 4: flipped bits
@@ -278,7 +276,7 @@ def test_resume_refuses_a_directory_without_a_run_or_without_checkpoints(tmp_pat
     before = _snapshot(tmp_path / "run")
     with pytest.raises(RunError, match="wrote no checkpoints .*checkpoint_freq 0.*another log_dir"):
         train(_run(tmp_path / "run", epochs=2), resume=True)
-    with pytest.raises(RunError, match="holds another run"):
+    with pytest.raises(RunError, match="holds another run .*which wrote no checkpoints .*choose another log_dir"):
         train(_run(tmp_path / "run", epochs=2))
     assert _snapshot(tmp_path / "run") == before
 

@@ -134,8 +134,9 @@ def _close_all(sinks: list[Sink]) -> None:
         sink.close()
 
 
-def existing_files(directory: Path, rank: int) -> list[str]:
+def existing_files(directory: str | os.PathLike[str], rank: int) -> list[str]:
     """hylo's files already in ``directory`` that this rank would write (rank 0: any of hylo's files)."""
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     if rank == 0:

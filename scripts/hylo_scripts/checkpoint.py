@@ -41,8 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hylo
-from hylo.integrity import seal, verify
-from hylo.telemetry.recording import check_rewind, existing_files, rewind_profile
+from hylo import integrity
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
 _HYLO_NAME = re.compile(r"checkpoint-(\d+)-hylo-r\d+\.pt")
@@ -147,14 +146,14 @@ def load(path: str | Path, map_location: torch.device | str | None = None) -> di
             f"{path} has format {loaded.get('format')!r}, not {FORMAT} (files of format 1 were written by an "
             "older trainer, without checksums; this version does not resume them)"
         )
-    verify(loaded, where=str(path))
+    integrity.verify(loaded, where=str(path))
     return loaded
 
 
 def _holds_a_run(log_dir: Path) -> list[str]:
     """The run files in ``log_dir``: config, metrics, hylo's profile files, the first checkpoint."""
     found = [name for name in RUN_FILES if (log_dir / name).exists()]
-    found += existing_files(log_dir, rank=0)
+    found += hylo.HyLoPreconditioner.profile_files(log_dir)
     return found + sorted(path.name for path in log_dir.glob("checkpoint-*.pt"))[:1]
 
 
@@ -252,7 +251,12 @@ def open_run_dir(
     latest = latest_checkpoint(directory)
     if not resume:
         found = _holds_a_run(directory)
-        if found and latest is None and _saved_checkpoint_freq(directory) != 0:
+        if found and latest is None and _saved_checkpoint_freq(directory) == 0:
+            raise RunError(
+                f"log_dir {directory} holds another run ({', '.join(found)}), which wrote no checkpoints "
+                "(checkpoint_freq 0); choose another log_dir"
+            )
+        if found and latest is None:
             raise RunError(
                 f"log_dir {directory} holds a run that stopped before its first checkpoint ({', '.join(found)}); "
                 "restart it from scratch with --resume, or choose another log_dir"
@@ -312,10 +316,13 @@ def _load_hylo(start: Start, directory: Path, epoch: int, rank: int, device: tor
         )
     if not isinstance(contents.get("hylo"), dict) or not isinstance(contents.get("profile_bytes"), dict):
         raise RunError(f"{path} lacks hylo's state or the profile sizes; {fix}")
-    try:
-        check_rewind(directory, contents["profile_bytes"])
-    except ValueError as err:
-        raise RunError(f"{path}: {err}: rows the checkpoint covers are lost; {fix}") from err
+    for name, size in contents["profile_bytes"].items():
+        actual = (directory / name).stat().st_size if (directory / name).exists() else 0
+        if actual < size:
+            raise RunError(
+                f"{directory / name} is shorter ({actual} bytes) than when {path.name} was written ({size} bytes): "
+                f"rows it covers are lost; {fix}"
+            )
     start.hylo, start.hylo_path, start.profile_bytes = contents["hylo"], path, contents["profile_bytes"]
 
 
@@ -358,7 +365,7 @@ def prepare(log_dir: str | None, start: Start, rank: int) -> None:
         if start.state is not None:
             truncate_metrics(directory / "metrics.csv", start.state["metrics_bytes"])
     if start.profile_bytes:
-        cut = rewind_profile(directory, start.profile_bytes)
+        cut = hylo.HyLoPreconditioner.rewind_profile(directory, start.profile_bytes)
         if cut:
             _say(f"dropping the rows of {', '.join(cut)} written after the checkpoint")
 
@@ -398,7 +405,7 @@ def save_checkpoint(
     if pre is not None:
         profile_bytes = pre.flush_profile()  # the rows up to this step, on disk: what the checkpoint covers
         contents = {"format": FORMAT, "run_id": run_id, "hylo": pre.state_dict(), "profile_bytes": profile_bytes}
-        save_atomic(seal(contents), hylo_state_path(log_dir, epoch, rank))
+        save_atomic(integrity.seal(contents), hylo_state_path(log_dir, epoch, rank))
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -416,6 +423,6 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        save_atomic(seal(state), checkpoint_path(log_dir, epoch))
+        save_atomic(integrity.seal(state), checkpoint_path(log_dir, epoch))
     if world > 1:
         dist.barrier()
