@@ -11,6 +11,7 @@ per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` rea
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections import deque
@@ -37,6 +38,7 @@ from hylo.solvers.base import UpdateJob
 from hylo.stage import UpdateStage
 from hylo.state import UNSOLVED, RegisteredLayer, registered_layers
 from hylo.step import Outcome, StepValues, precondition
+from hylo.telemetry import recording
 from hylo.telemetry.monitor import Telemetry
 from hylo.version import __version__
 
@@ -391,6 +393,29 @@ class HyLoPreconditioner:
         self._registration.remove()
         self._removed = True
         self.close()
+
+    def flush_profile(self) -> dict[str, int]:
+        """Write the ``profile_dir`` files' queued rows to disk (``fsync``) and return each file's size by name.
+
+        Call it when saving a checkpoint and store the sizes with it: on resume,
+        :meth:`rewind_profile` cuts the files back to them before the new preconditioner appends
+        (docs/profiling.md, "Checkpoints and kills"). Empty when not profiling.
+        """
+        return self._telemetry.flush()
+
+    @staticmethod
+    def rewind_profile(profile_dir: str | os.PathLike[str], sizes: Mapping[str, int]) -> list[str]:
+        """Cut hylo's CSV files in ``profile_dir`` back to ``sizes`` (a :meth:`flush_profile` result saved with a
+        checkpoint), before resuming from it; returns the files cut or removed (docs/profiling.md, "Checkpoints
+        and kills"). Everything is checked first: ``ValueError``, changing nothing, if a file is shorter than its
+        size (rows the checkpoint covers are lost) or a name is not one of hylo's CSV files."""
+        return recording.rewind_profile(profile_dir, sizes)
+
+    @staticmethod
+    def profile_files(profile_dir: str | os.PathLike[str]) -> list[str]:
+        """The names of hylo's files (any rank's) already in ``profile_dir``: what a new preconditioner there
+        refuses unless ``profile_append``."""
+        return recording.existing_files(profile_dir, rank=0)
 
     def close(self) -> None:
         """Flush and close the ``profile_dir`` files and stop recording (idempotent; also run at exit)."""

@@ -205,7 +205,7 @@ def test_engine_log_dir_holds_metrics_and_config(tmp_path: Path) -> None:
     profiled = tmp_path / "profiled"
     (profiled).mkdir()
     (profiled / "steps-r0.csv").write_text("step\n0\n")  # hylo's file of another run, nothing of the engine's
-    with pytest.raises(ValueError, match="already holds"):  # hylo refuses another run's files
+    with pytest.raises(ValueError, match=r"holds a run that stopped before its first checkpoint \(steps-r0\.csv\)"):
         train(RunConfig(model="mlp", solver="kfac", max_steps=1, log_dir=str(profiled), profiling=True))
     assert sorted(p.name for p in profiled.iterdir()) == ["steps-r0.csv"]  # nothing written beside it
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from hylo import integrity
 from hylo_scripts import checkpoint
 from hylo_scripts import train as train_script
 from hylo_scripts import train_segmentation as seg_script
@@ -254,10 +255,13 @@ def _without_times(rows: list[dict[str, str]]) -> list[dict[str, str]]:
 def test_a_checkpoint_is_a_weights_only_file_with_every_part(tmp_path: Path) -> None:
     train(_mnist(tmp_path / "run", epochs=1))
     state = torch.load(tmp_path / "run" / "checkpoint-0001.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "rng", "config", "epoch", "step", "world", "metrics_bytes"} <= set(state)
+    parts = {"model", "optimizer", "scheduler", "rng", "config", "epoch", "step", "world", "metrics_bytes", "run_id"}
+    assert parts <= set(state) and state["format"] == checkpoint.FORMAT
     assert state["epoch"] == 1 and state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
-    hylo_state = torch.load(tmp_path / "run" / "checkpoint-0001-hylo-r0.pt", weights_only=True)
-    assert hylo_state["steps"] == 3
+    hylo_file = torch.load(tmp_path / "run" / "checkpoint-0001-hylo-r0.pt", weights_only=True)
+    assert hylo_file["hylo"]["steps"] == 3 and hylo_file["run_id"] == state["run_id"]
+    integrity.verify(state, "rank 0's file")  # both sealed with a checksum of their contents
+    integrity.verify(hylo_file, "the hylo file")
     assert checkpoint.latest_checkpoint(tmp_path / "run") == (1, tmp_path / "run" / "checkpoint-0001.pt")
     assert not list((tmp_path / "run").glob(".*tmp"))  # no temporary file left behind
 
@@ -291,7 +295,7 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(tmp
     path = run / "checkpoint-0001.pt"
     state = torch.load(path, weights_only=True)
     del state["config"]["hylo"]["trend_window"]  # as written before --trend-window existed
-    torch.save(state, path)
+    torch.save(integrity.seal(state), path)
     with pytest.raises(RunError, match=r"trend_window 100 -> 5"):
         train(_mnist(run, epochs=2, hylo={"trend_window": 5}), resume=True)
     assert [e.epoch for e in train(_mnist(run, epochs=2), resume=True).log] == [2]
@@ -304,7 +308,7 @@ def test_a_checkpoint_of_the_old_configuration_shape_is_refused(tmp_path: Path) 
     path = run / "checkpoint-0001.pt"
     state = torch.load(path, weights_only=True)
     state["config"].update(state["config"].pop("hylo"))  # the old shape: the options beside the fields
-    torch.save(state, path)
+    torch.save(integrity.seal(state), path)
     with pytest.raises(RunError, match="does not resume it"):
         train(_mnist(run, epochs=2), resume=True)
 
@@ -358,7 +362,7 @@ def test_train_script_on_mnist5k_writes_its_run_and_resumes_exactly(tmp_path: Pa
         _rows(tmp_path / "whole" / "metrics.csv")
     )
     refused = _script("train.py", *flags, "--epochs", "3", "--log-dir", str(tmp_path / "part"))
-    assert refused.returncode == 1 and "holds another run" in refused.stderr
+    assert refused.returncode == 2 and "train.py: error: " in refused.stderr and "holds another run" in refused.stderr
 
 
 def test_a_missing_dataset_names_the_layout_and_the_first_missing_file(tmp_path: Path) -> None:

@@ -82,6 +82,13 @@ class Telemetry:
             self.recorder = None
             self.watch = DISABLED
 
+    def flush(self) -> dict[str, int]:
+        """Write every queued row to disk (``fsync``) and return each file's size by name (empty when not
+        recording): what a checkpoint written now covers (docs/profiling.md, "Checkpoints and kills")."""
+        if self.recorder is None:
+            return {}
+        return self.recorder.flush(sync=True)
+
     def traffic(self) -> dict[str, int]:
         """Bytes sent so far by tag (empty when not recording): the start of a step's count."""
         return dict(self.comm.bytes_by_tag) if self.recorder is not None else {}

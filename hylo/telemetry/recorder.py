@@ -194,9 +194,9 @@ class Recorder:
         for e in records:
             self.errors.add((step, e.layer, e.method, e.rank_ratio, e.rel_error, e.reference))
 
-    def flush(self) -> None:
-        """Write everything queued."""
-        self.files.flush()
+    def flush(self, sync: bool = False) -> dict[str, int]:
+        """Write everything queued (``sync``: to disk); each file's size by name."""
+        return self.files.flush(sync)
 
     def close(self) -> None:
         """Flush and close every file."""

@@ -4,6 +4,9 @@ Every CSV has one header line and one row per record. Rows are buffered in memor
 with one ``os.write`` of whole lines per flush (after every update step and at ``close()``),
 so a killed run leaves files that end on a complete line. An existing file is only ever
 appended to, and only when the run was told to append; its header must match.
+:meth:`ProfileFiles.flush` with ``sync`` also forces the rows to disk and returns each file's
+size: what a checkpoint written then covers; :func:`rewind_profile` cuts the files back to those
+sizes when the run resumes from that checkpoint (docs/profiling.md, "Checkpoints and kills").
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import os
 import re
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,22 +77,30 @@ class CsvLog:
             raise ValueError(f"{self.path.name}: a row of {len(values)} values for {len(self.columns)} columns")
         self._pending.append(format_row(values))
 
-    def flush(self) -> None:
-        """Write the queued rows as whole lines (one system call), creating the file with its header if new."""
+    def flush(self, sync: bool = False) -> None:
+        """Write the queued rows as whole lines (one system call), creating the file with its header if new;
+        with ``sync``, force them to disk (``os.fsync``)."""
         if self._fd is None:
             if not self._pending:
                 return
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if os.fstat(self._fd).st_size == 0:
                 self._pending.insert(0, self._header)
-        if not self._pending:
-            return
-        data = "".join(self._pending).encode()
-        self._pending = []
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        if self._pending:
+            data = "".join(self._pending).encode()
+            self._pending = []
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        if sync:
+            os.fsync(self._fd)
+
+    def size(self) -> int:
+        """The file's size in bytes (0 while it does not exist)."""
+        if self._fd is not None:
+            return os.fstat(self._fd).st_size
+        return self.path.stat().st_size if self.path.exists() else 0
 
     def close(self) -> None:
         """Flush and close the file."""
@@ -106,11 +117,11 @@ class Sink:
         self.log = log
         self._prepare = prepare
 
-    def flush(self) -> None:
-        """Turn buffered records into rows (``prepare``) and write them."""
+    def flush(self, sync: bool = False) -> None:
+        """Turn buffered records into rows (``prepare``) and write them (``sync``: to disk)."""
         if self._prepare is not None:
             self._prepare(self.log)
-        self.log.flush()
+        self.log.flush(sync)
 
     def close(self) -> None:
         """Flush and close."""
@@ -123,8 +134,9 @@ def _close_all(sinks: list[Sink]) -> None:
         sink.close()
 
 
-def existing_files(directory: Path, rank: int) -> list[str]:
+def existing_files(directory: str | os.PathLike[str], rank: int) -> list[str]:
     """hylo's files already in ``directory`` that this rank would write (rank 0: any of hylo's files)."""
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     if rank == 0:
@@ -172,14 +184,69 @@ class ProfileFiles:
         temporary.write_text(json.dumps(info, indent=2, default=str) + "\n")
         temporary.replace(path)
 
-    def flush(self) -> None:
-        """Write every file's queued rows."""
+    def flush(self, sync: bool = False) -> dict[str, int]:
+        """Write every file's queued rows (``sync``: to disk); each file's size by name (0: not created yet)."""
         for sink in self._sinks:
-            sink.flush()
+            sink.flush(sync)
+        if sync and self._sinks:
+            _sync_directory(self.directory)  # the entries of files created by this flush
+        return {sink.log.path.name: sink.log.size() for sink in self._sinks}
 
     def close(self) -> None:
         """Flush and close every file (idempotent)."""
         self._finalizer()
+
+
+def _sync_directory(directory: Path) -> None:
+    """Force ``directory``'s entries to disk (where the system allows opening a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some systems refuse to sync a directory: the files' own data is synced
+    finally:
+        os.close(fd)
+
+
+def check_rewind(directory: str | os.PathLike[str], sizes: Mapping[str, int]) -> None:
+    """``ValueError`` unless :func:`rewind_profile` can cut ``directory``'s files back to ``sizes``.
+
+    ``sizes`` maps hylo's CSV file names (:data:`FILE_PATTERNS`, ``run.json`` aside) to byte
+    counts; a file must be at least that long: rows a checkpoint covers cannot be rebuilt.
+    """
+    for name, size in sizes.items():
+        if name == "run.json" or not _OURS.fullmatch(name):
+            raise ValueError(f"{name!r} is not one of hylo's CSV files {FILE_PATTERNS[:-1]}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"the size of {name} must be an int >= 0, got {size!r}")
+        path = Path(directory) / name
+        actual = path.stat().st_size if path.exists() else 0
+        if actual < size:
+            raise ValueError(f"{path} is shorter ({actual} bytes) than the checkpoint covers ({size} bytes)")
+
+
+def rewind_profile(directory: str | os.PathLike[str], sizes: Mapping[str, int]) -> list[str]:
+    """Cut hylo's files in ``directory`` back to ``sizes`` (what :meth:`ProfileFiles.flush` returned at a
+    checkpoint): rows written after it are dropped, a file it did not cover (size 0) is removed.
+
+    Everything is checked first (:func:`check_rewind`), so a refusal changes nothing. Returns the
+    names of the files that were cut or removed.
+    """
+    check_rewind(directory, sizes)
+    changed = []
+    for name, size in sizes.items():
+        path = Path(directory) / name
+        if not path.exists() or path.stat().st_size == size:
+            continue
+        if size == 0:
+            path.unlink()
+        else:
+            os.truncate(path, size)
+        changed.append(name)
+    return changed
 
 
 def run_info(config: dict[str, Any], world_size: int, device: torch.device, version: str) -> dict[str, Any]:

@@ -21,10 +21,14 @@ rank) every ``checkpoint_freq`` epochs and after the last one (see
 :mod:`hylo_scripts.checkpoint`); with ``profiling`` or ``studies``, hylo's profile files (its
 ``profile_dir`` is ``log_dir``).
 
-A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv`` or checkpoint) is
-refused unless ``resume``: then the run continues from its latest checkpoint up to
-``epochs`` — model, optimizer, lr scheduler, hylo's state (its step, so its damping
-schedule, and its generator), the sampler epoch and the RNG — and appends to ``metrics.csv``.
+A ``log_dir`` that holds another run (a ``config.json``, ``metrics.csv``, hylo's files or a
+checkpoint) is refused unless ``resume``: then the run continues from its latest checkpoint up
+to ``epochs`` — model, optimizer, lr scheduler, hylo's state (its step, so its damping
+schedule, and its generator), the sampler epoch and the RNG — and appends to ``metrics.csv``
+and the profile files, cut back to what the checkpoint covers. Every file is checked on every
+rank (hylo's state in a preconditioner that writes nothing) before anything is written; a run
+that stopped before its first checkpoint starts again from scratch (docs/training-scripts.md,
+"Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -144,11 +148,13 @@ def make_preconditioner(
     steps_per_epoch: int,
     *,
     profile_append: bool = False,
+    record: bool = True,
 ) -> hylo.HyLoPreconditioner | None:
     """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the optimizer's scheduled lr.
 
     The keyword arguments are :func:`hylo_scripts.hylo_options.preconditioner_options`: the run's
-    ``hylo`` options and the engine's.
+    ``hylo`` options and the engine's; ``record=False`` leaves ``profile_dir`` and the studies out
+    (nothing is written: the check of a checkpoint's state before a resume).
     """
     if cfg.solver is None:
         return None
@@ -158,7 +164,31 @@ def make_preconditioner(
         steps_per_epoch=steps_per_epoch,
         profile_append=profile_append,
     )
+    if not record:
+        options.update(profile_dir=None, profile_append=False, studies=())
     return hylo.HyLoPreconditioner(model, **options)
+
+
+def _agree(error: checkpoint.RunError | None, world: int) -> None:
+    """Raise ``error`` on its rank and a :class:`~hylo_scripts.checkpoint.RunError` naming the failed ranks on the
+    others (one ``all_gather_object`` with P > 1 ranks), or return on every rank."""
+    if world > 1:
+        messages: list[str | None] = [None] * world
+        dist.all_gather_object(messages, None if error is None else str(error))
+        failed = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None]
+        if failed and error is None:
+            raise checkpoint.RunError("; ".join(failed))
+    if error is not None:
+        raise error
+
+
+def _shared(value: str, world: int) -> str:
+    """Rank 0's ``value`` on every rank."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def evaluate(
@@ -235,11 +265,22 @@ def train(
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
     device = device or torch.device("cpu")
-    start = checkpoint.open_run_dir(
-        cfg.log_dir, cfg.to_json(), resume=resume, world=world, device=device, defaults=run_defaults()
-    )
-    if world > 1:
-        dist.barrier()  # every rank has looked at log_dir before rank 0 writes into it
+    error: checkpoint.RunError | None = None
+    try:
+        start = checkpoint.open_run_dir(
+            cfg.log_dir,
+            cfg.to_json(),
+            resume=resume,
+            world=world,
+            device=device,
+            rank=rank,
+            hylo=cfg.solver is not None,
+            defaults=run_defaults(),
+        )
+    except checkpoint.RunError as err:
+        error, start = err, checkpoint.Start()
+    _agree(error, world)  # every rank has looked at log_dir and can start, or none starts
+    run_id = start.run_id or _shared(checkpoint.new_run_id(), world)
     if data is None:
         options = DataOptions(
             data_dir=cfg.data_dir,
@@ -285,18 +326,28 @@ def train(
         model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    if start.hylo is not None:
+        # hylo checks its state in a preconditioner that writes nothing, before anything is written
+        probe = make_preconditioner(model, cfg, optimizer, steps_per_epoch, record=False)
+        assert probe is not None
+        try:
+            probe.load_state_dict(start.hylo)
+        except ValueError as err:
+            raise checkpoint.hylo_refused(start, err) from err
+        finally:
+            probe.remove()
+    checkpoint.prepare(cfg.log_dir, start, rank)
+    if world > 1:
+        dist.barrier()  # the run directory is ready before hylo opens its files in it
     pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch, profile_append=start.state is not None)
     metrics_path = log_dir / "metrics.csv" if log_dir is not None else None
     if start.state is not None:
-        assert log_dir is not None and metrics_path is not None
         optimizer.load_state_dict(start.state["optimizer"])
         resume_schedule(scheduler, start.state["scheduler"])
         torch.set_rng_state(start.state["rng"].cpu())
         if pre is not None:
-            hylo_path = checkpoint.hylo_state_path(log_dir, start.epoch, rank)
-            pre.load_state_dict(checkpoint.load(hylo_path, map_location=device))
-        if rank == 0:
-            checkpoint.truncate_metrics(metrics_path, start.state["metrics_bytes"])
+            assert start.hylo is not None
+            pre.load_state_dict(start.hylo)
     if log_dir is not None and rank == 0:  # hylo has accepted log_dir: the run's files go in
         write_run_files(log_dir, cfg.to_json(), summary, data.info)
     if verbose and rank == 0:
@@ -369,6 +420,7 @@ def train(
                     step=step,
                     rank=rank,
                     world=world,
+                    run_id=run_id,
                     total_time_s=total_time,
                     net=net,
                     optimizer=optimizer,

@@ -119,7 +119,10 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "files; a directory holding another run is refused unless --resume",
     )
     group.add_argument(
-        "--resume", action="store_true", help="continue the run in --log-dir from its latest checkpoint up to --epochs"
+        "--resume",
+        action="store_true",
+        help="continue the run in --log-dir from its latest checkpoint up to --epochs (a run that stopped "
+        "before its first checkpoint starts again)",
     )
     group.add_argument(
         "--checkpoint-freq",
@@ -273,10 +276,11 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 def run_script(doc: str, argv: list[str] | None, *, task: str, defaults: Mapping[str, Any]) -> int:
     """A training script's ``main``: parse, join torchrun's group if any, train; exit status 0, 1 or 2.
 
-    ``doc`` (the script's docstring) is the ``--help`` text. Flag misuse exits with argparse's
-    status 2; a dataset that is not where ``--data-dir`` says or a ``--log-dir`` that cannot be
-    used (another run, nothing to resume, a different configuration) prints its message and
-    returns 1.
+    ``doc`` (the script's docstring) is the ``--help`` text. Flag misuse and a ``--log-dir`` that
+    cannot be used (another run, nothing to resume, a checkpoint that is corrupted, of another
+    run or of a different configuration) exit like argparse's errors: ``PROG: error: MESSAGE``
+    naming the file and what to do, status 2, no traceback. A dataset that is not where
+    ``--data-dir`` says prints its message and returns 1.
     """
     parser = build_parser(doc.split("\n\n")[0], task=task, defaults=defaults, epilog=doc)
     args = parser.parse_args(argv)
@@ -284,7 +288,9 @@ def run_script(doc: str, argv: list[str] | None, *, task: str, defaults: Mapping
     try:
         with distributed(cfg.backend) as device:
             train(cfg, device=device, resume=args.resume, verbose=True)
-    except (RunError, DatasetLayoutError) as err:
+    except RunError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except DatasetLayoutError as err:
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -23,7 +23,7 @@ DEFAULTS = {"dataset": "lgg", "model": "unet", "epochs": 50, "batch_size": 16}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the flags and train (exit status: 0 done, 1 data or log-dir problem, 2 flag misuse)."""
+    """Parse the flags and train (exit status: 0 done, 1 data problem, 2 flag misuse or a log dir that cannot be used)."""
     return run_script(__doc__ or "", argv, task="segmentation", defaults=DEFAULTS)
 
 
