@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from hylo.config import HyLoConfig, options, resolve
+from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
 from hylo.state import RegisteredLayer
@@ -29,24 +29,27 @@ LAYERS = "registered layers"
 _KEY = (CONTROL, "fingerprint")
 
 
-def _value(name: str, value: Any, step: int) -> str:
-    """An option's value as the ranks compare it: a schedule's value at ``step``, the presence of a callable."""
+def _value(value: Any, resolved: Mapping[str, Any], name: str, step: int) -> str:
+    """An option's value as the ranks compare it: a schedule's value at ``step`` (as the step evaluated it:
+    a user's callable is never called again here), else the presence of a callable."""
     if not callable(value):
         return repr(value)
-    schedule: Callable[[int], float] = value
-    if name == "solver_fn":
-        return "a callable"
-    try:
-        return f"{resolve(name, schedule, step)!r} (its callable's value at step {step})"
-    except Exception as err:  # the step raises it too, on every rank, once the ranks agree
-        return f"its callable raised at step {step}: {type(err).__name__}: {err}"
+    if name in resolved:
+        return f"{resolved[name]!r} (its callable's value at step {step})"
+    return "a callable"
 
 
 def fields(
-    layers: Sequence[RegisteredLayer], config: HyLoConfig, step: int, sharded: bool, version: str
+    layers: Sequence[RegisteredLayer],
+    config: HyLoConfig,
+    step: int,
+    resolved: Mapping[str, Any],
+    sharded: bool,
+    version: str,
 ) -> dict[str, str]:
     """One rank's fingerprint: hylo's version, every registered layer, FSDP2 sharding and every option
-    but :data:`RANK_LOCAL`, by name (the same names, in the same order, on every rank)."""
+    but :data:`RANK_LOCAL`, by name (the same names, in the same order, on every rank); ``resolved``:
+    the schedules' values at ``step``, by option name."""
     described = {
         "hylo version": version,
         LAYERS: json.dumps(
@@ -59,7 +62,7 @@ def fields(
     }
     for spec in options():
         if spec.name not in RANK_LOCAL:
-            described[spec.name] = _value(spec.name, config.value(spec.name), step)
+            described[spec.name] = _value(config.value(spec.name), resolved, spec.name, step)
     return described
 
 

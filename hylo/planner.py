@@ -104,6 +104,10 @@ class Planner:
         """
         return self._cadence_of(config)[:2]
 
+    def update_freq(self, config: HyLoConfig) -> int:
+        """``update_freq``'s value at this step (its callable called once per step)."""
+        return self._cadence_of(config)[2]
+
     def _cadence_of(self, config: HyLoConfig) -> tuple[bool, frozenset[str], int]:
         """(update?, layers refreshing, update_freq's value) of this step, each callable evaluated once per step."""
         step, update, refreshing, freq = self._cadence

@@ -11,6 +11,7 @@ per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` rea
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections import deque
@@ -208,15 +209,15 @@ class HyLoPreconditioner:
         watch.start()
         traffic = self._telemetry.traffic()
         try:
-            if self._compared is None:  # before any other collective: the ranks' collectives may not match
-                self._compare(config, step)
             values = StepValues.at(config, step)
             is_update, refreshing = self._planner.cadence(config)
+            if self._compared is None:  # before any other collective: the ranks' collectives may not match
+                self._compare(config, step, values)
             grads = self._guard.gradients()
             capturing = [is_update or layer.name in refreshing for layer in self._layers]
             agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._compared is config)
             if agreed.recheck:  # some rank's options changed (reconfigure, load_state_dict): compare them again
-                self._compare(config, step)
+                self._compare(config, step, values)
             watch.lap("check")
             generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
             try:
@@ -233,10 +234,13 @@ class HyLoPreconditioner:
             layer.capture.clear()
         self._commit(step, outcome, traffic)
 
-    def _compare(self, config: HyLoConfig, step: int) -> None:
-        """Check that every rank registered the same layers with the same options (one small all-reduce)."""
-        described = fingerprint.fields(self._layers, config, step, self._guard.sharded, __version__)
-        fingerprint.agree(self.comm, described, self._guard.device, step)
+    def _compare(self, config: HyLoConfig, step: int, values: StepValues) -> None:
+        """Check that every rank registered the same layers with the same options (one small all-reduce;
+        nothing with one rank). ``values``: the step's schedules, as evaluated (callables are called once)."""
+        if self.comm.world_size > 1:
+            resolved = dataclasses.asdict(values) | {"update_freq": self._planner.update_freq(config)}
+            described = fingerprint.fields(self._layers, config, step, resolved, self._guard.sharded, __version__)
+            fingerprint.agree(self.comm, described, self._guard.device, step)
         self._compared = config
 
     def _drop_stale_captures(self) -> None:
