@@ -101,12 +101,9 @@ def _message(ranks: list[dict[str, str]], step: int) -> str:
         for rank, value in enumerate(values):
             holders.setdefault(value, []).append(rank)
         differences.append(f"{name}: " + "; ".join(f"{value} on ranks {r}" for value, r in holders.items()))
-    return (
-        f"step {step}: the ranks' HyLoPreconditioners differ — "
-        + " | ".join(differences)
-        + ". Every rank must register the same layers with the same options (docs/reliability.md, "
-        '"Agreement across ranks")'
-    )
+    where = 'docs/reliability.md, "Agreement across ranks"'
+    listed = " | ".join(differences)
+    return f"step {step}: the ranks' HyLoPreconditioners differ — {listed}. Every rank must register the same layers with the same options ({where})"
 
 
 def _layer_difference(per_rank: list[list[list[object]]]) -> str:

@@ -250,7 +250,7 @@ def test_failed_step_changes_nothing_and_the_run_continues_identically(
     assert torch.equal(pre._generator.get_state(), before[3])
     assert trend.moments is before[4][0] and list(trend.history) == list(before[4][1])
     assert (trend.critical, trend.last_trend) == (before[4][2], before[4][3])
-    # retry (a fresh forward/backward, since a failed step drops its captures), then go on
+    # a fresh forward/backward instead of a retry: it replaces the failed step's kept captures; then go on
     run(model, pre, range(fail_at, fail_at + 4))
     run(twin, reference, range(fail_at + 4))
     assert_same_tensors(grads(model), grads(twin))
