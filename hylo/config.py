@@ -36,6 +36,7 @@ from hylo.rules import (
     Section,
     default_of,
     is_bool,
+    is_collection,
     is_real,
     option,
     window_decay,
@@ -167,6 +168,7 @@ class PolicyConfig(Section):
 
     layer_solvers: Mapping[str, str] = option(
         doc="per-layer overrides {name regex (full match): solver}; the first match wins",
+        rule=Rule(lambda m: isinstance(m, Mapping), "a mapping {name regex: solver}"),
         default_factory=dict,
     )
     solver_fn: Callable[[str, int, LayerStats], str] | None = option(
@@ -297,7 +299,7 @@ class TelemetryConfig(Section):
     studies: tuple[Study, ...] = option(
         (),
         doc="any of 'grad_norm' (every step), 'rank' and 'grad_error' (sampled updates); they need profile_dir",
-        rule=Rule(lambda s: not isinstance(s, str) and all(x in STUDIES for x in s), f"drawn from {STUDIES}"),
+        rule=Rule(lambda s: is_collection(s) and all(x in STUDIES for x in s), f"drawn from {STUDIES}"),
         fixed=True,
     )
     rank_every: int = option(1, doc="run the rank study at every rank_every-th update", rule=COUNT)
@@ -310,7 +312,7 @@ class TelemetryConfig(Section):
         doc="the solvers compared with exact SNGD by the gradient-error study: any registered solver ('kfac' "
         "from the batch's factors, 'sngd' on the run's own convolution rows)",
         rule=Rule(
-            lambda m: not isinstance(m, str) and len(m) > 0 and all(x in solver_names() for x in m),
+            lambda m: is_collection(m) and len(m) > 0 and all(x in solver_names() for x in m),
             "a non-empty selection of the registered solvers",
         ),
     )
@@ -318,7 +320,7 @@ class TelemetryConfig(Section):
         None,
         doc="the ρ at which row-reducing solvers (KID, KIS) are measured; None: (rank_ratio,)",
         rule=Rule(
-            lambda r: not isinstance(r, (str, float, int)) and len(r) > 0 and all(RATIO.holds(x) for x in r),
+            lambda r: is_collection(r) and len(r) > 0 and all(RATIO.holds(x) for x in r),
             "ratios in (0, 1]",
         ),
     )

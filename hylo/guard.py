@@ -37,6 +37,8 @@ class Agreement:
     gives: dict[CallStatistic[Any], list[bool]]
     #: Each layer's ‖∇W‖ in float64 (0 where absent), re-measured without overflow where needed.
     norms: Tensor
+    #: Whether some rank's options changed since the ranks last compared them (:mod:`hylo.fingerprint`).
+    recheck: bool = False
 
 
 class Guard:
@@ -111,6 +113,7 @@ class Guard:
         grads: Sequence[GradMatrix | None],
         capturing: Sequence[bool],
         statistics: Sequence[CallStatistic[Any]],
+        compared: bool = True,
     ) -> Agreement:
         """This step's finiteness, layers present, layers with captured rows and the ``statistics`` their
         calls can give, identical on every rank.
@@ -118,7 +121,8 @@ class Guard:
         One host synchronisation; with P > 1 ranks, one all-reduce of a few flags, every step: the
         decision to skip or to update is then the same on every rank (docs/reliability.md,
         "Agreement across ranks"). Usage errors (no gradient at all, ``step()`` twice without a
-        backward) raise on every rank.
+        backward) raise on every rank. ``compared``: whether this rank's options are those the ranks last
+        compared (:mod:`hylo.fingerprint`); one flag more says whether every rank's are.
         """
         norms, finite = self.norms(grads)
         n = len(self.layers)
@@ -133,9 +137,10 @@ class Guard:
         if self.comm.world_size > 1:
             paths = [flag for statistic in statistics for flag in gives[statistic]] if any(capturing) else []
             local = torch.tensor(
-                [usable, *present, *(not r for r in rows), *paths], dtype=torch.bool, device=self.device
+                [usable, *present, *(not r for r in rows), *paths, compared], dtype=torch.bool, device=self.device
             )
             flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
+            recheck = not flags[-1]
             all_finite, all_usable = flags[0], flags[1]
             present = flags[2 : 2 + n]
             rows = [not none for none in flags[2 + n : 2 + 2 * n]]
@@ -143,11 +148,12 @@ class Guard:
                 gives = {s: flags[2 + (2 + k) * n : 2 + (3 + k) * n] for k, s in enumerate(statistics)}
         else:
             all_finite, all_usable = bool(finite.item()) if usable else True, usable
+            recheck = False
         if not all_usable:
             raise RuntimeError(self._no_gradient_message(step, usable))
         if not all_finite:  # rare: re-measure in a form that cannot overflow, then agree again
             norms, all_finite = self._safe_norms(grads)
-        return Agreement(bool(all_finite), present, rows, gives, norms)
+        return Agreement(bool(all_finite), present, rows, gives, norms, recheck)
 
     def _no_gradient_message(self, step: int, usable: bool) -> str:
         if usable:

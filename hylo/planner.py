@@ -63,15 +63,16 @@ class Planner:
         self.updates = 0
         #: Whether the next step must update whatever the cadence (a rejected or missing state).
         self.needs_update = False
-        self._cadence: tuple[int, bool, frozenset[str]] = (-1, False, frozenset())
+        self._cadence: tuple[int, bool, frozenset[str], int] = (-1, False, frozenset(), 0)
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
+        self._arm_error: tuple[int, Exception] | None = None
         self.arm(config)
         # a preconditioner dropped without remove() leaves hooks that must capture nothing
         weakref.finalize(self, _disarm, [layer.capture for layer in self.layers])
 
     def reset(self, config: HyLoConfig) -> None:
         """Forget the current step's cadence and plans (after a load or a new config); arm the hooks anew."""
-        self._cadence = (-1, False, frozenset())
+        self._cadence = (-1, False, frozenset(), 0)
         self._plans = (-1, [])
         self.arm(config)
 
@@ -80,11 +81,18 @@ class Planner:
 
         The hooks read these plain flags, never this planner: on steps that do not capture, compiled
         code traces them to nothing; on steps that do, compiled code runs eagerly.
+
+        A callable option (``update_freq``, ``factor_update_freq``) that raises or returns an invalid value
+        here leaves the hooks unarmed, and the step's :meth:`cadence` raises that error from ``step()``,
+        before anything changes — never from the model's forward or backward (docs/reliability.md,
+        "Transactional steps").
         """
+        self._arm_error = None
         try:
             wanted = [self.capturing(config, layer.name) for layer in self.layers]
-        except ValueError:  # a callable option's invalid value: the step raises it, before anything changes
+        except Exception as err:  # the user's callable: whatever it raises, step() raises
             wanted = [False] * len(self.layers)
+            self._arm_error = (self.step, err)
         for layer, active in zip(self.layers, wanted, strict=True):
             layer.capture.arm(active)
 
@@ -94,8 +102,19 @@ class Planner:
         An update step captures every layer. Otherwise, at a ``factor_update_freq`` step, the
         layers whose family keeps running statistics (K-FAC) capture and refresh them.
         """
-        step, update, refreshing = self._cadence
+        return self._cadence_of(config)[:2]
+
+    def update_freq(self, config: HyLoConfig) -> int:
+        """``update_freq``'s value at this step (its callable called once per step)."""
+        return self._cadence_of(config)[2]
+
+    def _cadence_of(self, config: HyLoConfig) -> tuple[bool, frozenset[str], int]:
+        """(update?, layers refreshing, update_freq's value) of this step, each callable evaluated once per step."""
+        step, update, refreshing, freq = self._cadence
         if step != self.step:
+            if self._arm_error is not None and self._arm_error[0] == self.step:
+                # the hooks were left unarmed for this step's forward: this step cannot capture
+                raise self._arm_error[1]
             freq = resolve("update_freq", config.update_freq, self.step)
             update = self.needs_update or self.step % freq == 0
             refreshing = frozenset()
@@ -107,8 +126,8 @@ class Planner:
                         for layer in self.layers
                         if layer.state is not None and family_of(layer.solver).refreshes
                     )
-            self._cadence = (self.step, update, refreshing)
-        return update, refreshing
+            self._cadence = (self.step, update, refreshing, freq)
+        return update, refreshing, freq
 
     def capturing(self, config: HyLoConfig, name: str) -> bool:
         """Whether this step captures layer ``name``'s inputs and output gradients."""
@@ -168,8 +187,7 @@ class Planner:
                 rows, kfac_rows = rows + more[0], kfac_rows + more[1]
             kept = config.lowrank.rows_kept(rows) if rows else 0
             shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, self.world_size))
-        freq = resolve("update_freq", config.update_freq, self.step)
-        return self.policy.forecast(self.step, shapes, freq, self.world_size, config)
+        return self.policy.forecast(self.step, shapes, self._cadence_of(config)[2], self.world_size, config)
 
     def decide(
         self,
@@ -183,7 +201,7 @@ class Planner:
         """The solver of every layer in ``batch_of`` (the layers this update works on), chosen once and identically
         on all ranks (rank 0's choice is broadcast when it can differ); a layer whose calls serve another family
         keeps that one (:meth:`reconcile`)."""
-        freq = resolve("update_freq", config.update_freq, step)
+        freq = self._cadence_of(config)[2]  # ``step`` is this planner's current step
         world = comm.world_size
         shapes = [
             batch_of[layer.name].shape(world)

@@ -11,6 +11,7 @@ per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` rea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo import checkpoint, memory, sharding
+from hylo import checkpoint, fingerprint, memory, sharding
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
 from hylo.guard import Agreement, Guard
 from hylo.layers.batch import LayerBatch
+from hylo.layers.capture import Record
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.registry import register_layers, supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
@@ -58,6 +60,13 @@ def _weakly(method: Callable[..., Any], fallback: Any) -> Callable[..., Any]:
         return fallback(*args) if bound is None else bound(*args)
 
     return call
+
+
+def _checked_config(config: object) -> HyLoConfig | None:
+    """``config`` if it is a :class:`HyLoConfig` or None, else ``ValueError``."""
+    if config is not None and not isinstance(config, HyLoConfig):
+        raise ValueError(f"config must be a hylo.HyLoConfig (or None), got {type(config).__name__}")
+    return config
 
 
 class HyLoPreconditioner:
@@ -94,7 +103,7 @@ class HyLoPreconditioner:
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self._grad_scaler = grad_scaler
-        base = config or HyLoConfig()
+        base = _checked_config(config) or HyLoConfig()
         self._config = base.replace(**options) if options else base
         self.comm = communicator or default_communicator(self._config.distributed.bucket_cap_mb)
         #: Per-update decisions (bounded; oldest dropped first).
@@ -102,6 +111,10 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.comm)
         self._generator = torch.Generator().manual_seed(self._config.lowrank.seed)
         self._removed = False
+        #: The config the ranks last compared (:mod:`hylo.fingerprint`); None: not yet (the first step does).
+        self._compared: HyLoConfig | None = None
+        #: Each layer's captured calls kept after a step raised, for a retry without a new backward.
+        self._held: list[list[Record]] | None = None
         found = register_layers(model, self._config)
         self._registration = found
         self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
@@ -147,7 +160,7 @@ class HyLoPreconditioner:
         (:data:`FIXED_OPTIONS`, e.g. ``skip_layers``, ``conv_rows``, ``strategy``, ``profile_dir``)
         cannot change: ``ValueError``, and nothing changes.
         """
-        new = (config or self._config).replace(**options)
+        new = (_checked_config(config) or self._config).replace(**options)
         changed = sorted(name for name in FIXED_OPTIONS if new.value(name) != self._config.value(name))
         if changed:
             raise ValueError(f"options {changed} cannot change after construction: create a new HyLoPreconditioner")
@@ -184,19 +197,29 @@ class HyLoPreconditioner:
         """Precondition the gradients of all registered layers in place.
 
         A step applies whole or not at all: if it raises, the step count, every layer's state and
-        the gradients are as they were (docs/reliability.md, "Transactional steps").
+        the gradients are as they were, and its captured calls are kept, so that calling ``step()``
+        again without a new forward and backward (after fixing what made it raise) gives what a step
+        that never failed gives (docs/reliability.md, "Transactional steps"). With P > 1 ranks, the
+        first step (and the first after the options change) checks that every rank registered the
+        same layers with the same options: ``ValueError`` on every rank naming what differs
+        (docs/reliability.md, "Agreement across ranks").
         """
         if self._removed:
             raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
         config, step, watch = self._config, self._planner.step, self._telemetry.watch
+        self._drop_stale_captures()
         watch.start()
         traffic = self._telemetry.traffic()
         try:
             values = StepValues.at(config, step)
             is_update, refreshing = self._planner.cadence(config)
+            if self._compared is None:  # before any other collective: the ranks' collectives may not match
+                self._compare(config, step, values)
             grads = self._guard.gradients()
             capturing = [is_update or layer.name in refreshing for layer in self._layers]
-            agreed = self._guard.agree(step, grads, capturing, STATISTICS)
+            agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._compared is config)
+            if agreed.recheck:  # some rank's options changed (reconfigure, load_state_dict): compare them again
+                self._compare(config, step, values)
             watch.lap("check")
             generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
             try:
@@ -207,11 +230,35 @@ class HyLoPreconditioner:
                 raise
         except BaseException:
             watch.finish()  # nothing of a failed step is recorded
+            self._held = [list(layer.capture.records) for layer in self._layers]
             raise
-        finally:
-            for layer in self._layers:
-                layer.capture.clear()
+        for layer in self._layers:
+            layer.capture.clear()
         self._commit(step, outcome, traffic)
+
+    def _compare(self, config: HyLoConfig, step: int, values: StepValues) -> None:
+        """Check that every rank registered the same layers with the same options (one small all-reduce;
+        nothing with one rank). ``values``: the step's schedules, as evaluated (callables are called once)."""
+        if self.comm.world_size > 1:
+            resolved = dataclasses.asdict(values) | {"update_freq": self._planner.update_freq(config)}
+            described = fingerprint.fields(self._layers, config, step, resolved, self._guard.sharded, __version__)
+            fingerprint.agree(self.comm, described, self._guard.device, step)
+        self._compared = config
+
+    def _drop_stale_captures(self) -> None:
+        """After a step that raised: keep its captured calls for this step if no layer captured a new call
+        since (a retry), else drop them, so that they never mix with a new forward's calls."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        retry = all(
+            [id(record) for record in layer.capture.records] == [id(record) for record in kept]
+            for layer, kept in zip(self._layers, held, strict=True)
+        )
+        if not retry:
+            for layer, kept in zip(self._layers, held, strict=True):
+                stale = {id(record) for record in kept}
+                layer.capture.records = [record for record in layer.capture.records if id(record) not in stale]
 
     def _compute(
         self,
@@ -372,7 +419,8 @@ class HyLoPreconditioner:
         """Everything the preconditioner holds, by distinct storage: states, captured calls, bookkeeping.
 
         Between steps ``captured`` is 0 and the state bytes equal :meth:`memory_usage` (docs/design.md,
-        "Memory"); during a step's forward and backward, ``captured`` is what the hooks keep for ``step()``.
+        "Memory"); during a step's forward and backward, ``captured`` is what the hooks keep for ``step()``;
+        after a step that raised, it also counts that step's calls, kept for a retry until the next ``step()``.
         """
         moments = self._policy.trend.moments
         return memory.breakdown(self._layers, [self._guard.fallbacks] + ([] if moments is None else [moments]))

@@ -9,6 +9,7 @@ or a docs table.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import numbers
@@ -55,8 +56,14 @@ def is_real(x: object) -> bool:
     return not is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str)
 
 
+def is_collection(x: object) -> bool:
+    """A list, tuple, set or other sized collection, not a string and not a one-shot iterator (which the
+    check would consume)."""
+    return isinstance(x, (collections.abc.Sequence, collections.abc.Set)) and not isinstance(x, (str, bytes))
+
+
 def _regexes(patterns: Any) -> bool:
-    if isinstance(patterns, str):
+    if not is_collection(patterns):
         return False
     for pattern in patterns:
         re.compile(pattern)

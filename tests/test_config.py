@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hylo import HyLoConfig, HyLoPreconditioner
+from hylo.config import options
 from tests.kit.checks import assert_same_tensors, state_snapshot
 from tests.kit.models import classifier_inputs, classifier_mlp, mlp, override_model
 
@@ -224,3 +225,35 @@ def test_the_config_is_read_only_and_reconfigure_reaches_every_component(tmp_pat
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     errors = [(tmp_path / run / "grad-error.csv").read_text() for run in ("a", "b")]
     assert errors[0] == errors[1] and ",0.5," in errors[0]
+
+
+# --------------------------------------------------------------------------- every option's type, at construction
+_WRONG_TYPES: list[tuple[str, object]] = [
+    (spec.name, value)
+    for spec in options()
+    for value in ([] if spec.optional else [None]) + [object(), iter(()), {"key": 1.0}]
+]
+
+
+@pytest.mark.parametrize(("name", "value"), _WRONG_TYPES, ids=[f"{n}={type(v).__name__}" for n, v in _WRONG_TYPES])
+def test_every_option_refuses_a_value_of_the_wrong_type_at_construction(name: str, value: object) -> None:
+    """None (where the option is not optional), an arbitrary object, a one-shot iterator (which a check would
+    consume, leaving an empty option) and a mapping: a ValueError naming the option, from the constructor."""
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoConfig(**{name: value})
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoPreconditioner(mlp(), **{name: value})
+
+
+def test_layer_solvers_must_be_a_mapping() -> None:
+    with pytest.raises(ValueError, match="layer_solvers must be a mapping"):
+        HyLoConfig(layer_solvers=[("fc1", "kfac")])
+
+
+@pytest.mark.parametrize("config", [{"damping": 0.1}, "kfac", 3])
+def test_config_argument_must_be_a_hylo_config(config: object) -> None:
+    with pytest.raises(ValueError, match="config must be a hylo.HyLoConfig"):
+        HyLoPreconditioner(mlp(), config=config)  # type: ignore[arg-type]
+    pre = HyLoPreconditioner(mlp())
+    with pytest.raises(ValueError, match="config must be a hylo.HyLoConfig"):
+        pre.reconfigure(config)  # type: ignore[arg-type]

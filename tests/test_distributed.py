@@ -394,3 +394,61 @@ def test_a_load_refused_by_one_rank_changes_no_rank(bad_rank: int) -> None:
         expected = "d_a" if rank == bad_rank else "another rank refused its state_dict"
         assert expected in result["error"], (rank, result["error"])
         assert result["unchanged"] and result["steps"] == 4, (rank, result)
+
+
+# --------------------------------------------------------------------------- ranks that differ
+class Wider(Net):
+    """Net with one more Linear after fc2 (registered on the rank that builds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.extra(super().forward(x))
+
+
+#: What rank 1 does differently, and what every rank's error must name.
+DIFFERENCES: dict[str, tuple[dict[str, Any], str]] = {
+    "skip_layers": ({"skip_layers": ("fc2",)}, "'fc2' registered on ranks [0] only"),
+    "update_freq": ({"update_freq": 3}, "update_freq: 2 on ranks [0]; 3 on ranks [1]"),
+    "extra-layer": ({}, "'extra' registered on ranks [1] only"),
+    "solver": ({"solver": "sngd"}, "solver: 'kfac' on ranks [0]; 'sngd' on ranks [1]"),
+    "reconfigure-on-one-rank": ({}, "damping: 0.1 on ranks [0]; 0.5 on ranks [1]"),
+}
+
+
+def _differing_rank(rank: int, world_size: int, difference: str) -> dict[str, Any]:
+    """Build a preconditioner whose rank 1 differs by ``difference`` and step: the error each rank raised."""
+    torch.manual_seed(0)
+    model: Net = Wider() if difference == "extra-layer" and rank == 1 else Net()
+    options: dict[str, Any] = {"solver": "kfac", "update_freq": 2, "damping": 0.1}
+    if rank == 1:
+        options |= DIFFERENCES[difference][0]
+    pre = hylo.HyLoPreconditioner(model, **options)
+    xs, ys = make_data(4, 4, torch.float32)
+    steps = 0
+    try:
+        for step in range(4):
+            if difference == "reconfigure-on-one-rank" and step == 2 and rank == 1:
+                pre.reconfigure(damping=0.5)
+            model.zero_grad()
+            F.cross_entropy(model(xs[step]), ys[step]).backward()
+            pre.step()
+            steps += 1
+    except ValueError as err:
+        return {"error": str(err), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+@pytest.mark.parametrize("difference", list(DIFFERENCES))
+def test_ranks_that_differ_raise_value_error_on_every_rank_naming_the_difference(difference: str) -> None:
+    """Different registrations, cadence or options on one rank: a ValueError on both ranks naming the field
+    and the ranks of each value, at the first step (or the first after a reconfigure), within seconds — no
+    backend abort, no process-group timeout (the harness's timeout is far below gloo's default)."""
+    results = run_distributed(_differing_rank, 2, difference, timeout=30, pg_timeout=20)
+    expected_steps = 2 if difference == "reconfigure-on-one-rank" else 0
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, (rank, result)
+        assert DIFFERENCES[difference][1] in result["error"], (rank, result["error"])
+        assert result["steps"] == expected_steps, (rank, result)

@@ -371,3 +371,123 @@ def test_fuzz(case: Case) -> None:
 @given(case=cases())
 def test_fuzz_many(case: Case) -> None:
     _check(case)
+
+
+# --------------------------------------------------------------------------- retry without a new backward
+@dataclass(frozen=True)
+class RetryCase:
+    """A run in which one step is made to fail once by a callable option, then retried without a backward."""
+
+    solver: str
+    update_freq: int
+    #: The option whose callable fails ("solver_fn" only under "hybrid").
+    option: Literal["damping", "factor_decay", "lr", "kl_clip", "solver_fn"]
+    #: Raise from the callable, or return a value its rule refuses (NaN; an unknown solver for solver_fn).
+    how: Literal["raise", "bad value"]
+    fail_at: int
+    steps: int
+    batch: int
+    dtype: torch.dtype
+    seed: int
+
+
+class _Refused(Exception):
+    """What a drawn callable raises: any exception type, not only the documented ValueError."""
+
+
+@st.composite
+def retry_cases(draw: st.DrawFn) -> RetryCase:
+    solver = draw(st.sampled_from(SOLVERS))
+    options = ["damping", "factor_decay", "lr", "kl_clip"] + (["solver_fn"] if solver == "hybrid" else [])
+    steps = draw(st.integers(2, 4))
+    return RetryCase(
+        solver=solver,
+        update_freq=draw(st.integers(1, 3)),
+        option=draw(st.sampled_from(options)),
+        how=draw(st.sampled_from(["raise", "bad value"])),
+        fail_at=draw(st.integers(0, steps - 1)),
+        steps=steps,
+        batch=draw(st.integers(1, 12)),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _retry_options(case: RetryCase, fail: bool) -> dict[str, Any]:
+    """The case's options; with ``fail``, ``case.option``'s callable fails the first time it sees ``fail_at``."""
+    failed: list[int] = []
+
+    def failing(value: Any, bad: Any) -> Any:
+        def at(step: int, *rest: Any) -> Any:
+            if fail and step == case.fail_at and not failed:
+                failed.append(step)
+                if case.how == "raise":
+                    raise _Refused(f"{case.option} refused step {step}")
+                return bad
+            return value
+
+        return at
+
+    def hybrid_rule(name: str, step: int, stats: Any) -> str:
+        return "kid" if step % 2 == 0 else "kfac"
+
+    options: dict[str, Any] = {
+        "solver": case.solver,
+        "update_freq": case.update_freq,
+        "damping": failing(0.1, math.nan) if case.option == "damping" else 0.1,
+        "factor_decay": failing(0.9, math.nan) if case.option == "factor_decay" else 0.9,
+        "kl_clip": failing(1e-2, math.nan) if case.option == "kl_clip" else 1e-2,
+        "lr": failing(0.1, math.nan) if case.option == "lr" else 0.1,
+        "rank_ratio": 0.5,
+        "seed": case.seed,
+    }
+    if case.option == "solver_fn":
+        rule = failing(None, "no-such-solver")
+        options["solver_fn"] = lambda name, step, stats: rule(step) or hybrid_rule(name, step, stats)
+    return options
+
+
+def _check_retry(case: RetryCase) -> None:
+    """The failing run, retried without a backward, is bit-equal to its twin after every step."""
+    runs = []
+    for fail in (True, False):
+        torch.manual_seed(case.seed)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(case.dtype)
+        runs.append((model, HyLoPreconditioner(model, **_retry_options(case, fail))))
+    gen = torch.Generator().manual_seed(case.seed)
+    failures = 0
+    for step in range(case.steps):
+        x = torch.randn(case.batch, 5, generator=gen, dtype=case.dtype)
+        y = torch.randint(0, 3, (case.batch,), generator=gen)
+        for model, pre in runs:
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                pre.step()
+            except (ValueError, _Refused):
+                assert pre is runs[0][1] and step == case.fail_at, f"step {step}: only the made failure raises"
+                failures += 1
+                pre.step()  # the retry: no new forward, no new backward
+        (model, pre), (twin, reference) = runs
+        assert_same_tensors(_bits(_grads(model)), _bits(_grads(twin)))
+        assert_same_tensors(_bits(state_snapshot(pre)), _bits(state_snapshot(reference)))
+        assert not any(pre.memory_breakdown().captured.values()), f"step {step}: captures kept after success"
+    # solver_fn is called at updates only: a fail_at between updates never calls it
+    event(f"failed and retried: {failures}")
+
+
+@settings(max_examples=40, **_COMMON)
+@given(case=retry_cases())
+def test_fuzz_retry_without_backward(case: RetryCase) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _check_retry(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=10_000, **_COMMON)
+@given(case=retry_cases())
+def test_fuzz_retry_without_backward_many(case: RetryCase) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _check_retry(case)

@@ -3,7 +3,9 @@
 - Singular or non-finite SMW matrices never raise: the jitter ladder, else the layer keeps its state.
 - Huge but finite gradients are finite; non-finite ones are named, on the rank that has them.
 - ``step()`` twice without a backward raises on update and non-update steps alike, changing nothing.
-- A step that raises changes nothing (step count, states, gradients, generator, trend).
+- A step that raises changes nothing (step count, states, gradients, generator, trend) and keeps its captured
+  calls: a retry without a new backward is the step that never failed; a new forward replaces them.
+- A callable option that fails between steps (update_freq, read when the hooks are armed) raises from step().
 - Conditional computation: layers without a gradient are skipped, layers without rows keep their state.
 - ``torch.amp.GradScaler``: captured output gradients are unscaled; a step the scaler rejects is skipped.
 - With P ranks, every step's skip/update decision is agreed (a NaN on one rank between updates).
@@ -248,7 +250,7 @@ def test_failed_step_changes_nothing_and_the_run_continues_identically(
     assert torch.equal(pre._generator.get_state(), before[3])
     assert trend.moments is before[4][0] and list(trend.history) == list(before[4][1])
     assert (trend.critical, trend.last_trend) == (before[4][2], before[4][3])
-    # retry (a fresh forward/backward, since a failed step drops its captures), then go on
+    # a fresh forward/backward instead of a retry: it replaces the failed step's kept captures; then go on
     run(model, pre, range(fail_at, fail_at + 4))
     run(twin, reference, range(fail_at + 4))
     assert_same_tensors(grads(model), grads(twin))
@@ -256,6 +258,116 @@ def test_failed_step_changes_nothing_and_the_run_continues_identically(
     assert [(d.step, d.layer, d.solver) for d in pre.decision_log] == [
         (d.step, d.layer, d.solver) for d in reference.decision_log
     ]
+
+
+# --------------------------------------------------------------------------- 8b. retry without a new backward
+RETRY_SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
+
+
+def _retry_options(solver: str, fail: bool) -> dict[str, Any]:
+    """kl_clip's lr callable returns NaN once at step 2 (an update: update_freq=2) when ``fail``."""
+    options: dict[str, Any] = {"solver": solver, "update_freq": 2, "damping": 0.3, "rank_ratio": 0.5}
+    return options | {"kl_clip": 1e-2, "lr": _once(2, 0.1, float("nan") if fail else None)}
+
+
+@pytest.mark.parametrize("solver", RETRY_SOLVERS)
+def test_retry_without_a_new_backward_gives_the_step_that_never_failed(solver: str) -> None:
+    """The README's promise: step() raises, the user calls it again without a new forward and backward,
+    and the run is bit-equal to one whose step never failed (the failed step kept its captured calls)."""
+    model, twin = mlp(), mlp()
+    pre = HyLoPreconditioner(model, **_retry_options(solver, True))
+    reference = HyLoPreconditioner(twin, **_retry_options(solver, False))
+    run(model, pre, range(2))
+    model.zero_grad()
+    backward(model, 2)
+    with pytest.raises(ValueError, match="lr"):
+        pre.step()
+    assert all(pre.memory_breakdown().captured.values())  # the failed step's calls, kept for the retry
+    assert _step_quietly(pre) == []  # the retry: no warning, no layer left unpreconditioned
+    assert not any(pre.memory_breakdown().captured.values())
+    run(model, pre, range(3, 6))
+    run(twin, reference, range(6))
+    assert_same_tensors(grads(model), grads(twin))
+    assert_same_tensors(state_snapshot(pre), state_snapshot(reference))
+    assert [(d.step, d.layer, d.solver) for d in pre.decision_log] == [
+        (d.step, d.layer, d.solver) for d in reference.decision_log
+    ]
+
+
+def test_retry_after_a_failure_inside_the_update_gives_the_step_that_never_failed() -> None:
+    """solver_fn raises in the middle of the update (after the batches were built): the retry without a
+    backward is the step that never failed."""
+    model, twin = mlp(), mlp()
+    pre = HyLoPreconditioner(model, update_freq=2, **_solver_fn_raises_at_update(True))
+    reference = HyLoPreconditioner(twin, update_freq=2, **_solver_fn_raises_at_update(False))
+    run(model, pre, range(2))
+    model.zero_grad()
+    backward(model, 2)
+    with pytest.raises(ValueError, match="solver_fn refused"):
+        pre.step()
+    pre.step()
+    run(model, pre, range(3, 6))
+    run(twin, reference, range(6))
+    assert_same_tensors(grads(model), grads(twin))
+    assert_same_tensors(state_snapshot(pre), state_snapshot(reference))
+
+
+def test_a_new_forward_after_a_failed_step_replaces_its_captured_calls() -> None:
+    """After a failed step, a new forward and backward (instead of a retry) is what the next step sees:
+    the failed step's calls are dropped, never mixed with the new ones."""
+    model, twin = mlp(), mlp()
+    pre = HyLoPreconditioner(model, **_retry_options("sngd", True))
+    reference = HyLoPreconditioner(twin, **_retry_options("sngd", False))
+    run(model, pre, range(2))
+    model.zero_grad()
+    backward(model, 7)  # a batch the twin never sees
+    with pytest.raises(ValueError, match="lr"):
+        pre.step()
+    run(model, pre, range(2, 5))
+    run(twin, reference, range(5))
+    assert_same_tensors(grads(model), grads(twin))
+    assert_same_tensors(state_snapshot(pre), state_snapshot(reference))
+    assert not any(pre.memory_breakdown().captured.values())
+
+
+# --------------------------------------------------------------------------- 8c. callable options fail in step()
+def _arm_time_failure(kind: str) -> Callable[[int], int]:
+    """An update_freq callable that fails the first time it sees step 3, then returns 2: by raising, or by
+    returning a value that is not an int >= 1."""
+    failed: list[int] = []
+
+    def freq(step: int) -> int:
+        if step == 3 and not failed:
+            failed.append(step)
+            if kind == "raises":
+                raise ZeroDivisionError("the user's schedule divided by zero")
+            return None  # type: ignore[return-value]
+        return 2
+
+    return freq
+
+
+@pytest.mark.parametrize(("kind", "error"), [("raises", ZeroDivisionError), ("returns-none", ValueError)])
+def test_update_freq_callable_failing_between_steps_raises_from_the_next_step(kind: str, error: type) -> None:
+    """update_freq is evaluated for step s when step s - 1 ends (the hooks are armed then): its failure is
+    raised by step s's step(), which changes nothing (not by step s - 1, which succeeded, nor by the model's
+    forward or backward); a fixed option (reconfigure) and a new forward and backward go on."""
+    model = mlp()
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=_arm_time_failure(kind), damping=0.3)
+    run(model, pre, range(3))  # step 2 ends by evaluating update_freq at step 3
+    assert pre.steps == 3
+    model.zero_grad()
+    backward(model, 3)
+    snapshot, raw = state_snapshot(pre), grads(model)
+    for _ in range(2):  # the hooks missed this step's forward: a retry raises the same error
+        with pytest.raises(error, match="update_freq|divided"):
+            pre.step()
+    assert pre.steps == 3
+    assert_same_tensors(state_snapshot(pre), snapshot)
+    assert_same_tensors(grads(model), raw)
+    pre.reconfigure(update_freq=2)
+    run(model, pre, range(3, 5))
+    assert pre.steps == 5
 
 
 # --------------------------------------------------------------------------- 5. conditional computation
