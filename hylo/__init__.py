@@ -10,6 +10,7 @@ subclassing :class:`hylo.solvers.RowReduction`; docs/extending.md) — and four 
 may change between releases.
 """
 
+from hylo.checkpoint import load_checkpoint, save_checkpoint
 from hylo.config import (
     ConvConfig,
     DistributedConfig,
@@ -44,6 +45,8 @@ __all__ = [
     "RowReduction",
     "TelemetryConfig",
     "__version__",
+    "load_checkpoint",
     "register_layer_type",
     "register_variant",
+    "save_checkpoint",
 ]

@@ -1,25 +1,32 @@
 """The ``state_dict`` of :class:`hylo.HyLoPreconditioner`: its format, the checks before a load, the restore.
 
 docs/reliability.md, "Checkpoints". :func:`save` writes everything needed to continue
-identically; :func:`read` validates a whole state against this preconditioner's layers and
-config and returns what to apply, changing nothing (``ValueError`` names the first problem);
+identically, sealed with a checksum (:mod:`hylo.integrity`); :func:`read` verifies it, validates a
+whole state against this preconditioner's layers and config and returns what to apply, changing
+nothing (``ValueError`` names the first problem);
 :func:`agree` makes the load all-or-nothing across ranks. Full layer states load at any world
 size; a ``remote`` entry (``strategy="gradient"``) is exact only on the rank that saved it, in a
 world of the same size — elsewhere the layer is recomputed at the next step, keeping what it
-carries (K-FAC's running factors).
+carries (K-FAC's running factors). :func:`save_checkpoint` and :func:`load_checkpoint` (exported as
+``hylo.save_checkpoint``/``hylo.load_checkpoint``) do the same through a file, whose path every error names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
-from hylo.config import HyLoConfig
+from hylo import integrity
+from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
+from hylo.integrity import CHECKSUM_KEY
 from hylo.planner import Planner
 from hylo.rules import is_number
 from hylo.solvers import HeldState, RemoteState, family_of, solver_names
@@ -28,12 +35,27 @@ from hylo.state import UNSOLVED, RegisteredLayer
 from hylo.trend import GradNormTrend
 from hylo.version import __version__
 
-#: Format of the ``state_dict`` written now (2: adds ``hylo_version``).
-STATE_FORMAT = 2
+if TYPE_CHECKING:
+    from hylo.preconditioner import HyLoPreconditioner
+
+#: Format of the ``state_dict`` written now (2: adds ``hylo_version``; 3: adds the ``checksum``).
+STATE_FORMAT = 3
 #: Formats ``load_state_dict`` reads.
-READ_FORMATS = (1, 2)
+READ_FORMATS = (1, 2, 3)
+#: The first format whose states are sealed (:func:`hylo.integrity.seal`): a checksum is required from it on.
+SEALED_FORMAT = 3
 #: Keys every ``state_dict`` holds (``format`` aside); the others have defaults.
 REQUIRED_KEYS = ("steps", "needs_update", "generator", "layers")
+#: Every key a ``state_dict`` may hold (an unknown one is refused: it would be ignored).
+KNOWN_KEYS = frozenset(
+    (*REQUIRED_KEYS, "format", "hylo_version", "updates", "trend", "config", "rank", "world_size", CHECKSUM_KEY)
+)
+#: Every key a layer entry may hold.
+ENTRY_KEYS = frozenset(("solver", "d_a", "d_g", "owner", "remote", "carried", "damping", "divisor", "tensors"))
+#: What ``load_state_dict`` does with the saved options (docs/usage.md, "Checkpoints"): restore them (with a
+#: warning listing those that differ), keep this preconditioner's, or refuse a state saved with others.
+OptionsOnLoad = Literal["restore", "keep", "refuse"]
+OPTION_MODES: tuple[OptionsOnLoad, ...] = ("restore", "keep", "refuse")
 
 
 def is_index(value: object) -> bool:
@@ -49,7 +71,11 @@ def check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
 
 
 def checked_header(state_dict: object) -> Mapping[str, Any]:
-    """``state_dict`` if its format and top-level entries are valid, else ``ValueError``."""
+    """``state_dict`` if its format, checksum and top-level entries are valid, else ``ValueError``.
+
+    From format 3 on the checksum is required and verified first; an older state carries none (one that
+    carries a checksum anyway is verified, so a flipped format number cannot skip the check).
+    """
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"a hylo state_dict is a mapping, got {type(state_dict).__name__}")
     if "format" not in state_dict:
@@ -61,6 +87,11 @@ def checked_header(state_dict: object) -> Mapping[str, Any]:
             f"state_dict has format {fmt!r}{saved_by}; hylo {__version__} reads formats "
             f"{', '.join(map(str, READ_FORMATS))}: the file may come from a newer hylo"
         )
+    if fmt >= SEALED_FORMAT or CHECKSUM_KEY in state_dict:
+        integrity.verify(state_dict, "state_dict")
+    unknown = sorted(set(state_dict) - KNOWN_KEYS, key=repr)
+    if unknown:
+        raise ValueError(f"state_dict holds unknown keys {unknown}")
     required = (*REQUIRED_KEYS, "hylo_version") if fmt >= 2 else REQUIRED_KEYS
     for key in required:
         if key not in state_dict:
@@ -78,37 +109,97 @@ def checked_header(state_dict: object) -> Mapping[str, Any]:
     layers = state_dict["layers"]
     if not isinstance(layers, Mapping) or not all(isinstance(name, str) for name in layers):
         raise ValueError("state_dict's layers must be a mapping from layer names to entries")
-    if not isinstance(state_dict.get("config", {}), Mapping):
-        raise ValueError("state_dict's config must be a mapping")
+    saved_options = state_dict.get("config", {})
+    if not isinstance(saved_options, Mapping) or not all(isinstance(name, str) for name in saved_options):
+        raise ValueError("state_dict's config must be a mapping from option names to values")
     rank, world = state_dict.get("rank", 0), state_dict.get("world_size", 1)
     if not (is_index(rank) and is_index(world) and rank < world):
         raise ValueError(f"state_dict's rank {rank!r} and world_size {world!r} are not a rank of a world")
     return state_dict
 
 
+def checked_options(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved options this hylo knows, each checked by its option's rule (``ValueError`` naming the first
+    that breaks it); options it does not know (an older hylo's) are left out."""
+    specs = {spec.name: spec for spec in options()}
+    known = {}
+    for name, value in saved.items():
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        if value is None and not spec.optional:
+            raise ValueError(f"state_dict's config: {name} must not be None")
+        if value is not None and spec.rule is not None:
+            try:
+                spec.rule.check(name, value)
+            except ValueError as err:
+                raise ValueError(f"state_dict's config: {err}") from err
+        known[name] = value
+    return known
+
+
+#: Keys of a saved trend (``ema_sq`` and ``last_noise`` are absent from older states).
+TREND_KEYS = frozenset(("ema", "ema_sq", "history", "critical", "last_trend", "last_noise"))
+
+
+def _finite_numbers(values: object, n: int, optional: bool = False) -> bool:
+    """Whether ``values`` is a list or tuple of ``n`` finite numbers (or ``None`` where ``optional``)."""
+    return (
+        isinstance(values, list | tuple)
+        and len(values) == n
+        and all((v is None and optional) or (is_number(v) and math.isfinite(v)) for v in values)
+    )
+
+
+def _trend_problems(state: Mapping[Any, Any], n: int) -> list[str]:
+    """What keeps ``state`` from being the trend of ``n`` layers (nothing: an empty list)."""
+    problems = []
+    unknown = sorted(set(state) - TREND_KEYS, key=repr)
+    if unknown:
+        problems.append(f"unknown keys {unknown}")
+    for key in ("ema", "history", "critical", "last_trend"):
+        if key not in state:
+            problems.append(f"no {key!r}")
+    for key in ("ema", "ema_sq"):
+        value = state.get(key)
+        if value is not None and not (
+            isinstance(value, Tensor)
+            and value.dtype in (torch.float32, torch.float64)
+            and value.layout == torch.strided
+            and tuple(value.shape) == (n,)
+            and bool(value.isfinite().all())
+        ):
+            problems.append(f"{key} is not {n} finite float values")
+    if state.get("ema") is None and state.get("ema_sq") is not None:
+        problems.append("ema_sq without ema")
+    history = state.get("history", [])
+    if not isinstance(history, list | tuple) or not all(
+        isinstance(entry, list | tuple)
+        and len(entry) in (2, 3)
+        and is_index(entry[0])
+        and all(_finite_numbers(values, n) for values in entry[1:])
+        and (len(entry) == 2 or all(v >= 0 for v in entry[2]))
+        for entry in history
+    ):
+        problems.append("history is not a list of (step, EMAs, variances) of finite values")
+    critical = state.get("critical", [])
+    if not (isinstance(critical, list | tuple) and len(critical) == n and all(isinstance(c, bool) for c in critical)):
+        problems.append(f"critical flags {critical!r}")
+    for key in ("last_trend", "last_noise"):
+        if not _finite_numbers(state.get(key, [None] * n), n, optional=True):
+            problems.append(f"{key} {state.get(key)!r}")
+    return problems
+
+
 def checked_trend(state: object, n: int, device: torch.device) -> GradNormTrend:
     """A trend loaded from ``state`` and checked against ``n`` layers (else ``ValueError``)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"state_dict's trend is not a mapping: {type(state).__name__}")
-    trend = GradNormTrend(n)
-    try:
-        trend.load_state_dict(dict(state), device)
-    except Exception as err:  # noqa: BLE001 - any failure to read it means the entry is invalid
-        raise ValueError(f"state_dict's trend is invalid: {type(err).__name__}: {err}") from err
-    problems = []
-    if trend.moments is not None and (tuple(trend.moments.shape) != (2, n) or not trend.moments.isfinite().all()):
-        problems.append(f"EMAs of shape {tuple(trend.moments.shape)} (expected {n} finite values each)")
-    if len(trend.critical) != n or not all(isinstance(c, bool) for c in trend.critical):
-        problems.append(f"critical flags {trend.critical!r}")
-    for key, values in (("last_trend", trend.last_trend), ("last_noise", trend.last_noise)):
-        if len(values) != n or not all(v is None or is_number(v) for v in values):
-            problems.append(f"{key} {values!r}")
-    for entry in trend.history:
-        if any(len(values) != n or not all(is_number(v) for v in values) for values in entry[1:]):
-            problems.append(f"history entry of step {entry[0]}")
-            break
+    problems = _trend_problems(state, n)
     if problems:
         raise ValueError(f"state_dict's trend does not fit {n} layers: {'; '.join(problems)}")
+    trend = GradNormTrend(n)
+    trend.load_state_dict(dict(state), device)
     return trend
 
 
@@ -126,7 +217,8 @@ def save(
     config: HyLoConfig,
     comm: Communicator,
 ) -> dict[str, Any]:
-    """Everything needed to continue identically: step, constant options, per-layer states."""
+    """Everything needed to continue identically: step, constant options, per-layer states, sealed with the
+    checksum of all of it (:func:`hylo.integrity.seal`)."""
     entries: dict[str, Any] = {}
     for layer in layers:
         entry: dict[str, Any] = {
@@ -141,25 +233,28 @@ def save(
         elif layer.state is not None:
             entry.update(layer.state.to_dict())
         entries[layer.name] = entry
-    return {
-        "format": STATE_FORMAT,
-        "hylo_version": __version__,
-        "steps": planner.step,
-        "needs_update": planner.needs_update,
-        "generator": generator.get_state(),
-        "updates": planner.updates,
-        "trend": trend.state_dict(),
-        "config": config.constants(),
-        "rank": comm.rank,
-        "world_size": comm.world_size,
-        "layers": entries,
-    }
+    return integrity.seal(
+        {
+            "format": STATE_FORMAT,
+            "hylo_version": __version__,
+            "steps": planner.step,
+            "needs_update": planner.needs_update,
+            "generator": generator.get_state(),
+            "updates": planner.updates,
+            "trend": trend.state_dict(),
+            "config": config.constants(),
+            "rank": comm.rank,
+            "world_size": comm.world_size,
+            "layers": entries,
+        }
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """A checked state_dict, ready to apply: the config with the restored options, per layer (solver,
-    state, owner), the counters, the KIS generator and the trend."""
+    state, owner), the counters, the KIS generator, the trend, and the options that differ from this
+    preconditioner's (what the warning of ``options="restore"`` lists; empty under ``"keep"``)."""
 
     config: HyLoConfig
     layers: dict[str, tuple[str, HeldState | None, int]]
@@ -168,10 +263,41 @@ class Restored:
     needs_update: bool
     generator: torch.Generator
     trend: GradNormTrend | None
+    differences: str = ""
 
 
-def read(state_dict: object, layers: Sequence[RegisteredLayer], config: HyLoConfig, comm: Communicator) -> Restored:
-    """``state_dict`` checked against ``layers`` and ``config``: what to apply, or ``ValueError``."""
+def check_mode(mode: object) -> OptionsOnLoad:
+    """``mode`` if it is one of :data:`OPTION_MODES`, else ``ValueError``."""
+    for known in OPTION_MODES:
+        if mode == known and isinstance(mode, str):
+            return known
+    raise ValueError(f"options must be one of {', '.join(map(repr, OPTION_MODES))}, got {mode!r}")
+
+
+def read(
+    state_dict: object,
+    layers: Sequence[RegisteredLayer],
+    config: HyLoConfig,
+    comm: Communicator,
+    mode: str = "restore",
+    where: str | None = None,
+) -> Restored:
+    """``state_dict`` checked against ``layers`` and ``config``: what to apply, or ``ValueError`` (its
+    message starts with ``where``, the file the state came from, when given).
+
+    ``mode`` (:data:`OPTION_MODES`) says what becomes of the saved options that differ from ``config``'s.
+    """
+    try:
+        return _read(state_dict, layers, config, comm, mode)
+    except ValueError as err:
+        if where is None:
+            raise
+        raise ValueError(f"{where}: {err}") from err
+
+
+def _read(
+    state_dict: object, layers: Sequence[RegisteredLayer], config: HyLoConfig, comm: Communicator, mode: str
+) -> Restored:
     sd = checked_header(state_dict)
     saved = sd["layers"]
     names = [layer.name for layer in layers]
@@ -185,27 +311,56 @@ def read(state_dict: object, layers: Sequence[RegisteredLayer], config: HyLoConf
         solver, state, owner, missing_state = _layer(layer, saved[layer.name], own_file, comm)
         restored[layer.name] = (solver, state, owner)
         recompute = recompute or missing_state
-    options = sd.get("config", {})
-    for option in MATCHING:
-        mine = config.value(option)
-        if options.get(option, mine) != mine:
-            raise ValueError(
-                f"state_dict was made with {option}={options[option]!r}, this preconditioner uses {mine!r}"
-            )
-    overrides = {k: options[k] for k in RESTORABLE if k in options and not callable(config.value(k))}
-    try:
-        new_config = config.replace(**overrides)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"state_dict's config does not apply: {err}") from err
+    new_config, differences = _options(checked_options(sd.get("config", {})), config, mode)
     generator = torch.Generator()
     try:
         generator.set_state(sd["generator"])
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
+    if mode == "keep" and sd.get("config", {}).get("seed", config.lowrank.seed) != config.lowrank.seed:
+        generator = torch.Generator().manual_seed(config.lowrank.seed)  # as reconfigure(seed=...) reseeds
     device = layers[0].math.weight.device
     trend = checked_trend(sd["trend"], len(layers), device) if "trend" in sd else None
     needs = bool(sd["needs_update"]) or recompute
-    return Restored(new_config, restored, sd["steps"], sd.get("updates", 0), needs, generator, trend)
+    return Restored(new_config, restored, sd["steps"], sd.get("updates", 0), needs, generator, trend, differences)
+
+
+def _options(saved: Mapping[str, Any], config: HyLoConfig, mode: str) -> tuple[HyLoConfig, str]:
+    """The config to continue with under ``mode`` and, for ``"restore"``'s warning, the options that differ.
+
+    The :data:`MATCHING` options must be equal whatever ``mode``. Of the :data:`RESTORABLE` ones (the
+    options a load can change; every other option is this preconditioner's in any case), those the state
+    holds with another value: ``"restore"`` puts them in place of this config's (not a callable of this
+    run, which is kept), ``"keep"`` keeps this config, ``"refuse"`` raises ``ValueError`` listing them.
+    """
+    for option in MATCHING:
+        if option in saved and saved[option] != config.value(option):
+            raise ValueError(
+                f"state_dict was made with {option}={saved[option]!r}, this preconditioner uses "
+                f"{config.value(option)!r}"
+            )
+    differ = [name for name in RESTORABLE if name in saved and saved[name] != config.value(name)]
+    if not differ or mode == "keep":
+        return config, ""
+
+    def listed(names: Sequence[str]) -> str:
+        return ", ".join(f"{name}={saved[name]!r} (this preconditioner: {config.value(name)!r})" for name in names)
+
+    if mode == "refuse":
+        raise ValueError(
+            f"state_dict was saved with other options: {listed(differ)}; "
+            "load it with options='restore' or options='keep'"
+        )
+    restore = [name for name in differ if not callable(config.value(name))]
+    kept = [name for name in differ if name not in restore]
+    try:
+        new_config = config.replace(**{name: saved[name] for name in restore})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"state_dict's config does not apply: {err}") from err
+    parts = [f"restored the checkpoint's {listed(restore)}"] if restore else []
+    if kept:
+        parts.append(f"kept this run's callable {', '.join(kept)} (the checkpoint has {listed(kept)})")
+    return new_config, "; ".join(parts)
 
 
 def agree(restored: Restored | None, error: ValueError | None, comm: Communicator, device: torch.device) -> Restored:
@@ -230,11 +385,15 @@ def _layer(
     """A saved layer entry checked against ``layer``: (solver, state, owner, must recompute).
 
     ``own_file``: saved by this rank in a world of this size under ``"gradient"``, so a
-    remote entry is exactly what this rank held. ``ValueError`` if the entry does not fit.
+    remote entry is exactly what this rank held. ``ValueError`` naming the layer and the field if the
+    entry does not fit.
     """
     m, where = layer.math, f"layer {layer.name!r}"
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where}: state_dict entry is not a mapping but {type(entry).__name__}")
+    unknown = sorted(set(entry) - ENTRY_KEYS, key=repr)
+    if unknown:
+        raise ValueError(f"{where}: state_dict entry holds unknown keys {unknown}")
     for key in ("d_a", "d_g", "solver"):
         if key not in entry:
             raise ValueError(f"{where}: state_dict entry lacks {key!r}")
@@ -249,36 +408,84 @@ def _layer(
     if not isinstance(solver, str) or solver not in (*solver_names(), HYBRID):
         raise ValueError(f"{where}: state_dict names an unknown solver {solver!r}")
     owner = entry.get("owner", 0)
-    if not (is_index(owner) or owner == UNSOLVED):
+    if not (is_index(owner) or (type(owner) is int and owner == UNSOLVED)):
         raise ValueError(f"{where}: state_dict's owner {owner!r} is not a rank")
     remote = entry.get("remote", False)
     if not isinstance(remote, bool):
         raise ValueError(f"{where}: state_dict's remote mark {remote!r} is not a bool")
     in_world = 0 <= owner < comm.world_size
     if remote:
-        carried = entry.get("carried")
-        if carried is not None and not (
-            isinstance(carried, Mapping) and all(isinstance(t, Tensor) for t in carried.values())
-        ):
-            raise ValueError(f"{where}: state_dict's carried tensors are not a dict of tensors")
-        moved = {str(k): t.to(m.weight.device) for k, t in (carried or {}).items()}
-        check_finite(where, moved)
+        stray = sorted({"damping", "divisor", "tensors"} & set(entry))
+        if stray:
+            raise ValueError(f"{where}: state_dict's remote entry also holds {stray}")
         if solver == HYBRID:  # nothing was solved for it
+            if entry.get("carried"):
+                raise ValueError(f"{where}: state_dict holds carried tensors for solver {HYBRID!r}")
             return solver, None, owner if in_world else 0, True
-        state = RemoteState(family_of(solver).name, moved)
+        family = family_of(solver)
+        carried = entry.get("carried")
+        try:
+            moved = (
+                {}
+                if carried is None
+                else family.state_type.carried_from_dict(carried, m.d_a, m.d_g, m.dtype, m.weight.device)
+            )
+        except ValueError as err:
+            raise ValueError(f"{where}: state_dict's carried tensors: {err}") from err
+        check_finite(where, moved)
+        state = RemoteState(family.name, moved)
         if own_file and carried is not None and in_world and owner != comm.rank:
             return solver, state, owner, False
         # elsewhere the owner's state is not on its rank: recompute, building on what the layer carries
         return solver, state if moved else None, UNSOLVED, True
+    if "carried" in entry:
+        raise ValueError(f"{where}: state_dict entry holds carried tensors without the remote mark")
     if "tensors" not in entry:
+        stray = sorted({"damping", "divisor"} & set(entry))
+        if stray:
+            raise ValueError(f"{where}: state_dict entry holds {stray} without tensors")
         return solver, None, owner if in_world else 0, False
     if solver == HYBRID:
         raise ValueError(f"{where}: state_dict holds tensors for solver {HYBRID!r}, which solves nothing itself")
     try:
-        full = family_of(solver).state_from_dict(entry, m.d_a, m.d_g, m.weight.device)
-    except KeyError as err:
-        raise ValueError(f"{where}: state_dict entry lacks {err}") from err
-    except (ValueError, TypeError, AttributeError, RuntimeError) as err:
+        full = family_of(solver).state_from_dict(entry, m.d_a, m.d_g, m.dtype, m.weight.device)
+    except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
     check_finite(where, full.tensors())
     return solver, full, owner if in_world else 0, False
+
+
+def save_checkpoint(pre: HyLoPreconditioner, path: str | os.PathLike[str]) -> None:
+    """Write ``pre.state_dict()`` (sealed with its checksum) to ``path`` with ``torch.save``, atomically: a
+    temporary file beside it, then renamed (docs/usage.md, "Checkpoints")."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp")
+    try:
+        torch.save(pre.state_dict(), temporary)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def load_checkpoint(
+    pre: HyLoPreconditioner,
+    path: str | os.PathLike[str],
+    *,
+    options: OptionsOnLoad = "restore",
+) -> None:
+    """Load the state in ``path`` (written by :func:`save_checkpoint` or ``torch.save(pre.state_dict(), path)``)
+    into ``pre``: ``pre.load_state_dict(state, options=options, where=path)``.
+
+    A file ``torch.load`` cannot read (``weights_only=True``) and a state ``load_state_dict`` refuses — a
+    checksum that does not match, an entry that does not fit — raise ``ValueError`` naming ``path``, and
+    ``pre`` is unchanged; a missing file raises ``FileNotFoundError``.
+    """
+    where = os.fspath(path)
+    checkpoint_mode = check_mode(options)
+    try:
+        state = torch.load(where, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file fails to unpickle in many ways
+        raise ValueError(f"{where} is not a readable hylo checkpoint ({type(err).__name__}: {err})") from err
+    pre.load_state_dict(state, options=checkpoint_mode, where=where)

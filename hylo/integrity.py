@@ -49,8 +49,10 @@ def verify(contents: Mapping[str, Any], where: str) -> None:
 def _feed(digest: Any, value: Any) -> None:
     """Feed ``value`` to ``digest``, each value tagged with its kind so that different structures never collide."""
     if isinstance(value, Tensor):
-        data = value.detach().cpu().contiguous()
-        digest.update(f"T{data.dtype}{tuple(data.shape)}|".encode())
+        data = value.detach().cpu()
+        layout = "" if data.layout == torch.strided else f"{data.layout}"  # a sparse tensor: by its dense values
+        data = (data if not layout else data.to_dense()).contiguous()
+        digest.update(f"T{layout}{data.dtype}{tuple(data.shape)}|".encode())
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, Mapping):
         entries = sorted(value.items(), key=lambda item: (type(item[0]).__name__, repr(item[0])))

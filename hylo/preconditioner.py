@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from hylo import checkpoint, fingerprint, memory, sharding
+from hylo.checkpoint import OptionsOnLoad
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
 from hylo.guard import Agreement, Guard
@@ -472,25 +473,35 @@ class HyLoPreconditioner:
             telemetry.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically: step, constant options, per-layer states."""
+        """Everything needed to continue identically: step, constant options, per-layer states, sealed with a
+        checksum of all of it that ``load_state_dict`` verifies (docs/reliability.md, "Checkpoints")."""
         return checkpoint.save(
             self._layers, self._planner, self._generator, self._policy.trend, self._config, self.comm
         )
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, options: OptionsOnLoad = "restore", where: str | None = None
+    ) -> None:
         """Restore a ``state_dict``, possibly saved at another world size or rank (docs/reliability.md,
         "Checkpoints").
 
-        Everything is checked before anything changes: a state that does not fit raises
-        ``ValueError`` and leaves this preconditioner as it was. With P > 1 ranks every rank must
-        call it: the ranks agree (one all-reduce) that all of them load, or none does, and whether
-        any must recompute a layer at the next step. The saved ``update_freq``, ``damping``,
-        ``factor_decay``, ``kl_clip``, ``lr``, ``rank_ratio``, ``rank`` and ``seed`` replace this
-        preconditioner's (where they are not callables), as :meth:`reconfigure` would.
+        Everything is checked before anything changes — the checksum first, then every entry — and a
+        state that does not fit raises ``ValueError`` (naming ``where``, e.g. the file it was read from,
+        when given; :func:`hylo.load_checkpoint` passes the path) and leaves this preconditioner as it
+        was. With P > 1 ranks every rank must call it: the ranks agree (one all-reduce) that all of them
+        load, or none does, and whether any must recompute a layer at the next step.
+
+        ``options`` says what becomes of the saved options (docs/usage.md, "Checkpoints"): ``"restore"``
+        (as ``torch.optim`` does): the saved ``update_freq``, ``damping``, ``factor_decay``, ``kl_clip``,
+        ``lr``, ``rank_ratio``, ``rank`` and ``seed`` replace this preconditioner's (where they are not
+        callables), as :meth:`reconfigure` would, and one warning lists every option that differs;
+        ``"keep"``: this preconditioner's options stay (a different ``seed`` reseeds KIS's generator);
+        ``"refuse"``: a state saved with any other option is refused.
         """
+        mode = checkpoint.check_mode(options)
         restored, error = None, None
         try:
-            restored = checkpoint.read(state_dict, self._layers, self._config, self.comm)
+            restored = checkpoint.read(state_dict, self._layers, self._config, self.comm, mode, where)
         except ValueError as err:
             error = err
         restored = checkpoint.agree(restored, error, self.comm, self._guard.device)
@@ -504,3 +515,9 @@ class HyLoPreconditioner:
         self._generator = restored.generator
         if restored.trend is not None:
             self._policy.trend = restored.trend
+        if restored.differences:
+            warnings.warn(
+                f"load_state_dict{'' if where is None else f' ({where})'}: {restored.differences}; pass "
+                "options='keep' to keep this preconditioner's options or options='refuse' to refuse them",
+                stacklevel=2,
+            )

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 import hylo
 from hylo import HyLoPreconditioner
 from hylo.checkpoint import READ_FORMATS, STATE_FORMAT
+from hylo.integrity import seal
 from hylo.solvers import LayerState, RemoteState
 from hylo.state import UNSOLVED
 from tests.kit.checks import assert_same_tensors, grads, rel_err, state_snapshot
@@ -75,6 +76,18 @@ def _delete(key: str) -> Callable[[dict[str, Any]], None]:
     return drop
 
 
+def _remote(carried: object) -> Callable[[dict[str, Any]], None]:
+    """fc2's entry made a remote one carrying ``carried``."""
+
+    def mark(state: dict[str, Any]) -> None:
+        entry = state["layers"]["fc2"]
+        for key in ("tensors", "damping", "divisor"):
+            entry.pop(key, None)
+        entry.update(remote=True, carried=carried)
+
+    return mark
+
+
 def _nan_tensor(state: dict[str, Any]) -> None:
     tensors = state["layers"]["fc2"]["tensors"]
     key = next(iter(tensors))
@@ -109,10 +122,11 @@ CORRUPTIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "entry-owner-negative": (_set(("layers", "fc2", "owner"), -2), "owner"),
     "entry-tensors-not-tensors": (_set(("layers", "fc2", "tensors"), {"a": [1.0]}), "fc2"),
     "entry-nan-tensor": (_nan_tensor, "finite"),
-    "entry-carried-not-tensors": (
-        lambda s: s["layers"]["fc2"].update(remote=True, carried={"factor_a": 1.0}),
-        "carried",
-    ),
+    "entry-carried-not-tensors": (_remote({"factor_a": 1.0}), "carried"),
+    "entry-carried-wrong-shape": (_remote({"factor_a": torch.eye(3), "factor_g": torch.eye(3)}), "carried"),
+    "entry-carried-and-full": (lambda s: s["layers"]["fc2"].update(remote=True, carried={}), "remote entry"),
+    "entry-unknown-key": (_set(("layers", "fc2", "extra"), 1), "unknown"),
+    "unknown-key": (_set(("extra",), 1), "unknown"),
     "trend-not-mapping": (_set(("trend",), [0.0]), "trend"),
     "trend-without-ema": (lambda s: s["trend"].pop("ema"), "trend"),
     "trend-ema-not-tensor": (_set(("trend", "ema"), [1.0, 2.0]), "trend"),
@@ -142,6 +156,7 @@ def test_invalid_state_dict_is_refused_and_changes_nothing(solver: str, what: st
     corrupt, message = CORRUPTIONS[what]
     saved = _source_state(solver)
     corrupt(saved)
+    saved = seal(saved)  # the checksum matches: the validation itself refuses
 
     model = mlp(0)
     pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.3, seed=9)
@@ -179,7 +194,7 @@ def test_state_dict_carries_format_and_version() -> None:
     model = mlp(0)
     pre = HyLoPreconditioner(model, solver="kfac")
     state = pre.state_dict()
-    assert state["format"] == STATE_FORMAT == 2 and STATE_FORMAT in READ_FORMATS
+    assert state["format"] == STATE_FORMAT == 3 and STATE_FORMAT in READ_FORMATS
     assert state["hylo_version"] == hylo.version.__version__
 
 
@@ -190,7 +205,7 @@ def test_newer_format_names_the_readable_ones() -> None:
     with pytest.raises(ValueError) as refused:
         pre.load_state_dict(saved)
     text = str(refused.value)
-    assert "99" in text and "9.0" in text and "reads formats 1, 2" in text and "newer hylo" in text
+    assert "99" in text and "9.0" in text and "reads formats 1, 2, 3" in text and "newer hylo" in text
 
 
 @pytest.mark.parametrize("solver", ["kfac", "kis"])
@@ -205,7 +220,7 @@ def test_format_1_state_dict_loads_and_continues_bit_for_bit(solver: str) -> Non
 
     old = dict(saved["pre"])
     old["format"] = 1
-    del old["hylo_version"]
+    del old["hylo_version"], old["checksum"]  # formats 1 and 2 carry no checksum
     model2 = mlp(1)
     model2.load_state_dict(saved["model"])
     pre2 = HyLoPreconditioner(model2, **options)
@@ -227,6 +242,7 @@ def test_owner_outside_the_world_is_reset(solver: str) -> None:
     for entry in saved["layers"].values():
         entry["owner"] = 7
     saved["rank"], saved["world_size"] = 5, 8
+    saved = seal(saved)
     run(model, pre, range(2, 5))
 
     model2 = mlp(0)
@@ -254,6 +270,7 @@ def test_remote_entry_of_another_rank_is_recomputed_from_its_carried_factors(car
     if carry:
         saved["layers"]["fc2"]["carried"] = {k: tensors[k] for k in ("factor_a", "factor_g")}
     saved["rank"], saved["world_size"] = 0, 4
+    saved = seal(saved)
 
     model2 = mlp(0)
     pre2 = HyLoPreconditioner(model2, update_freq=3, **options)

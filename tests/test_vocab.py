@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from hylo import HyLoPreconditioner
 from hylo.distributed import BucketedCommunicator
 from hylo.distributed.payload import Payload
+from hylo.integrity import seal
 from hylo.layers import EmbeddingMath
 from hylo.layers.rows import FactoredRows, OneHotRows, rows_from_fields
 from hylo.policy import MB, kfac_state_bytes
@@ -282,4 +283,4 @@ def test_a_checkpoint_of_one_hot_rows_resumes_exactly_and_bad_tokens_are_refused
         tensors["tokens"][0, 0] = bad
         layers = {**saved["layers"], "tokens": {**saved["layers"]["tokens"], "tensors": tensors}}
         with pytest.raises(ValueError, match="tokens must be integers"):
-            other.load_state_dict({**saved, "layers": layers})
+            other.load_state_dict(seal({**saved, "layers": layers}))  # the checksum matches: validation refuses

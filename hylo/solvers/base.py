@@ -21,6 +21,7 @@ payload needs.
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,14 +82,25 @@ class LayerState(ABC):
         """Bytes held by this state."""
         return _nbytes(self.tensors())
 
+    @classmethod
+    def carried_from_dict(
+        cls, carried: object, d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, Tensor]:
+        """Saved :meth:`carried` tensors of a (d_g, d_a) layer computing in ``dtype``, else ``ValueError``
+        (by default a state carries nothing)."""
+        return checked_tensors(carried, {}, {}, device)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``state_dict`` (tensors cloned)."""
         return {"damping": self.damping, "tensors": {k: v.detach().clone() for k, v in self.tensors().items()}}
 
     @classmethod
     @abstractmethod
-    def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
-        """A state saved by :meth:`to_dict`; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
+    def from_dict(
+        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerState:
+        """A state saved by :meth:`to_dict`; ``ValueError`` naming the field unless it fits a (d_g, d_a) layer
+        whose math runs in ``dtype`` (every tensor's name, shape and dtype; a finite damping > 0)."""
 
 
 @dataclass
@@ -129,6 +141,38 @@ def check_shapes(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple[int
             raise ValueError(f"state_dict entry lacks tensor {key!r}")
         if tuple(tensors[key].shape) != shape:
             raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {shape}")
+
+
+def checked_tensors(
+    tensors: object,
+    expected: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, torch.dtype],
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """``tensors`` moved to ``device`` if they are exactly the ``expected`` names, shapes and ``dtypes`` (dense
+    tensors), else ``ValueError`` naming the first that is not (docs/reliability.md, "Validation")."""
+    if not isinstance(tensors, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
+    ):
+        raise ValueError("state_dict entry's tensors are not a mapping from names to tensors")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"state_dict entry holds unexpected tensors {unexpected}")
+    check_shapes(tensors, expected)
+    for key, tensor in tensors.items():
+        if tensor.layout != torch.strided or tensor.dtype != dtypes[key]:
+            raise ValueError(f"{key} is a {tensor.layout} tensor of dtype {tensor.dtype}, expected {dtypes[key]}")
+    return {key: tensor.to(device) for key, tensor in tensors.items()}
+
+
+def positive_number(entry: Mapping[str, Any], key: str) -> float:
+    """``entry[key]`` as a float if it is a finite number > 0 (not a bool), else ``ValueError`` naming ``key``."""
+    if key not in entry:
+        raise ValueError(f"state_dict entry lacks {key!r}")
+    value = entry[key]
+    if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf):
+        raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -263,9 +307,11 @@ class SolverFamily(ABC, Generic[PreparedT]):
         """Rows of ``batch`` this rank keeps for ``solver``'s update (all of them unless the family reduces)."""
         return batch.rows
 
-    def state_from_dict(self, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LayerState:
-        """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
-        return self.state_type.from_dict(entry, d_a, d_g, device)
+    def state_from_dict(
+        self, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerState:
+        """A state saved by ``to_dict``; ``ValueError`` unless it fits a (d_g, d_a) layer computing in ``dtype``."""
+        return self.state_type.from_dict(entry, d_a, d_g, dtype, device)
 
     #: Whether the family keeps running statistics that steps between updates refresh
     #: (``factor_update_freq``): such steps run :meth:`contribute`, the collective and :meth:`refresh`.

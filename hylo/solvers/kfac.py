@@ -32,7 +32,8 @@ from hylo.solvers.base import (
     UpdateContext,
     UpdateJob,
     carried_from,
-    check_shapes,
+    checked_tensors,
+    positive_number,
 )
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
@@ -104,29 +105,36 @@ class KFACState(LayerState):
         return {"factor_a": self.factor_a, "factor_g": self.factor_g}
 
     @classmethod
-    def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> KFACState:
-        """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
-        t = {k: v.to(device) for k, v in entry["tensors"].items()}
-        check_shapes(
-            t,
-            {
-                "factor_a": (d_a, d_a),
-                "factor_g": (d_g, d_g),
-                "evals_a": (d_a,),
-                "evecs_a": (d_a, d_a),
-                "evals_g": (d_g,),
-                "evecs_g": (d_g, d_g),
-            },
-        )
-        return cls(
-            t["factor_a"],
-            t["factor_g"],
-            t["evals_a"],
-            t["evecs_a"],
-            t["evals_g"],
-            t["evecs_g"],
-            float(entry["damping"]),
-        )
+    def from_dict(
+        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> KFACState:
+        """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
+        ``dtype``, the damping is a finite number > 0 and the eigenvalues are ≥ 0 (as ``eigh_many`` leaves them),
+        so that every e_g e_a + λ the apply divides by is > 0 (docs/reliability.md, "Validation")."""
+        if "divisor" in entry:
+            raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
+        damping = positive_number(entry, "damping")
+        shapes = {
+            "factor_a": (d_a, d_a),
+            "factor_g": (d_g, d_g),
+            "evals_a": (d_a,),
+            "evecs_a": (d_a, d_a),
+            "evals_g": (d_g,),
+            "evecs_g": (d_g, d_g),
+        }
+        t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
+        for key in ("evals_a", "evals_g"):
+            if bool((t[key] < 0).any()):
+                raise ValueError(f"{key} holds negative eigenvalues (the factors are positive semi-definite)")
+        return cls(t["factor_a"], t["factor_g"], t["evals_a"], t["evecs_a"], t["evals_g"], t["evecs_g"], damping)
+
+    @classmethod
+    def carried_from_dict(
+        cls, carried: object, d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, Tensor]:
+        """The running factors A (d_a × d_a) and G (d_g × d_g) in ``dtype``, else ``ValueError``."""
+        shapes = {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g)}
+        return checked_tensors(carried, shapes, dict.fromkeys(shapes, dtype), device)
 
 
 @dataclass

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.rows import SampleRows, rows_from_fields
+from hylo.layers.rows import EXACT_FLOAT32_INTEGERS, SampleRows, rows_from_fields
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.solvers.base import Exchange, LayerState, check_shapes
+from hylo.solvers.base import Exchange, LayerState, checked_tensors, positive_number
 
 
 @dataclass
@@ -85,26 +85,32 @@ class LowRankState(LayerState):
         return {**super().to_dict(), "divisor": self.divisor}
 
     @classmethod
-    def from_dict(cls, entry: Mapping[str, Any], d_a: int, d_g: int, device: torch.device) -> LowRankState:
-        """A state saved by ``to_dict``; ``ValueError`` if it does not fit a (d_g, d_a) layer."""
-        t = {k: v.to(device) for k, v in entry["tensors"].items()}
-        first = next((name for name in ("u", "tokens") if name in t), "a")
-        if first not in t:
-            raise ValueError("state_dict entry lacks tensor 'a'")
-        rows = t[first].shape[0] if t[first].dim() else 0
+    def from_dict(
+        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> LowRankState:
+        """A state saved by ``to_dict``; ``ValueError`` naming the field unless its rows (``a`` and ``g``, ``u``,
+        or ``tokens`` and ``g``) and ``inner`` have their shapes and ``dtype``, the tokens are indices of the
+        layer's vocabulary and the damping and divisor are finite numbers > 0 (docs/reliability.md, "Validation")."""
+        damping, divisor = positive_number(entry, "damping"), positive_number(entry, "divisor")
+        saved = entry.get("tensors")
+        names = saved if isinstance(saved, Mapping) else {}
+        first = next((name for name in ("u", "tokens") if name in names), "a")
+        head = names.get(first)
+        rows = head.shape[0] if isinstance(head, Tensor) and head.dim() else 0
         if first == "u":
             expected = {"u": (rows, d_g * d_a), "inner": (rows, rows)}
         elif first == "tokens":
             expected = {"tokens": (rows, 1), "g": (rows, d_g), "inner": (rows, rows)}
         else:
             expected = {"a": (rows, d_a), "g": (rows, d_g), "inner": (rows, rows)}
-        check_shapes(t, expected)
+        dtypes = dict.fromkeys(expected, dtype)
+        if first == "tokens":  # as OneHotRows.fields writes them
+            dtypes["tokens"] = dtype if d_a <= EXACT_FLOAT32_INTEGERS else torch.float64
+        t = checked_tensors(saved, expected, dtypes, device)
         tokens = t.get("tokens")
         if tokens is not None and not bool(((tokens == tokens.round()) & (tokens >= -1) & (tokens < d_a)).all()):
             raise ValueError(f"state_dict entry's tokens must be integers in [-1, {d_a})")
-        if "divisor" not in entry:
-            raise ValueError("state_dict entry lacks the low-rank divisor")
-        return cls(rows_from_fields(t, d_g, d_a), t["inner"], float(entry["divisor"]), float(entry["damping"]))
+        return cls(rows_from_fields(t, d_g, d_a), t["inner"], divisor, damping)
 
 
 def smw_inners(updates: Sequence[LowRankUpdate], damping: float) -> list[Tensor]:
