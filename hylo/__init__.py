@@ -1,13 +1,15 @@
 """hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo).
 
 The public API is what this module exports — the preconditioner, its configuration and records,
-and the extension points :func:`register_layer_type` (a layer type's math, subclassing
+the checkpoint files :func:`save_checkpoint` and :func:`load_checkpoint`, and the extension
+points :func:`register_layer_type` (a layer type's math, subclassing
 :class:`hylo.layers.LayerMath`) and :func:`register_variant` (a low-rank row reduction,
-subclassing :class:`hylo.solvers.RowReduction`; docs/extending.md) — and four modules:
+subclassing :class:`hylo.solvers.RowReduction`; docs/extending.md) — and five modules:
 :mod:`hylo.config` (every option, with :func:`hylo.config.options` describing each),
-:mod:`hylo.layers` and :mod:`hylo.solvers` (what the extension points build on) and
-:mod:`hylo.distributed` (communicators a user may inject). Every other module is internal and
-may change between releases.
+:mod:`hylo.layers` and :mod:`hylo.solvers` (what the extension points build on),
+:mod:`hylo.distributed` (communicators a user may inject) and :mod:`hylo.integrity` (checksums
+that seal a training script's own checkpoint files; docs/reliability.md, "Checksums"). Every
+other module is internal and may change between releases.
 """
 
 from hylo.checkpoint import load_checkpoint, save_checkpoint
