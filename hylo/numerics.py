@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from hylo.layers.gradmatrix import GradMatrix
+
 #: Relative jitter added to the diagonal on successive Cholesky retries.
 JITTER_LADDER: tuple[float, ...] = (0.0, 1e-10, 1e-8, 1e-6, 1e-4)
 #: The most megabytes of equally shaped matrices stacked into one batched call.
@@ -129,3 +131,50 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         return [evals.clamp_min(0.0), evecs]
 
     return [(r[0], r[1]) for r in _grouped(mats, decompose)]
+
+
+#: Relative slack of the length bound ‖V̂‖ ≤ ‖∇W‖/λ (at least 8 ε of the gradient's dtype).
+LENGTH_SLACK = 1e-3
+
+
+def result_terms(grad: GradMatrix, result: Tensor) -> Tensor:
+    """[Σ V̂ (finite iff V̂ is), ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²] in float64 for one layer's ∇W (or this rank's rows of
+    it) and its preconditioned (d_g, d_a) ``result`` V̂: sums over rows, so ranks holding rows of one ∇W add
+    theirs up (docs/reliability.md, "Fallbacks").
+
+    Both are first divided by their largest entry, so neither the products nor the squares overflow or
+    underflow in the working dtype (a float32 ∇W of 10⁻²⁰ or 10¹⁹ is judged like one of 1); no host sync.
+    """
+    d_w = grad.weight.shape[1]
+    grads = [grad.weight] if grad.bias is None else [grad.weight, grad.bias]
+    results = [result[:, :d_w]] if grad.bias is None else [result[:, :d_w], result[:, d_w]]
+    zero = torch.zeros((), dtype=torch.float64, device=result.device)
+    if result.numel() == 0:  # a rank holding no rows of this layer
+        return torch.stack([zero, zero, zero, zero])
+    tiny = torch.finfo(result.dtype).tiny
+    g_max = torch.stack([p.abs().amax() for p in grads if p.numel()]).amax().to(result.dtype).clamp_min(tiny)
+    v_max = torch.stack([p.abs().amax() for p in results if p.numel()]).amax().clamp_min(tiny)
+    g_unit = [(p.to(result.dtype) / g_max) for p in grads]
+    v_unit = [p / v_max for p in results]
+    g_scale, v_scale = g_max.to(torch.float64), v_max.to(torch.float64)
+    total = torch.stack([p.sum(dtype=torch.float64) for p in results]).sum()
+    dot = torch.stack([(g * v).sum(dtype=torch.float64) for g, v in zip(g_unit, v_unit, strict=True)]).sum()
+    g_sq = torch.stack([g.square().sum(dtype=torch.float64) for g in g_unit]).sum()
+    v_sq = torch.stack([v.square().sum(dtype=torch.float64) for v in v_unit]).sum()
+    return torch.stack([total, dot * g_scale * v_scale, g_sq * g_scale**2, v_sq * v_scale**2])
+
+
+def sound_results(terms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]) -> Tensor:
+    """Per layer, whether its result may be applied, from its (summed) :func:`result_terms` row: finite, a
+    descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ (1 + slack), which (F̃ + λI)⁻¹ with
+    F̃ PSD guarantees for every solver (docs/solvers.md, "Numerics"). A damping of None checks finiteness only
+    (a result another rank computed and checked, ``strategy="gradient"``). No host sync."""
+    limits = [
+        (float("nan") if damping is None else damping, 1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps))
+        for damping, dtype in zip(dampings, dtypes, strict=True)
+    ]
+    damping, slack = torch.tensor(limits, dtype=torch.float64, device=terms.device).unbind(dim=1)
+    finite = torch.isfinite(terms[:, 0])
+    descent = (terms[:, 1] > 0) | (terms[:, 2] == 0)
+    bounded = terms[:, 3].sqrt() * damping <= terms[:, 2].sqrt() * slack
+    return finite & (damping.isnan() | (descent & bounded))
