@@ -137,31 +137,39 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
 LENGTH_SLACK = 1e-3
 
 
-def result_terms(grad: GradMatrix, result: Tensor) -> Tensor:
-    """[Σ V̂ (finite iff V̂ is), ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²] in float64 for one layer's ∇W (or this rank's rows of
-    it) and its preconditioned (d_g, d_a) ``result`` V̂: sums over rows, so ranks holding rows of one ∇W add
-    theirs up (docs/reliability.md, "Fallbacks").
+def _largest(tensor: Tensor) -> Tensor:
+    """max |x| in one pass without a temporary (NaN if any entry is)."""
+    low, high = torch.aminmax(tensor)
+    return torch.maximum(high, -low)
 
-    Both are first divided by their largest entry, so neither the products nor the squares overflow or
-    underflow in the working dtype (a float32 ∇W of 10⁻²⁰ or 10¹⁹ is judged like one of 1); no host sync.
+
+def result_terms(grad: GradMatrix, result: Tensor) -> Tensor:
+    """[Σ V̂ (finite iff V̂ is, barring a sum beyond the dtype's range), ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²] in float64 for one
+    layer's ∇W (or this rank's rows of it) and its preconditioned (d_g, d_a) ``result`` V̂: sums over rows, so
+    ranks holding rows of one ∇W add theirs up (docs/reliability.md, "Fallbacks").
+
+    Both are first divided by their largest entry, so that the products and squares, taken in the working dtype
+    by BLAS dot products, neither overflow nor underflow (a float32 ∇W of 10⁻²⁰ or 10¹⁹ is judged like one of
+    1); the scales are put back in float64. A handful of passes over the layer, no float64 copy, no host sync.
     """
     d_w = grad.weight.shape[1]
     grads = [grad.weight] if grad.bias is None else [grad.weight, grad.bias]
     results = [result[:, :d_w]] if grad.bias is None else [result[:, :d_w], result[:, d_w]]
-    zero = torch.zeros((), dtype=torch.float64, device=result.device)
     if result.numel() == 0:  # a rank holding no rows of this layer
-        return torch.stack([zero, zero, zero, zero])
+        return torch.zeros(4, dtype=torch.float64, device=result.device)
     tiny = torch.finfo(result.dtype).tiny
-    g_max = torch.stack([p.abs().amax() for p in grads if p.numel()]).amax().to(result.dtype).clamp_min(tiny)
-    v_max = torch.stack([p.abs().amax() for p in results if p.numel()]).amax().clamp_min(tiny)
-    g_unit = [(p.to(result.dtype) / g_max) for p in grads]
-    v_unit = [p / v_max for p in results]
+    g_max = torch.stack([_largest(p).to(result.dtype) for p in grads]).amax()
+    v_max = torch.stack([_largest(p) for p in results]).amax()
+    g_max, v_max = g_max.clamp_min(tiny), v_max.clamp_min(tiny)
+    g_unit = [(p.to(result.dtype) * (1.0 / g_max)).reshape(-1) for p in grads]
+    v_unit = [(p * (1.0 / v_max)).reshape(-1) for p in results]
+    pairs = list(zip(g_unit, v_unit, strict=True))
+    sums = torch.stack(
+        [torch.stack([torch.dot(g, v), torch.dot(g, g), torch.dot(v, v), v.sum()]).to(torch.float64) for g, v in pairs]
+    ).sum(dim=0)
     g_scale, v_scale = g_max.to(torch.float64), v_max.to(torch.float64)
-    total = torch.stack([p.sum(dtype=torch.float64) for p in results]).sum()
-    dot = torch.stack([(g * v).sum(dtype=torch.float64) for g, v in zip(g_unit, v_unit, strict=True)]).sum()
-    g_sq = torch.stack([g.square().sum(dtype=torch.float64) for g in g_unit]).sum()
-    v_sq = torch.stack([v.square().sum(dtype=torch.float64) for v in v_unit]).sum()
-    return torch.stack([total, dot * g_scale * v_scale, g_sq * g_scale**2, v_sq * v_scale**2])
+    total = sums[3] * v_scale  # Σ V̂, non-finite iff some entry is (or v_max is)
+    return torch.stack([total, sums[0] * g_scale * v_scale, sums[1] * g_scale**2, sums[2] * v_scale**2])
 
 
 def sound_results(terms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]) -> Tensor:
