@@ -4,7 +4,8 @@ The guard finds each layer's gradient (new since the previous step, or absent), 
 norm, and agrees across ranks, in one small all-reduce per step, on whether every gradient is
 finite, which layers have a gradient, which have captured rows and which statistics each layer's
 calls can give (docs/design.md, "Memory"). It also keeps the per-layer count of steps whose
-preconditioned gradient overflowed (they use the raw gradient) and reports them at updates.
+preconditioned gradient overflowed or was not a bounded descent direction (they use the raw
+gradient) and reports them at updates.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Guard:
         # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
         self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self.layers)
         self._warned_no_rows: set[str] = set()
-        #: Per layer, steps whose preconditioned gradient overflowed since the last report.
+        #: Per layer, steps whose preconditioned gradient fell back to the raw gradient since the last report
+        #: (not finite, or not a descent direction within its damping: docs/reliability.md, "Fallbacks").
         self.fallbacks = torch.zeros(len(self.layers), dtype=torch.long)
 
     @property
@@ -243,7 +245,7 @@ class Guard:
         )
 
     def count_fallbacks(self, indices: list[int], counts: Tensor) -> None:
-        """Add a step's fallbacks (1 per layer whose result was not finite), without a host sync."""
+        """Add a step's fallbacks (1 per layer whose result was not applied), without a host sync."""
         self.fallbacks = self.fallbacks.to(counts.device)
         self.fallbacks[indices] += counts
 
@@ -254,7 +256,8 @@ class Guard:
             self.fallbacks.zero_()
             listed = {layer.name: c for layer, c in zip(self.layers, counts, strict=True) if c}
             warnings.warn(
-                f"step {step}: the preconditioned gradient of {listed} (layer: steps) was not finite although "
-                "the gradient was; those steps used the raw gradient. Raise damping?",
+                f"step {step}: the preconditioned gradient V̂ of {listed} (layer: steps) was not finite, or not a "
+                "descent direction within its damping λ (⟨∇W, V̂⟩ ≤ 0 or ‖V̂‖ > ‖∇W‖/λ), although the gradient was "
+                "finite; those steps used the raw gradient. Raise damping, or use float64?",
                 stacklevel=4,
             )

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from hylo.layers.gradmatrix import GradMatrix
+
 #: Relative jitter added to the diagonal on successive Cholesky retries.
 JITTER_LADDER: tuple[float, ...] = (0.0, 1e-10, 1e-8, 1e-6, 1e-4)
 #: The most megabytes of equally shaped matrices stacked into one batched call.
@@ -129,3 +131,58 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         return [evals.clamp_min(0.0), evecs]
 
     return [(r[0], r[1]) for r in _grouped(mats, decompose)]
+
+
+#: Relative slack of the length bound ‖V̂‖ ≤ ‖∇W‖/λ (at least 8 ε of the gradient's dtype).
+LENGTH_SLACK = 1e-3
+
+
+def _largest(tensor: Tensor) -> Tensor:
+    """max |x| in one pass without a temporary (NaN if any entry is)."""
+    low, high = torch.aminmax(tensor)
+    return torch.maximum(high, -low)
+
+
+def result_terms(grad: GradMatrix, result: Tensor) -> Tensor:
+    """[Σ V̂ (finite iff V̂ is, barring a sum beyond the dtype's range), ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²] in float64 for one
+    layer's ∇W (or this rank's rows of it) and its preconditioned (d_g, d_a) ``result`` V̂: sums over rows, so
+    ranks holding rows of one ∇W add theirs up (docs/reliability.md, "Fallbacks").
+
+    Both are first divided by their largest entry, so that the products and squares, taken in the working dtype
+    by BLAS dot products, neither overflow nor underflow (a float32 ∇W of 10⁻²⁰ or 10¹⁹ is judged like one of
+    1); the scales are put back in float64. A handful of passes over the layer, no float64 copy, no host sync.
+    """
+    d_w = grad.weight.shape[1]
+    grads = [grad.weight] if grad.bias is None else [grad.weight, grad.bias]
+    results = [result[:, :d_w]] if grad.bias is None else [result[:, :d_w], result[:, d_w]]
+    if result.numel() == 0:  # a rank holding no rows of this layer
+        return torch.zeros(4, dtype=torch.float64, device=result.device)
+    tiny = torch.finfo(result.dtype).tiny
+    g_max = torch.stack([_largest(p).to(result.dtype) for p in grads]).amax()
+    v_max = torch.stack([_largest(p) for p in results]).amax()
+    g_max, v_max = g_max.clamp_min(tiny), v_max.clamp_min(tiny)
+    g_unit = [(p.to(result.dtype) * (1.0 / g_max)).reshape(-1) for p in grads]
+    v_unit = [(p * (1.0 / v_max)).reshape(-1) for p in results]
+    pairs = list(zip(g_unit, v_unit, strict=True))
+    sums = torch.stack(
+        [torch.stack([torch.dot(g, v), torch.dot(g, g), torch.dot(v, v), v.sum()]).to(torch.float64) for g, v in pairs]
+    ).sum(dim=0)
+    g_scale, v_scale = g_max.to(torch.float64), v_max.to(torch.float64)
+    total = sums[3] * v_scale  # Σ V̂, non-finite iff some entry is (or v_max is)
+    return torch.stack([total, sums[0] * g_scale * v_scale, sums[1] * g_scale**2, sums[2] * v_scale**2])
+
+
+def sound_results(terms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]) -> Tensor:
+    """Per layer, whether its result may be applied, from its (summed) :func:`result_terms` row: finite, a
+    descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ (1 + slack), which (F̃ + λI)⁻¹ with
+    F̃ PSD guarantees for every solver (docs/solvers.md, "Numerics"). A damping of None checks finiteness only
+    (a result another rank computed and checked, ``strategy="gradient"``). No host sync."""
+    limits = [
+        (float("nan") if damping is None else damping, 1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps))
+        for damping, dtype in zip(dampings, dtypes, strict=True)
+    ]
+    damping, slack = torch.tensor(limits, dtype=torch.float64, device=terms.device).unbind(dim=1)
+    finite = torch.isfinite(terms[:, 0])
+    descent = (terms[:, 1] > 0) | (terms[:, 2] == 0)
+    bounded = terms[:, 3].sqrt() * damping <= terms[:, 2].sqrt() * slack
+    return finite & (damping.isnan() | (descent & bounded))

@@ -11,8 +11,8 @@ gradient is made global here, with one collective each and only on this path:
 - :func:`precondition`: every state's :meth:`~hylo.solvers.base.LayerState.shard_partial` in one
   fused all-reduce (sums, e.g. the low-rank projections) and one fused all-gather (rows, e.g.
   K-FAC's ∇W Q_a), then each rank's rows of V̂;
-- :func:`agree_results`: the raw-gradient fallback and ``kl_clip``'s sum from one all-reduce of
-  three numbers per layer, so that every rank decides alike.
+- :func:`agree_results`: the raw-gradient fallback (non-finite, or not a bounded descent direction)
+  and ``kl_clip``'s sum from one all-reduce of four numbers per layer, so that every rank decides alike.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded, local
+from hylo.numerics import result_terms, sound_results
 from hylo.solvers import LayerState
 from hylo.solvers.base import Clock, Exchange
 from hylo.state import RegisteredLayer
@@ -126,23 +127,24 @@ def precondition(
 
 
 def agree_results(
-    comm: Communicator, grads: Sequence[GradMatrix], results: Sequence[Tensor], clip: tuple[float, float] | None
+    comm: Communicator,
+    grads: Sequence[GradMatrix],
+    results: Sequence[Tensor],
+    dampings: Sequence[float | None],
+    clip: tuple[float, float] | None,
 ) -> tuple[list[Tensor], Tensor]:
     """The results with the raw-gradient fallback and ``kl_clip`` (``clip`` = (kl_clip, lr)) decided over
     every rank's rows, and 1 per layer that fell back (docs/reliability.md, "Fallbacks").
 
-    One all-reduce of three numbers per layer: the results' sums (non-finite iff some rank's rows are),
-    ⟨∇W, V̂⟩ and ‖∇W‖², so the fallback's ⟨∇W, ∇W⟩ needs no second collective.
+    One all-reduce of four numbers per layer, each rank's :func:`~hylo.numerics.result_terms` (the results'
+    sums, ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²): every rank judges the same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with
+    :func:`~hylo.numerics.sound_results`, so all decide alike, and the fallback's ⟨∇W, ∇W⟩ needs no second
+    collective.
     """
-    local = torch.stack(
-        [
-            torch.stack([v.sum().to(torch.float64), g.dot(v), g.norm(torch.float64).square()])
-            for g, v in zip(grads, results, strict=True)
-        ]
-    )
+    local = torch.stack([result_terms(g, v) for g, v in zip(grads, results, strict=True)])
     key = (CONTROL, "results")
     total = comm.all_reduce(Payload({key: local}), "sum").wait()[key]
-    ok = torch.isfinite(total[:, 0])
+    ok = sound_results(total, dampings, [g.weight.dtype for g in grads])
     written = [g.fill_where_not(ok[i], v) for i, (g, v) in enumerate(zip(grads, results, strict=True))]
     if clip is not None:
         kl_clip, lr = clip

@@ -34,6 +34,7 @@ from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.distributed.payload import Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded
+from hylo.numerics import result_terms, sound_results
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
@@ -196,6 +197,15 @@ class UpdateStage:
                 results[name] = state.precondition(grad)
                 watch.lap("precondition", name)
         if strategy == "gradient" and self.comm.world_size > 1:
+            # the owner checks its results before sending them (docs/reliability.md, "Fallbacks"): every rank
+            # then applies the same result, and a rank that holds no state for the layer checks finiteness only
+            checked = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
+            if checked:
+                terms = torch.stack([result_terms(grad, results[name]) for name, _, grad in checked])
+                dtypes = [grad.weight.dtype for _, _, grad in checked]
+                sound = sound_results(terms, [state.damping for _, state, _ in checked], dtypes)
+                for i, (name, _, grad) in enumerate(checked):
+                    results[name] = grad.fill_where_not(sound[i], results[name])
             for src in range(self.comm.world_size):
                 owned = [(name, grad) for name, _, owner, grad in items if owner == src]
                 payload = Payload(

@@ -18,8 +18,9 @@ from hylo import sharding
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.numerics import result_terms, sound_results
 from hylo.records import Decision
-from hylo.solvers import HeldState, UpdateContext
+from hylo.solvers import HeldState, LayerState, UpdateContext
 from hylo.stage import UpdateStage
 from hylo.state import RegisteredLayer
 from hylo.telemetry.monitor import StudyResult
@@ -80,9 +81,10 @@ class Outcome:
         return self.states.get(layer.name, layer.state)
 
 
-def kl_clipped(grads: Sequence[GradMatrix], results: Sequence[Tensor], kl_clip: float, lr: float) -> list[Tensor]:
-    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region."""
-    vg = torch.stack([g.dot(v) for g, v in zip(grads, results, strict=True)]).sum().abs() * lr**2
+def kl_clipped(results: Sequence[Tensor], terms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> list[Tensor]:
+    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
+    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² where it fell back, ``ok`` false)."""
+    vg = torch.where(ok, terms[:, 1], terms[:, 2]).sum().abs() * lr**2
     scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
     return [v * scale.to(v.dtype) for v in results]
 
@@ -99,7 +101,9 @@ def precondition(
     and 1 per ready layer whose result fell back to its raw gradient.
 
     A layer whose result is not finite although its gradient is (an overflow in the solve's
-    arithmetic) keeps its raw gradient this step (docs/reliability.md, "Fallbacks").
+    arithmetic), or that is not a descent direction no longer than ‖∇W‖/λ as its damped system
+    guarantees (:func:`~hylo.numerics.sound_results`), keeps its raw gradient this step, decided on
+    device (docs/reliability.md, "Fallbacks").
     """
     items = [
         (layer.name, state, outcome.owners.get(layer.name, layer.owner), grad)
@@ -111,15 +115,20 @@ def precondition(
     if values.kl_clip is not None:
         assert values.lr is not None
         clip = values.kl_clip, values.lr
+    grads = [grad for _, grad in ready]
+    outputs = [results[layer.name] for layer, _ in ready]
+    # λ of the system each result solves; a layer another rank owns and checked ("gradient"): finiteness only
+    dampings = [
+        state.damping if isinstance(state := outcome.state_of(layer), LayerState) else None for layer, _ in ready
+    ]
     if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
-        written, fallbacks = sharding.agree_results(
-            stage.comm, [grad for _, grad in ready], [results[layer.name] for layer, _ in ready], clip
-        )
+        written, fallbacks = sharding.agree_results(stage.comm, grads, outputs, dampings, clip)
         watch.lap("precondition", [layer.name for layer, _ in ready])
         return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, fallbacks
-    ok = torch.isfinite(torch.stack([results[layer.name].sum().to(torch.float64) for layer, _ in ready]))
-    written = [grad.fill_where_not(ok[i], results[layer.name]) for i, (layer, grad) in enumerate(ready)]
+    terms = torch.stack([result_terms(grad, v) for grad, v in zip(grads, outputs, strict=True)])
+    ok = sound_results(terms, dampings, [grad.weight.dtype for grad in grads])
+    written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, outputs, strict=True))]
     if clip is not None:
-        written = kl_clipped([grad for _, grad in ready], written, *clip)
+        written = kl_clipped(written, terms, ok, *clip)
     watch.lap("precondition", [layer.name for layer, _ in ready])
     return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, (~ok).long()

@@ -5,6 +5,12 @@ memory is ``trend_window`` steps); at an update, the trend t = |EMA − EMA_ref|
 the newest sample at least a window old, its noise, and the critical flags with hysteresis. The
 trend holds state only: its parameters are read from the :class:`~hylo.config.PolicyConfig`
 passed to each call.
+
+A sample is folded in as min(‖∇W‖, :data:`NORM_CAP`): the cap (√(float64 max)/2 ≈ 6.7·10¹⁵³) keeps
+its square, both EMAs and every difference :meth:`GradNormTrend.sample` takes finite, so finite
+norms (or a float64 norm that overflowed although every entry is finite) never make the trend
+non-finite; norms below the cap are folded in exactly as they are (docs/hybrid-policy.md,
+"Critical regime").
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import torch
 from torch import Tensor
 
 from hylo.config import PolicyConfig
+
+#: The largest norm a sample contributes: its square, and a difference of two squares, stay finite in float64.
+NORM_CAP = math.sqrt(torch.finfo(torch.float64).max) / 2.0
 
 
 class GradNormTrend:
@@ -48,9 +57,10 @@ class GradNormTrend:
     def observe(self, norms: Tensor, decay: float, present: Tensor | None = None) -> None:
         """Fold this step's per-layer gradient norms into the EMAs with ``decay`` (on device).
 
-        Layers not ``present`` (no gradient this step) keep their EMAs as they were.
+        Layers not ``present`` (no gradient this step) keep their EMAs as they were. A norm above
+        :data:`NORM_CAP` (or an infinite one) counts as :data:`NORM_CAP`: the EMAs stay finite.
         """
-        norms = norms.detach().to(torch.float64)
+        norms = norms.detach().to(torch.float64).clamp(max=NORM_CAP)
         moments = torch.stack((norms, norms * norms))
         if self.moments is None:
             self.moments = moments
@@ -119,7 +129,8 @@ class GradNormTrend:
         else:
             ema = ema.to(device=device, dtype=torch.float64)
             ema_sq = state.get("ema_sq")
-            ema_sq = ema * ema if ema_sq is None else ema_sq.to(device=device, dtype=torch.float64)
+            capped = ema.clamp(max=NORM_CAP)
+            ema_sq = capped * capped if ema_sq is None else ema_sq.to(device=device, dtype=torch.float64)
             self.moments = torch.stack((ema, ema_sq))
         # older states keep no variance per sample: 0 (unknown) leaves the current one to judge
         self.history = deque(

@@ -491,3 +491,90 @@ def test_fuzz_retry_without_backward_many(case: RetryCase) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _check_retry(case)
+
+
+# --------------------------------------------------------------------------- duplicated rows, small damping
+@dataclass(frozen=True)
+class DuplicatedCase:
+    """A small float32/float64 net stepped on one batch taken twice (concatenated, or accumulated by two
+    backwards), at damping ≤ 10⁻², with any solver (docs/reliability.md, "Fallbacks")."""
+
+    conv: bool
+    width: int
+    rows: int
+    twice: Literal["cat", "accumulate"]
+    dtype: torch.dtype
+    solver: str
+    damping: float
+    kl_clip: bool
+    update_freq: int
+    seed: int
+
+
+@st.composite
+def duplicated_cases(draw: st.DrawFn) -> DuplicatedCase:
+    """Cases for :func:`test_fuzz_duplicated_rows_descend`."""
+    return DuplicatedCase(
+        conv=draw(st.booleans()),
+        width=draw(st.integers(1, 8)),
+        rows=draw(st.integers(1, 6)),
+        twice=draw(st.sampled_from(("cat", "accumulate"))),
+        dtype=draw(st.sampled_from((torch.float32, torch.float32, torch.float64))),
+        solver=draw(st.sampled_from(SOLVERS)),
+        damping=draw(_log_uniform(-6, -2)),
+        kl_clip=draw(st.booleans()),
+        update_freq=draw(st.integers(1, 2)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _check_duplicated(case: DuplicatedCase) -> None:
+    """At every step, each registered layer's applied gradient v of its raw gradient g satisfies ⟨g, v⟩ > 0 and
+    ‖v‖ ≤ ‖g‖/λ (1 + tol) (``kl_clip`` only shortens v), or v is g and the fallback was counted: warned at
+    this step (an update) or pending for the next update."""
+    from tests.kit.checks import grad_matrix  # this property's own import (the section stands alone)
+
+    torch.manual_seed(case.seed)
+    first: nn.Module = nn.Conv2d(2, case.width, 3) if case.conv else nn.Linear(5, case.width)
+    features = case.width * 9 if case.conv else case.width
+    model = nn.Sequential(first, nn.Tanh(), nn.Flatten(), nn.Linear(features, 3)).to(case.dtype)
+    options: dict[str, Any] = {"kl_clip": 1e-3, "lr": 0.1} if case.kl_clip else {}
+    pre = HyLoPreconditioner(model, solver=case.solver, damping=case.damping, update_freq=case.update_freq, **options)
+    modules = {layer.name: layer.math.module for layer in pre._layers}
+    for step in range(3):
+        x = torch.randn((case.rows, 2, 5, 5) if case.conv else (case.rows, 5), dtype=case.dtype)
+        y = torch.randint(0, 3, (case.rows,))
+        model.zero_grad()
+        if case.twice == "cat":
+            F.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
+        else:
+            for _ in range(2):
+                F.cross_entropy(model(x), y).backward()
+        raw = {name: grad_matrix(module).double() for name, module in modules.items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre.step()
+        reported = " ".join(str(w.message) for w in caught if "descent direction" in str(w.message))
+        pending = dict(zip(modules, pre._guard.fallbacks.tolist(), strict=True))
+        for name, module in modules.items():
+            g, v = raw[name], grad_matrix(module).double()
+            if torch.equal(v, g):
+                if pre._layers[list(modules).index(name)].state is not None and g.any():
+                    assert f"'{name}'" in reported or pending[name] > 0, f"step {step}: {name} fell back silently"
+                    event("a layer fell back to its raw gradient")
+                continue
+            assert (g * v).sum() > 0, f"step {step}: layer {name} went uphill"
+            assert v.norm() <= g.norm() / case.damping * (1 + 2e-3), f"step {step}: layer {name} too long"
+
+
+@settings(max_examples=60, **_COMMON)
+@given(case=duplicated_cases())
+def test_fuzz_duplicated_rows_descend(case: DuplicatedCase) -> None:
+    _check_duplicated(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=3_000, **_COMMON)
+@given(case=duplicated_cases())
+def test_fuzz_duplicated_rows_descend_many(case: DuplicatedCase) -> None:
+    _check_duplicated(case)

@@ -325,9 +325,9 @@ def test_memory_usage_sngd_exact(dtype: torch.dtype) -> None:
     for layer in pre._layers:
         assert usage[layer.name] == _nbytes(layer.state.tensors().values())
     size = torch.finfo(dtype).bits // 8
-    # O(m (d_a + d_g) + m²) numbers: rows a (m×d_a), g (m×d_g) and the m×m SMW matrix
+    # O(m (d_a + d_g) + m²) numbers: rows a (m×d_a), g (m×d_g) and the m×m SMW matrix (float64, docs/solvers.md)
     for name, d_a, d_g in [("conv", 2 * 9 + 1, 4), ("fc1", 64 + 1, 5), ("fc2", 5, 3)]:
-        assert usage[name] == size * (m * (d_a + d_g) + m * m), name
+        assert usage[name] == size * m * (d_a + d_g) + 8 * m * m, name
 
 
 def test_memory_usage_sngd_counts_leading_positions_as_rows() -> None:

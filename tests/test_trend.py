@@ -19,6 +19,7 @@ import io
 import itertools
 import math
 import random
+import warnings
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.config import PolicyConfig
 from hylo.layers import LayerShape
 from hylo.policy import SolverPolicy, in_critical_window
-from hylo.trend import GradNormTrend
+from hylo.trend import NORM_CAP, GradNormTrend
 from tests.kit.checks import DT, HOST_SYNCS, counting_host_syncs, grad_matrix
 from tests.kit.models import regression_data, sequential, wide_model
 
@@ -519,3 +520,59 @@ def test_adaptive_windows_end_to_end() -> None:
     wide2 = {d.step: d.solver for d in log if d.layer == "wide2"}
     assert {s: wide2[s] for s in BOUNDARIES if s < steps} == {s: v for s, v in BOUNDARIES.items() if s < steps}
     assert pre.solver_of("wide1") == "kis"
+
+
+# --------------------------------------------------------------------------- finite spikes (issue 30, item 1)
+def test_trend_stays_finite_and_exact_below_the_cap() -> None:
+    """A norm whose square overflows float64 (or an infinite norm of finite entries) is folded in as NORM_CAP,
+    so both EMAs stay finite; any norm below the cap is folded in exactly as before (the plain EMA of x, x²)."""
+    trend = config_trend(trend_window=4)
+    ordinary = [0.5, 3.0, 1e150, 2.0]
+    for value in ordinary:
+        trend.observe(torch.tensor([value], dtype=DT))
+    decay = trend.config.decay
+    ema, ema_sq = torch.tensor(ordinary[0], dtype=DT), torch.tensor(ordinary[0] ** 2, dtype=DT)
+    for value in ordinary[1:]:
+        sample = torch.tensor(value, dtype=DT)
+        ema, ema_sq = torch.lerp(ema, sample, 1.0 - decay), torch.lerp(ema_sq, sample * sample, 1.0 - decay)
+    assert trend.moments is not None
+    assert torch.equal(trend.moments[:, 0], torch.stack((ema, ema_sq)))
+    for spike in (1e160, torch.finfo(DT).max, math.inf, 1.0):
+        trend.observe(torch.tensor([spike], dtype=DT))
+        assert bool(trend.moments.isfinite().all()), spike
+        assert float(trend.moments[0, 0]) <= NORM_CAP and float(trend.moments[1, 0]) <= NORM_CAP**2
+        _, trends, _ = trend.sample(10)
+        assert all(math.isfinite(v) for v in trends if v is not None)
+        assert all(math.isfinite(v) for v in trend.last_noise if v is not None)
+
+
+@pytest.mark.parametrize("spike", [1e160, "overflow"])
+def test_a_finite_gradient_spike_never_poisons_checkpoints(spike: float | str) -> None:
+    """float64 model, one step whose finite ∇W has a norm of ~1e160 (its square overflows) or beyond float64's
+    max (every entry finite): the trend stays finite, and every checkpoint written from then on (right after the
+    spike and later) is accepted by a fresh twin's ``load_state_dict``, trend included."""
+    torch.manual_seed(0)
+    model = sequential(0, first=nn.Linear(6, 5), second=nn.Linear(5, 4)).to(DT)
+    x, direction = regression_data(0, 8, 6, 4)
+    pre = HyLoPreconditioner(model, solver="hybrid", update_freq=2, trend_window=2)
+    with warnings.catch_warnings(record=True):  # beyond float64's max the spike's result overflows: raw gradient
+        for step in range(8):
+            regression_step(model, x, direction)
+            if step == 3:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        assert p.grad is not None
+                        if spike == "overflow":
+                            p.grad.copy_(torch.full_like(p.grad, torch.finfo(DT).max / 4).copysign(p.grad))
+                        else:
+                            p.grad.mul_(spike / float(p.grad.norm()))
+            pre.step()
+            moments = pre._policy.trend.moments
+            assert moments is not None and bool(moments.isfinite().all()), step
+            if step >= 3:
+                twin_model = sequential(0, first=nn.Linear(6, 5), second=nn.Linear(5, 4)).to(DT)
+                twin = HyLoPreconditioner(twin_model, solver="hybrid", update_freq=2, trend_window=2)
+                twin.load_state_dict(_saved(pre.state_dict()))
+                assert torch.equal(twin._policy.trend.moments, moments)
+            if step == 3:  # the trend saw the spike
+                assert float(moments[0].min()) > 1e100

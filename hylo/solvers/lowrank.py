@@ -254,9 +254,9 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         return [{"inner": inner} for inner in smw_inners(prepared, context.damping)]
 
     def solution_template(self, prepared: LowRankUpdate) -> dict[str, Tensor]:
-        """A buffer for another rank's M."""
+        """A buffer for another rank's M (float64, as :func:`~hylo.solvers.smw.smw_inners` solves it)."""
         m = prepared.rows.count
-        return {"inner": torch.empty(m, m, dtype=prepared.rows.dtype, device=prepared.rows.device)}
+        return {"inner": torch.empty(m, m, dtype=torch.float64, device=prepared.rows.device)}
 
     def assemble(self, prepared: LowRankUpdate, solution: Mapping[str, Tensor], context: UpdateContext) -> LowRankState:
         """Rows, M, divisor and damping."""

@@ -11,6 +11,13 @@ factored rows and d_a·d_g for dense ones.
   form: D = m), M = (λI + K/D)⁻¹.
 - KID: skeleton rows with interpolation weights W (SPD), D = B, M = (λW⁻¹ + K/B)⁻¹,
   computed as L (λI + Lᵀ K L / B)⁻¹ Lᵀ with W = L Lᵀ, never inverting W.
+
+M is solved and kept in float64 and c = M z is computed in float64 whatever the rows' dtype
+(docs/solvers.md, "Numerics"): M's entries reach 1/λ, and a float32 M or c has an error of
+ε‖z‖/λ in the kernel's near-null directions (duplicated rows), which the subtraction
+∇W − Σ c_k U_k turns into an error of ε‖F‖‖∇W‖/λ² in V̂ — uphill steps at λ ≤ 10⁻³. With
+M and c in float64 the error is that of rounding ∇W itself, about ε‖∇W‖/λ. M and c are
+m×m and m numbers: the cost stays O(m²·w + m³) per update and O(m·d_a·d_g) per step.
 """
 
 from __future__ import annotations
@@ -52,9 +59,13 @@ class LowRankState(LayerState):
         """Preconditioned (d_g, d_a) gradient in O(m·d_a·d_g)."""
         parts = GradMatrix.of(grad)
         work = parts.to(self.rows.dtype)
-        c = self.inner @ self.rows.project(work)
+        c = self._coefficients(self.rows.project(work))
         inv_damping = 1.0 / self.damping
-        return self.rows.combine(work, c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
+        return self.rows.combine(work, c, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
+
+    def _coefficients(self, projections: Tensor) -> Tensor:
+        """c/D = M z / D in M's dtype (float64 for states built here), returned in the rows' dtype."""
+        return (self.inner @ projections.to(self.inner.dtype) / self.divisor).to(self.rows.dtype)
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
         """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows (or columns): its rows of U_k against its
@@ -66,8 +77,8 @@ class LowRankState(LayerState):
         """This rank's rows (or columns) of V̂ = (∇W − Σ c_k U_k / D)/λ with c = M z from the summed z."""
         rows = self._rows_of(grad)
         inv_damping = 1.0 / self.damping
-        c = self.inner @ received
-        return rows.combine(grad.to(rows.dtype), c / self.divisor, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
+        c = self._coefficients(received)
+        return rows.combine(grad.to(rows.dtype), c, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
 
     def _rows_of(self, grad: GradMatrix) -> SampleRows:
         shard = grad.shard
@@ -114,9 +125,10 @@ class LowRankState(LayerState):
 
 
 def smw_inners(updates: Sequence[LowRankUpdate], damping: float) -> list[Tensor]:
-    """The inner matrix M of every layer, batching equal-size solves across layers."""
-    kernels = [u.rows.kernel() / u.divisor for u in updates]
-    weighted = {i: u.weights for i, u in enumerate(updates) if u.weights is not None}
+    """The inner matrix M of every layer in float64 (see the module docstring), batching equal-size solves
+    across layers; the kernel is built in the rows' dtype (the O(m²·w) part) and solved in float64 (O(m³))."""
+    kernels = [u.rows.kernel().to(torch.float64) / u.divisor for u in updates]
+    weighted = {i: u.weights.to(torch.float64) for i, u in enumerate(updates) if u.weights is not None}
     lowers = cholesky_many(list(weighted.values()))
     lower_of = dict(zip(weighted, lowers, strict=True))
     inners = []
