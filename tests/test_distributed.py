@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
+from hylo import integrity
 from hylo.solvers.smw import LowRankState
 from tests.kit.checks import rel_err
 from tests.kit.harness import run_distributed
@@ -375,7 +376,7 @@ def _load_with_one_bad_rank(rank: int, world_size: int, bad_rank: int) -> dict[s
         corrupt["layers"][first] = dict(corrupt["layers"][first], d_a=-1)
     error = None
     try:
-        pre.load_state_dict(corrupt)
+        pre.load_state_dict(integrity.seal(corrupt))  # re-sealed: the entries themselves are refused
     except ValueError as err:
         error = str(err)
     after = [layer.state.tensors()["factor_a"] for layer in pre._layers if layer.state is not None]

@@ -101,7 +101,8 @@ class LowRankState(LayerState):
     ) -> LowRankState:
         """A state saved by ``to_dict``; ``ValueError`` naming the field unless its rows (``a`` and ``g``, ``u``,
         or ``tokens`` and ``g``) and ``inner`` have their shapes and ``dtype``, the tokens are indices of the
-        layer's vocabulary and the damping and divisor are finite numbers > 0 (docs/reliability.md, "Validation")."""
+        layer's vocabulary and the damping and divisor are finite numbers > 0 (docs/reliability.md, "Validation");
+        ``inner`` in float64 (or, as older formats saved it, ``dtype``)."""
         damping, divisor = positive_number(entry, "damping"), positive_number(entry, "divisor")
         saved = entry.get("tensors")
         names = saved if isinstance(saved, Mapping) else {}
@@ -117,7 +118,12 @@ class LowRankState(LayerState):
         dtypes = dict.fromkeys(expected, dtype)
         if first == "tokens":  # as OneHotRows.fields writes them
             dtypes["tokens"] = dtype if d_a <= EXACT_FLOAT32_INTEGERS else torch.float64
+        # M is solved and kept in float64 (module docstring); formats 1 and 2 kept it in the rows' dtype
+        inner = names.get("inner")
+        if isinstance(inner, Tensor) and inner.dtype == torch.float64:
+            dtypes["inner"] = torch.float64
         t = checked_tensors(saved, expected, dtypes, device)
+        t["inner"] = t["inner"].to(torch.float64)
         tokens = t.get("tokens")
         if tokens is not None and not bool(((tokens == tokens.round()) & (tokens >= -1) & (tokens < d_a)).all()):
             raise ValueError(f"state_dict entry's tokens must be integers in [-1, {d_a})")
