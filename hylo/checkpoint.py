@@ -3,9 +3,9 @@
 docs/reliability.md, "Checkpoints". :func:`save` writes everything needed to continue
 identically, sealed with a checksum (:mod:`hylo.integrity`); :func:`read` verifies it, validates a
 whole state against this preconditioner's layers and config and returns what to apply, changing
-nothing (``ValueError`` names the first problem);
-:func:`agree` makes the load all-or-nothing across ranks. Full layer states load at any world
-size; a ``remote`` entry (``strategy="gradient"``) is exact only on the rank that saved it, in a
+nothing (``ValueError`` names the first problem); :func:`agree` makes the load all-or-nothing
+across ranks and :func:`restore` puts it in place. Full layer states load at any world size; a
+``remote`` entry (``strategy="gradient"``) is exact only on the rank that saved it, in a
 world of the same size — elsewhere the layer is recomputed at the next step, keeping what it
 carries (K-FAC's running factors). :func:`save_checkpoint` and :func:`load_checkpoint` (exported as
 ``hylo.save_checkpoint``/``hylo.load_checkpoint``) do the same through a file, whose path every error names.
@@ -14,8 +14,8 @@ carries (K-FAC's running factors). :func:`save_checkpoint` and :func:`load_check
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,11 +28,12 @@ from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.integrity import CHECKSUM_KEY
 from hylo.planner import Planner
-from hylo.rules import is_number
+from hylo.policy import SolverPolicy
+from hylo.rules import is_index
 from hylo.solvers import HeldState, RemoteState, family_of, solver_names
 from hylo.solvers.registry import HYBRID
 from hylo.state import UNSOLVED, RegisteredLayer
-from hylo.trend import GradNormTrend
+from hylo.trend import GradNormTrend, checked_trend
 from hylo.version import __version__
 
 if TYPE_CHECKING:
@@ -56,11 +57,6 @@ ENTRY_KEYS = frozenset(("solver", "d_a", "d_g", "owner", "remote", "carried", "d
 #: warning listing those that differ), keep this preconditioner's, or refuse a state saved with others.
 OptionsOnLoad = Literal["restore", "keep", "refuse"]
 OPTION_MODES: tuple[OptionsOnLoad, ...] = ("restore", "keep", "refuse")
-
-
-def is_index(value: object) -> bool:
-    """An int ≥ 0 (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
@@ -136,71 +132,6 @@ def checked_options(saved: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"state_dict's config: {err}") from err
         known[name] = value
     return known
-
-
-#: Keys of a saved trend (``ema_sq`` and ``last_noise`` are absent from older states).
-TREND_KEYS = frozenset(("ema", "ema_sq", "history", "critical", "last_trend", "last_noise"))
-
-
-def _finite_numbers(values: object, n: int, optional: bool = False) -> bool:
-    """Whether ``values`` is a list or tuple of ``n`` finite numbers (or ``None`` where ``optional``)."""
-    return (
-        isinstance(values, list | tuple)
-        and len(values) == n
-        and all((v is None and optional) or (is_number(v) and math.isfinite(v)) for v in values)
-    )
-
-
-def _trend_problems(state: Mapping[Any, Any], n: int) -> list[str]:
-    """What keeps ``state`` from being the trend of ``n`` layers (nothing: an empty list)."""
-    problems = []
-    unknown = sorted(set(state) - TREND_KEYS, key=repr)
-    if unknown:
-        problems.append(f"unknown keys {unknown}")
-    for key in ("ema", "history", "critical", "last_trend"):
-        if key not in state:
-            problems.append(f"no {key!r}")
-    for key in ("ema", "ema_sq"):
-        value = state.get(key)
-        if value is not None and not (
-            isinstance(value, Tensor)
-            and value.dtype in (torch.float32, torch.float64)
-            and value.layout == torch.strided
-            and tuple(value.shape) == (n,)
-            and bool(value.isfinite().all())
-        ):
-            problems.append(f"{key} is not {n} finite float values")
-    if state.get("ema") is None and state.get("ema_sq") is not None:
-        problems.append("ema_sq without ema")
-    history = state.get("history", [])
-    if not isinstance(history, list | tuple) or not all(
-        isinstance(entry, list | tuple)
-        and len(entry) in (2, 3)
-        and is_index(entry[0])
-        and all(_finite_numbers(values, n) for values in entry[1:])
-        and (len(entry) == 2 or all(v >= 0 for v in entry[2]))
-        for entry in history
-    ):
-        problems.append("history is not a list of (step, EMAs, variances) of finite values")
-    critical = state.get("critical", [])
-    if not (isinstance(critical, list | tuple) and len(critical) == n and all(isinstance(c, bool) for c in critical)):
-        problems.append(f"critical flags {critical!r}")
-    for key in ("last_trend", "last_noise"):
-        if not _finite_numbers(state.get(key, [None] * n), n, optional=True):
-            problems.append(f"{key} {state.get(key)!r}")
-    return problems
-
-
-def checked_trend(state: object, n: int, device: torch.device) -> GradNormTrend:
-    """A trend loaded from ``state`` and checked against ``n`` layers (else ``ValueError``)."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"state_dict's trend is not a mapping: {type(state).__name__}")
-    problems = _trend_problems(state, n)
-    if problems:
-        raise ValueError(f"state_dict's trend does not fit {n} layers: {'; '.join(problems)}")
-    trend = GradNormTrend(n)
-    trend.load_state_dict(dict(state), device)
-    return trend
 
 
 #: Options a state_dict restores when they are plain values (a callable of this run is kept).
@@ -377,6 +308,26 @@ def agree(restored: Restored | None, error: ValueError | None, comm: Communicato
         raise error
     assert restored is not None
     return restored
+
+
+def restore(
+    restored: Restored, layers: Sequence[RegisteredLayer], planner: Planner, policy: SolverPolicy, where: str | None
+) -> None:
+    """Put a state every rank agreed to load (:func:`agree`) in place: each layer's solver, state and owner, the
+    planner's counters (its hooks armed anew for ``restored.config``) and the trend. Nothing here raises; one
+    warning lists the options that ``options="restore"`` replaced."""
+    for layer in layers:
+        layer.solver, layer.state, layer.owner = restored.layers[layer.name]
+    planner.step, planner.updates, planner.needs_update = restored.steps, restored.updates, restored.needs_update
+    planner.reset(restored.config)
+    if restored.trend is not None:
+        policy.trend = restored.trend
+    if restored.differences:
+        warnings.warn(
+            f"load_state_dict{'' if where is None else f' ({where})'}: {restored.differences}; pass "
+            "options='keep' to keep this preconditioner's options or options='refuse' to refuse them",
+            stacklevel=3,
+        )
 
 
 def _layer(

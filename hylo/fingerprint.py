@@ -7,10 +7,12 @@ preconditioner as named strings; :func:`agree` compares them over ranks in one s
 of fixed size (a 62-bit digest per field, reduced by MIN of the digests and of their negations)
 and, only where they differ, gathers the fields themselves to raise on every rank a
 ``ValueError`` naming each field that differs and the ranks that hold each value.
+:class:`Fingerprint` is the preconditioner's side: when the ranks compare, and what.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -21,7 +23,11 @@ import torch
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
+from hylo.guard import Guard
+from hylo.planner import Planner
 from hylo.state import RegisteredLayer
+from hylo.step import StepValues
+from hylo.version import __version__
 
 #: Options each rank may set for itself: where its own files go, and the seed of its own draws.
 RANK_LOCAL = frozenset({"profile_dir", "profile_append", "seed"})
@@ -121,3 +127,23 @@ def _layer_difference(per_rank: list[list[list[object]]]) -> str:
     if not parts:
         parts.append("the same layers in another order")
     return f"{LAYERS}: " + ", ".join(parts)
+
+
+class Fingerprint:
+    """When the ranks compare their fingerprints: at the first step, before any other collective (the ranks'
+    collectives may not match), and again at a step where some rank's options changed (:meth:`~hylo.guard.Guard.agree`
+    says so)."""
+
+    def __init__(self, comm: Communicator, layers: Sequence[RegisteredLayer], guard: Guard, planner: Planner) -> None:
+        self.comm, self.layers, self.guard, self.planner = comm, list(layers), guard, planner
+        #: The config the ranks last compared; None: not yet (the first step does).
+        self.compared: HyLoConfig | None = None
+
+    def compare(self, config: HyLoConfig, step: int, values: StepValues) -> None:
+        """Check that every rank registered the same layers with the same options (one small all-reduce;
+        nothing with one rank). ``values``: the step's schedules, as evaluated (callables are called once)."""
+        if self.comm.world_size > 1:
+            resolved = dataclasses.asdict(values) | {"update_freq": self.planner.update_freq(config)}
+            described = fields(self.layers, config, step, resolved, self.guard.sharded, __version__)
+            agree(self.comm, described, self.guard.device, step)
+        self.compared = config

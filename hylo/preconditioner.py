@@ -11,9 +11,7 @@ per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` rea
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -22,13 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo import checkpoint, fingerprint, memory, sharding
+from hylo import checkpoint, memory, sharding
 from hylo.checkpoint import OptionsOnLoad
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
+from hylo.fingerprint import Fingerprint
 from hylo.guard import Agreement, Guard
 from hylo.layers.batch import LayerBatch
-from hylo.layers.capture import Record
+from hylo.layers.capture import KeptCalls
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.registry import register_layers, supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
@@ -36,11 +35,9 @@ from hylo.memory import MemoryUsage
 from hylo.planner import STATISTICS, Planner
 from hylo.policy import SolverPolicy, check_kfac_budget
 from hylo.records import Decision, LayerInfo, format_summary
-from hylo.solvers import RemoteState
-from hylo.solvers.base import UpdateJob
 from hylo.stage import UpdateStage
-from hylo.state import UNSOLVED, RegisteredLayer, registered_layers
-from hylo.step import Outcome, StepValues, precondition
+from hylo.state import RegisteredLayer, registered_layers
+from hylo.step import Outcome, StepValues, precondition, refresh, update
 from hylo.telemetry import recording
 from hylo.telemetry.monitor import Telemetry
 from hylo.version import __version__
@@ -112,14 +109,11 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.comm)
         self._generator = torch.Generator().manual_seed(self._config.lowrank.seed)
         self._removed = False
-        #: The config the ranks last compared (:mod:`hylo.fingerprint`); None: not yet (the first step does).
-        self._compared: HyLoConfig | None = None
-        #: Each layer's captured calls kept after a step raised, for a retry without a new backward.
-        self._held: list[list[Record]] | None = None
         found = register_layers(model, self._config)
         self._registration = found
         self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
+        self._kept = KeptCalls([layer.capture for layer in self._layers])  # a failed step's calls, for a retry
         for index, layer in enumerate(self._layers):
             layer.capture.reducer = self._reducer(index)
         found.warn_unsupported()
@@ -135,6 +129,7 @@ class HyLoPreconditioner:
         except Exception:
             self.remove()  # a refused profile_dir or sharding leaves the model without hylo's hooks
             raise
+        self._fingerprint = Fingerprint(self.comm, self._layers, self._guard, self._planner)
 
     def _reducer(self, index: int) -> Callable[[Tensor, Tensor], CapturedCall]:
         """Layer ``index``'s gradient-hook reduction, through a weak reference to this preconditioner."""
@@ -208,19 +203,19 @@ class HyLoPreconditioner:
         if self._removed:
             raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
         config, step, watch = self._config, self._planner.step, self._telemetry.watch
-        self._drop_stale_captures()
+        self._kept.settle()
         watch.start()
         traffic = self._telemetry.traffic()
         try:
             values = StepValues.at(config, step)
             is_update, refreshing = self._planner.cadence(config)
-            if self._compared is None:  # before any other collective: the ranks' collectives may not match
-                self._compare(config, step, values)
+            if self._fingerprint.compared is None:  # before any other collective
+                self._fingerprint.compare(config, step, values)
             grads = self._guard.gradients()
             capturing = [is_update or layer.name in refreshing for layer in self._layers]
-            agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._compared is config)
+            agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._fingerprint.compared is config)
             if agreed.recheck:  # some rank's options changed (reconfigure, load_state_dict): compare them again
-                self._compare(config, step, values)
+                self._fingerprint.compare(config, step, values)
             watch.lap("check")
             generator, trend = self._generator.get_state(), self._policy.trend.snapshot()
             try:
@@ -231,35 +226,11 @@ class HyLoPreconditioner:
                 raise
         except BaseException:
             watch.finish()  # nothing of a failed step is recorded
-            self._held = [list(layer.capture.records) for layer in self._layers]
+            self._kept.keep()
             raise
         for layer in self._layers:
             layer.capture.clear()
         self._commit(step, outcome, traffic)
-
-    def _compare(self, config: HyLoConfig, step: int, values: StepValues) -> None:
-        """Check that every rank registered the same layers with the same options (one small all-reduce;
-        nothing with one rank). ``values``: the step's schedules, as evaluated (callables are called once)."""
-        if self.comm.world_size > 1:
-            resolved = dataclasses.asdict(values) | {"update_freq": self._planner.update_freq(config)}
-            described = fingerprint.fields(self._layers, config, step, resolved, self._guard.sharded, __version__)
-            fingerprint.agree(self.comm, described, self._guard.device, step)
-        self._compared = config
-
-    def _drop_stale_captures(self) -> None:
-        """After a step that raised: keep its captured calls for this step if no layer captured a new call
-        since (a retry), else drop them, so that they never mix with a new forward's calls."""
-        held, self._held = self._held, None
-        if held is None:
-            return
-        retry = all(
-            [id(record) for record in layer.capture.records] == [id(record) for record in kept]
-            for layer, kept in zip(self._layers, held, strict=True)
-        )
-        if not retry:
-            for layer, kept in zip(self._layers, held, strict=True):
-                stale = {id(record) for record in kept}
-                layer.capture.records = [record for record in layer.capture.records if id(record) not in stale]
 
     def _compute(
         self,
@@ -311,12 +282,13 @@ class HyLoPreconditioner:
                     values.context(config, self.comm.rank, 0, self._telemetry.watch),
                 )
             elif outcome.worked:
-                outcome.kind = "refresh"
-                self._refresh(step, config, values, outcome)
+                outcome.kind = "refresh"  # no draws (seed 0): a refresh keeps the KIS generator's sequence
+                context = values.context(config, self.comm.rank, 0, self._telemetry.watch)
+                refresh(self._stage, step, config, context, outcome)
         ready = [
             (layer, g)
             for layer, g, p in zip(self._layers, grads, present, strict=True)
-            if p and g is not None and self._solved(layer, outcome, config)
+            if p and g is not None and outcome.solved(layer, config, self.comm.world_size)
         ]
         if ready:
             outcome.written, fallbacks = precondition(
@@ -325,56 +297,13 @@ class HyLoPreconditioner:
             outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], fallbacks)
         return outcome
 
-    def _solved(self, layer: RegisteredLayer, outcome: Outcome, config: HyLoConfig) -> bool:
-        """Whether the layer's state after this step can precondition: solved here, or by its owner under "gradient"."""
-        state = outcome.state_of(layer)
-        if isinstance(state, RemoteState):
-            owner = outcome.owners.get(layer.name, layer.owner)
-            return config.distributed.strategy == "gradient" and self.comm.world_size > 1 and owner != UNSOLVED
-        return state is not None
-
     def _update(self, step: int, config: HyLoConfig, values: StepValues, outcome: Outcome, agreed: Agreement) -> None:
-        """Run the update stage on the layers with rows; their new states (non-finite ones rejected) go to ``outcome``."""
+        """Decide the solvers of the layers with rows and run the update stage on them (:func:`hylo.step.update`)."""
         batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
         outcome.decisions = self._planner.decide(step, config, batch_of, agreed.gives, self.comm, self._guard.device)
         self._telemetry.watch.lap("decide")
-        solvers = [decision.solver for decision in outcome.decisions]
         seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
-        jobs = [
-            UpdateJob(layer.name, solver, batch, layer.state)
-            for layer, batch, solver in zip(outcome.worked, outcome.batches, solvers, strict=True)
-        ]
-        outcome.needs_update = False
-        if not jobs:
-            return
-        result = self._stage.update(
-            jobs, values.context(config, self.comm.rank, seed, self._telemetry.watch), config.distributed.strategy
-        )
-        if result.rejected:
-            warnings.warn(
-                f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=4
-            )
-        outcome.needs_update = bool(result.rejected)
-        for job in jobs:
-            if job.name not in result.rejected:
-                outcome.states[job.name] = result.states[job.name]
-                outcome.owners[job.name] = result.owners[job.name]
-
-    def _refresh(self, step: int, config: HyLoConfig, values: StepValues, outcome: Outcome) -> None:
-        """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
-        context = values.context(
-            config, self.comm.rank, 0, self._telemetry.watch
-        )  # no draws: a refresh keeps the KIS generator's sequence
-        jobs = [
-            UpdateJob(layer.name, layer.solver, batch, layer.state)
-            for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
-        ]
-        result = self._stage.refresh(jobs, context, config.distributed.strategy)
-        if result.rejected:
-            warnings.warn(
-                f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=4
-            )
-        outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
+        update(self._stage, step, config, values.context(config, self.comm.rank, seed, self._telemetry.watch), outcome)
 
     def _commit(self, step: int, outcome: Outcome, traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
@@ -444,26 +373,19 @@ class HyLoPreconditioner:
         self.close()
 
     def flush_profile(self) -> dict[str, int]:
-        """Write the ``profile_dir`` files' queued rows to disk (``fsync``) and return each file's size by name.
-
-        Call it when saving a checkpoint and store the sizes with it: on resume,
-        :meth:`rewind_profile` cuts the files back to them before the new preconditioner appends
-        (docs/profiling.md, "Checkpoints and kills"). Empty when not profiling.
-        """
+        """Write the queued profile rows to disk (``fsync``); each file's size by name, to save with a checkpoint
+        (docs/profiling.md, "Checkpoints and kills"). Empty when not profiling."""
         return self._telemetry.flush()
 
     @staticmethod
     def rewind_profile(profile_dir: str | os.PathLike[str], sizes: Mapping[str, int]) -> list[str]:
-        """Cut hylo's CSV files in ``profile_dir`` back to ``sizes`` (a :meth:`flush_profile` result saved with a
-        checkpoint), before resuming from it; returns the files cut or removed (docs/profiling.md, "Checkpoints
-        and kills"). Everything is checked first: ``ValueError``, changing nothing, if a file is shorter than its
-        size (rows the checkpoint covers are lost) or a name is not one of hylo's CSV files."""
+        """Cut hylo's files in ``profile_dir`` back to ``sizes`` (a saved :meth:`flush_profile`) before resuming;
+        the files cut or removed, or ``ValueError`` changing nothing (docs/profiling.md, "Checkpoints and kills")."""
         return recording.rewind_profile(profile_dir, sizes)
 
     @staticmethod
     def profile_files(profile_dir: str | os.PathLike[str]) -> list[str]:
-        """The names of hylo's files (any rank's) already in ``profile_dir``: what a new preconditioner there
-        refuses unless ``profile_append``."""
+        """hylo's files (any rank's) in ``profile_dir``: what a new preconditioner refuses unless ``profile_append``."""
         return recording.existing_files(profile_dir, rank=0)
 
     def close(self) -> None:
@@ -506,18 +428,5 @@ class HyLoPreconditioner:
             error = err
         restored = checkpoint.agree(restored, error, self.comm, self._guard.device)
         # ---- everything fits on every rank: apply (nothing below raises)
-        self._config = restored.config
-        for layer in self._layers:
-            layer.solver, layer.state, layer.owner = restored.layers[layer.name]
-        planner = self._planner
-        planner.step, planner.updates, planner.needs_update = restored.steps, restored.updates, restored.needs_update
-        planner.reset(self._config)
-        self._generator = restored.generator
-        if restored.trend is not None:
-            self._policy.trend = restored.trend
-        if restored.differences:
-            warnings.warn(
-                f"load_state_dict{'' if where is None else f' ({where})'}: {restored.differences}; pass "
-                "options='keep' to keep this preconditioner's options or options='refuse' to refuse them",
-                stacklevel=2,
-            )
+        self._config, self._generator = restored.config, restored.generator
+        checkpoint.restore(restored, self._layers, self._planner, self._policy, where)

@@ -52,6 +52,11 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def is_index(x: object) -> bool:
+    """An int ≥ 0 (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def is_real(x: object) -> bool:
     return not is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str)
 

@@ -1,14 +1,16 @@
 """One step's hyperparameters and the record of what it computed (docs/reliability.md, "Transactional steps").
 
 A step evaluates every schedule first (:class:`StepValues`), computes everything into an
-:class:`Outcome` without touching the preconditioner, and only then commits it; :func:`precondition`
-is the last phase, the states applied to the gradients with the raw-gradient fallback and the
-whole step's ``kl_clip`` trust region.
+:class:`Outcome` without touching the preconditioner, and only then commits it. :func:`update` and
+:func:`refresh` run the update stage's jobs into the outcome; :func:`precondition` is the last
+phase, the states applied to the gradients with the raw-gradient fallback and the whole step's
+``kl_clip`` trust region.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +22,10 @@ from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.numerics import result_terms, sound_results
 from hylo.records import Decision
-from hylo.solvers import HeldState, LayerState, UpdateContext
+from hylo.solvers import HeldState, LayerState, RemoteState, UpdateContext
+from hylo.solvers.base import UpdateJob
 from hylo.stage import UpdateStage
-from hylo.state import RegisteredLayer
+from hylo.state import UNSOLVED, RegisteredLayer
 from hylo.telemetry.monitor import StudyResult
 from hylo.telemetry.profiling import Stopwatch
 
@@ -79,6 +82,51 @@ class Outcome:
     def state_of(self, layer: RegisteredLayer) -> HeldState | None:
         """The layer's state after this step: the new one if the step made one, else its current one."""
         return self.states.get(layer.name, layer.state)
+
+    def solved(self, layer: RegisteredLayer, config: HyLoConfig, world_size: int) -> bool:
+        """Whether the layer's state after this step can precondition: solved here, or by its owner under "gradient"."""
+        state = self.state_of(layer)
+        if isinstance(state, RemoteState):
+            owner = self.owners.get(layer.name, layer.owner)
+            return config.distributed.strategy == "gradient" and world_size > 1 and owner != UNSOLVED
+        return state is not None
+
+
+def update(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:
+    """Run the update stage on the layers with rows, with the solvers decided (``outcome.decisions``); their new
+    states (non-finite ones rejected, with a warning) go to ``outcome``."""
+    solvers = [decision.solver for decision in outcome.decisions]
+    jobs = [
+        UpdateJob(layer.name, solver, batch, layer.state)
+        for layer, batch, solver in zip(outcome.worked, outcome.batches, solvers, strict=True)
+    ]
+    outcome.needs_update = False
+    if not jobs:
+        return
+    result = stage.update(jobs, context, config.distributed.strategy)
+    if result.rejected:
+        warnings.warn(
+            f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=5
+        )
+    outcome.needs_update = bool(result.rejected)
+    for job in jobs:
+        if job.name not in result.rejected:
+            outcome.states[job.name] = result.states[job.name]
+            outcome.owners[job.name] = result.owners[job.name]
+
+
+def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:
+    """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
+    jobs = [
+        UpdateJob(layer.name, layer.solver, batch, layer.state)
+        for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
+    ]
+    result = stage.refresh(jobs, context, config.distributed.strategy)
+    if result.rejected:
+        warnings.warn(
+            f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=4
+        )
+    outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
 
 def kl_clipped(results: Sequence[Tensor], terms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> list[Tensor]:

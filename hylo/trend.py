@@ -10,19 +10,22 @@ A sample is folded in as min(‖∇W‖, :data:`NORM_CAP`): the cap (√(float64
 its square, both EMAs and every difference :meth:`GradNormTrend.sample` takes finite, so finite
 norms (or a float64 norm that overflowed although every entry is finite) never make the trend
 non-finite; norms below the cap are folded in exactly as they are (docs/hybrid-policy.md,
-"Critical regime").
+"Critical regime"). :func:`checked_trend` checks a saved trend before a load restores it
+(docs/reliability.md, "Checkpoints").
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from hylo.config import PolicyConfig
+from hylo.rules import is_index, is_number
 
 #: The largest norm a sample contributes: its square, and a difference of two squares, stay finite in float64.
 NORM_CAP = math.sqrt(torch.finfo(torch.float64).max) / 2.0
@@ -140,3 +143,68 @@ class GradNormTrend:
         self.critical = list(state["critical"])
         self.last_trend = list(state["last_trend"])
         self.last_noise = list(state.get("last_noise", [None] * len(self.critical)))
+
+
+#: Keys of a saved trend (``ema_sq`` and ``last_noise`` are absent from older states).
+TREND_KEYS = frozenset(("ema", "ema_sq", "history", "critical", "last_trend", "last_noise"))
+
+
+def _finite_numbers(values: object, n: int, optional: bool = False) -> bool:
+    """Whether ``values`` is a list or tuple of ``n`` finite numbers (or ``None`` where ``optional``)."""
+    return (
+        isinstance(values, list | tuple)
+        and len(values) == n
+        and all((v is None and optional) or (is_number(v) and math.isfinite(v)) for v in values)
+    )
+
+
+def _trend_problems(state: Mapping[Any, Any], n: int) -> list[str]:
+    """What keeps ``state`` from being the trend of ``n`` layers (nothing: an empty list)."""
+    problems = []
+    unknown = sorted(set(state) - TREND_KEYS, key=repr)
+    if unknown:
+        problems.append(f"unknown keys {unknown}")
+    for key in ("ema", "history", "critical", "last_trend"):
+        if key not in state:
+            problems.append(f"no {key!r}")
+    for key in ("ema", "ema_sq"):
+        value = state.get(key)
+        if value is not None and not (
+            isinstance(value, Tensor)
+            and value.dtype in (torch.float32, torch.float64)
+            and value.layout == torch.strided
+            and tuple(value.shape) == (n,)
+            and bool(value.isfinite().all())
+        ):
+            problems.append(f"{key} is not {n} finite float values")
+    if state.get("ema") is None and state.get("ema_sq") is not None:
+        problems.append("ema_sq without ema")
+    history = state.get("history", [])
+    if not isinstance(history, list | tuple) or not all(
+        isinstance(entry, list | tuple)
+        and len(entry) in (2, 3)
+        and is_index(entry[0])
+        and all(_finite_numbers(values, n) for values in entry[1:])
+        and (len(entry) == 2 or all(v >= 0 for v in entry[2]))
+        for entry in history
+    ):
+        problems.append("history is not a list of (step, EMAs, variances) of finite values")
+    critical = state.get("critical", [])
+    if not (isinstance(critical, list | tuple) and len(critical) == n and all(isinstance(c, bool) for c in critical)):
+        problems.append(f"critical flags {critical!r}")
+    for key in ("last_trend", "last_noise"):
+        if not _finite_numbers(state.get(key, [None] * n), n, optional=True):
+            problems.append(f"{key} {state.get(key)!r}")
+    return problems
+
+
+def checked_trend(state: object, n: int, device: torch.device) -> GradNormTrend:
+    """A trend loaded from ``state`` and checked against ``n`` layers (else ``ValueError``)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state_dict's trend is not a mapping: {type(state).__name__}")
+    problems = _trend_problems(state, n)
+    if problems:
+        raise ValueError(f"state_dict's trend does not fit {n} layers: {'; '.join(problems)}")
+    trend = GradNormTrend(n)
+    trend.load_state_dict(dict(state), device)
+    return trend

@@ -11,7 +11,8 @@
   :mod:`~hylo.layers.statistics`: what a hook reduces a call to; :mod:`~hylo.layers.batch`: a
   step's calls as an update reads them.
 - :mod:`~hylo.layers.registry`: which module classes are preconditioned
-  (:func:`register_layer_type`) and the walk over a model.
+  (:func:`register_layer_type`) and the walk over a model; :mod:`~hylo.layers.ties`: which
+  parameters are tied (held by two modules), whose layers stay with the optimizer.
 """
 
 from hylo.layers.batch import DAMPING_CONVENTIONS, DampingConvention, LayerBatch, LayerShape

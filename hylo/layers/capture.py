@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,35 @@ class LayerCapture:
             self._handle.remove()
             self._handle = None
         self.clear()
+
+
+class KeptCalls:
+    """The captured calls of a step that raised, kept for a retry without a new forward and backward
+    (docs/reliability.md, "Transactional steps")."""
+
+    def __init__(self, captures: Sequence[LayerCapture]) -> None:
+        self.captures = list(captures)
+        #: Each layer's captured calls when a step last raised; None: nothing kept.
+        self.held: list[list[Record]] | None = None
+
+    def keep(self) -> None:
+        """A step raised: hold each layer's calls for a retry."""
+        self.held = [list(capture.records) for capture in self.captures]
+
+    def settle(self) -> None:
+        """At the next step: keep the held calls for it if no layer captured a new call since (a retry), else
+        drop them, so that they never mix with a new forward's calls."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        retry = all(
+            [id(record) for record in capture.records] == [id(record) for record in kept]
+            for capture, kept in zip(self.captures, held, strict=True)
+        )
+        if not retry:
+            for capture, kept in zip(self.captures, held, strict=True):
+                stale = {id(record) for record in kept}
+                capture.records = [record for record in capture.records if id(record) not in stale]
 
 
 def _whole(grad: Tensor) -> Tensor:

@@ -10,6 +10,8 @@ projections are registered as Linear layers through an attention tap
 a subclass of a registered class is supported unless registered itself. Layer types of other
 packages (Hugging Face's ``Conv1D``) are registered through :func:`register_layer_type` once their
 module has been imported, never importing it (docs/extending.md, "Layers of other packages").
+A layer whose weight or bias is tied (held by another module too) stays with the optimizer
+(:mod:`hylo.layers.ties`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,7 @@ from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
 from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
+from hylo.layers.ties import Holder, find_holders, own_attr, tied_reason
 
 if TYPE_CHECKING:
     from hylo.config import HyLoConfig
@@ -308,94 +311,11 @@ def _parametrized_reason(module: nn.Module) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class _Holder:
-    """One use of a Parameter: the module that uses it (reached under ``name``) and its path there, ``attr``.
-
-    A MultiheadAttention uses its ``out_proj``'s parameters itself, so they are held by the attention
-    module at ``out_proj.weight``/``out_proj.bias``.
-    """
-
-    module: nn.Module
-    name: str
-    attr: str
-
-    def label(self, role: str) -> str:
-        """This holder in a message about another holder's ``role`` (``weight``, ``in_proj_weight``): the
-        parameter's path without a trailing ``role`` (``head``, ``attn.out_proj``, ``attn.in_proj_weight``)."""
-        path = f"{self.name}.{self.attr}" if self.name else self.attr
-        return "<root>" if path == role else path.removesuffix(f".{role}")
-
-
-def _holders(model: nn.Module) -> dict[int, list[_Holder]]:
-    """Every use of each Parameter of ``model`` by a module, by the Parameter's id.
-
-    A module's own parameters are its uses; a MultiheadAttention's are all those of its submodules
-    (it applies ``out_proj`` functionally), which are not counted again when reached under another
-    name. A module reached under several names counts once. So a Parameter with two holders is
-    tied: its gradient sums the uses of two modules (docs/reliability.md, "Registration").
-    """
-    inside = {
-        id(sub)
-        for module in model.modules()
-        if isinstance(module, nn.MultiheadAttention)
-        for sub in module.modules()
-        if sub is not module
-    }
-    holders: dict[int, list[_Holder]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.MultiheadAttention):
-            used = list(module.named_parameters(remove_duplicate=False))
-        elif id(module) in inside:
-            continue
-        else:
-            used = [(attr, parameter) for attr, parameter in module._parameters.items() if parameter is not None]
-        for attr, parameter in used:
-            holders.setdefault(id(parameter), []).append(_Holder(module, name, attr))
-    return holders
-
-
-def _parameter(tensor: Tensor) -> Tensor:
-    """The Parameter a layer's weight or bias is, or is a view of (a slice of ``in_proj_weight``, a transpose)."""
-    return tensor if tensor._base is None else tensor._base
-
-
-def _own_attr(module: nn.Module, tensor: Tensor, role: str) -> str:
-    """The attribute of ``module`` holding the Parameter behind ``tensor`` (``role`` when none does)."""
-    parameter = _parameter(tensor)
-    return next((attr for attr, held in module._parameters.items() if held is parameter), role)
-
-
-def _tied_reason(
-    holders: dict[int, list[_Holder]], module: nn.Module, parts: Sequence[tuple[str, Tensor | None]]
-) -> str | None:
-    """Why a layer whose W is made of ``parts`` (its weight and bias with their paths in ``module``, the module
-    holding them) stays with the optimizer because one of them is tied (held elsewhere too: its gradient sums
-    every use), or None."""
-    tied: list[str] = []
-    for attr, tensor in parts:
-        if tensor is None:
-            continue
-        role = attr.rpartition(".")[2]
-        others = [
-            holder.label(role)
-            for holder in holders.get(id(_parameter(tensor)), [])
-            if not (holder.module is module and holder.attr == attr)
-        ]
-        if others:
-            tied.append(f"{role} tied to {', '.join(others)}")
-    if not tied:
-        return None
-    if len(tied) == 1:
-        return f"{tied[0]}: its gradient sums every use, so it stays with the optimizer"
-    return f"{' and '.join(tied)}: their gradients sum every use, so the layer stays with the optimizer"
-
-
 def _register_attention(
     name: str,
     attention: nn.MultiheadAttention,
     skip: Callable[[str, nn.Module], bool],
-    holders: dict[int, list[_Holder]],
+    holders: dict[int, list[Holder]],
     result: Registration,
 ) -> None:
     """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention").
@@ -422,7 +342,7 @@ def _register_attention(
         else:
             packed = attention.in_proj_weight is not None
             parts = [("in_proj_weight" if packed else f"{part}_proj_weight", math.weight), ("in_proj_bias", math.bias)]
-        tied = _tied_reason(holders, attention, parts)
+        tied = tied_reason(holders, attention, parts)
         if tied is not None:
             result.unsupported.append((layer_name, tied))
             continue
@@ -497,7 +417,7 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
     model = _unwrap(model)
     inner = _internal_modules(model)
     _check_lazy(model, skip, inner)
-    holders = _holders(model)
+    holders = find_holders(model)
     result = Registration()
     try:
         for name, module in model.named_modules():
@@ -524,11 +444,11 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
                 result.unsupported.append((name, unsupported_reason(module)))
                 continue
             parts = [
-                (_own_attr(module, tensor, role), tensor)
+                (own_attr(module, tensor, role), tensor)
                 for role, tensor in (("weight", math.weight), ("bias", math.bias))
                 if tensor is not None
             ]
-            tied = _tied_reason(holders, module, parts)
+            tied = tied_reason(holders, module, parts)
             if tied is not None:
                 result.unsupported.append((name, tied))
                 continue
