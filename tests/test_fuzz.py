@@ -574,7 +574,7 @@ def test_fuzz_duplicated_rows_descend(case: DuplicatedCase) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=3_000, **_COMMON)
+@settings(max_examples=10_000, **_COMMON)
 @given(case=duplicated_cases())
 def test_fuzz_duplicated_rows_descend_many(case: DuplicatedCase) -> None:
     _check_duplicated(case)

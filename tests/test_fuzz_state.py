@@ -288,7 +288,7 @@ def test_corrupted_state(source: Source, rng: random.Random, mutations: int) -> 
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10_000, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(**_CASE)
 def test_corrupted_state_many(source: Source, rng: random.Random, mutations: int) -> None:
     check_corrupted_state(source, rng, mutations)
