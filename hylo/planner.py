@@ -67,9 +67,8 @@ class Planner:
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
         self._arm_error: tuple[int, Exception] | None = None
         self.arm(config)
-        # a preconditioner dropped without remove() leaves hooks that must capture nothing; not at interpreter
-        # exit, where no step follows (and disarming could import torch._dynamo while Python shuts down)
-        weakref.finalize(self, _disarm, [layer.capture for layer in self.layers]).atexit = False
+        # a preconditioner dropped without remove() leaves hooks that must capture nothing
+        weakref.finalize(self, _disarm, [layer.capture for layer in self.layers])
 
     def reset(self, config: HyLoConfig) -> None:
         """Forget the current step's cadence and plans (after a load or a new config); arm the hooks anew."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
+from hylo.layers.compiled import _EagerStance
 from tests.kit.checks import DT
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -299,3 +300,26 @@ def test_the_benchmark_counts_the_graphs_of_a_compiled_decoder() -> None:
     for setup in ("compiled+hylo (after)", "compiled+hylo (before)"):
         row = bench_compile.measure(setup, args)
         assert row.graphs == plain.graphs and row.compiled == plain.compiled, (row, plain)
+
+
+class _Key:
+    """A capture's stand-in: anything weakly referenceable."""
+
+
+def test_a_finalizer_inside_set_stance_does_not_call_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture collected while ``set_stance`` runs (a collection during the first import of torch._dynamo) gives
+    up its want from inside that call: the stance is still set exactly once and held while another capture wants
+    it, instead of ``set_stance`` being entered again on a half-imported torch._dynamo."""
+    stance, first, second = _EagerStance(), _Key(), _Key()
+    calls: list[str] = []
+    holder = object()
+
+    def set_stance(name: str) -> object:
+        calls.append(name)
+        if len(calls) == 1:
+            stance.want(second, False)  # what the collected capture's finalizer does, mid-call
+        return holder
+
+    monkeypatch.setattr(torch.compiler, "set_stance", set_stance)
+    stance.want(first, True)
+    assert calls == ["force_eager"] and stance.holder is holder and stance.wanting == {id(first)}

@@ -52,13 +52,17 @@ def _dynamo() -> types.ModuleType | None:
 class _EagerStance:
     """``torch.compiler.set_stance("force_eager")`` held while any capture wants it, the prior stance restored after.
 
-    Keyed by the captures' ids; a capture that is garbage-collected while it wants eager gives it up.
+    Keyed by the captures' ids; a capture that is garbage-collected while it wants eager gives it up. Its
+    finalizer can run inside ``set_stance`` itself (a collection during the first import of torch._dynamo):
+    such a nested call only marks the stance stale, and the outer call settles it once ``set_stance`` returns.
     """
 
     def __init__(self) -> None:
         self.wanting: set[int] = set()
         self.holder: Any = None
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        self._applying = False
+        self._stale = False
 
     def want(self, key: object, wanted: bool) -> None:
         ident = id(key)
@@ -77,6 +81,19 @@ class _EagerStance:
         self._apply()
 
     def _apply(self) -> None:
+        if self._applying:  # nested (a finalizer inside set_stance): the running call settles it
+            self._stale = True
+            return
+        self._applying = True
+        try:
+            self._stale = True
+            while self._stale:
+                self._stale = False
+                self._settle()
+        finally:
+            self._applying = False
+
+    def _settle(self) -> None:
         if self.wanting and self.holder is None:
             try:
                 self.holder = torch.compiler.set_stance("force_eager")
