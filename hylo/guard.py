@@ -10,6 +10,7 @@ gradient) and reports them at updates.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -92,11 +93,13 @@ class Guard:
             self._seen[i] = None if weight_grad is None else (weakref.ref(weight_grad), weight_grad._version)
 
     def norms(self, grads: Sequence[GradMatrix | None]) -> tuple[Tensor, Tensor]:
-        """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every present gradient is finite.
+        """Per-layer ‖∇W‖ in float64 (0 where absent) and whether every one can be trusted.
 
         One norm per layer in the layer's working dtype, no host synchronisation. Such a norm can
-        overflow for a huge finite gradient: when one is not finite, :meth:`_safe_norms`
-        re-measures them all in a form that cannot.
+        overflow for a huge finite gradient, or lose its precision when the squares of a tiny one fall
+        among the dtype's subnormals (a norm below √tiny·10⁴, 10⁻¹⁵ in float32, which the applied-result
+        check needs exact: docs/reliability.md, "Fallbacks"): when one is not finite or that small (but
+        not 0), :meth:`_safe_norms` re-measures them all in a form that cannot.
         """
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         norms = torch.stack(
@@ -107,7 +110,9 @@ class Guard:
         )
         if self.sharded:  # each rank measured its rows: one all-reduce (docs/distributed.md, "FSDP2")
             norms = sharding.global_norms(self.comm, norms)
-        return norms, torch.isfinite(norms).all()
+        small = max(math.sqrt(torch.finfo(layer.math.dtype).tiny) * 1e4 for layer in self.layers)
+        exact = (norms == 0) | (norms >= small)
+        return norms, (torch.isfinite(norms) & exact).all()
 
     def agree(
         self,
@@ -153,7 +158,7 @@ class Guard:
             recheck = False
         if not all_usable:
             raise RuntimeError(self._no_gradient_message(step, usable))
-        if not all_finite:  # rare: re-measure in a form that cannot overflow, then agree again
+        if not all_finite:  # rare: re-measure in a form that cannot over- or underflow, then agree again
             norms, all_finite = self._safe_norms(grads)
         return Agreement(bool(all_finite), present, rows, gives, norms, recheck)
 

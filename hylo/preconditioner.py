@@ -291,8 +291,9 @@ class HyLoPreconditioner:
             if p and g is not None and outcome.solved(layer, config, self.comm.world_size)
         ]
         if ready:
+            norms = [agreed.norms[self._index[layer.name]] for layer, _ in ready]
             outcome.written, fallbacks = precondition(
-                self._stage, ready, outcome, values, config, self._telemetry.watch
+                self._stage, ready, norms, outcome, values, config, self._telemetry.watch
             )
             outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], fallbacks)
         return outcome

@@ -12,7 +12,7 @@ gradient is made global here, with one collective each and only on this path:
   fused all-reduce (sums, e.g. the low-rank projections) and one fused all-gather (rows, e.g.
   K-FAC's ∇W Q_a), then each rank's rows of V̂;
 - :func:`agree_results`: the raw-gradient fallback (non-finite, or not a bounded descent direction)
-  and ``kl_clip``'s sum from one all-reduce of four numbers per layer, so that every rank decides alike.
+  and ``kl_clip``'s sum from one all-reduce of two numbers per layer, so that every rank decides alike.
 """
 
 from __future__ import annotations
@@ -130,25 +130,27 @@ def agree_results(
     comm: Communicator,
     grads: Sequence[GradMatrix],
     results: Sequence[Tensor],
+    norms: Sequence[Tensor],
     dampings: Sequence[float | None],
     clip: tuple[float, float] | None,
 ) -> tuple[list[Tensor], Tensor]:
     """The results with the raw-gradient fallback and ``kl_clip`` (``clip`` = (kl_clip, lr)) decided over
     every rank's rows, and 1 per layer that fell back (docs/reliability.md, "Fallbacks").
 
-    One all-reduce of four numbers per layer, each rank's :func:`~hylo.numerics.result_terms` (the results'
-    sums, ⟨∇W, V̂⟩, ‖∇W‖², ‖V̂‖²): every rank judges the same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with
-    :func:`~hylo.numerics.sound_results`, so all decide alike, and the fallback's ⟨∇W, ∇W⟩ needs no second
-    collective.
+    One all-reduce of two numbers per layer, each rank's :func:`~hylo.numerics.result_terms` (⟨∇W, V̂⟩ and
+    ‖V̂‖² over its rows, every rank scaling by the same s from the global ‖∇W‖ ``norms``): every rank judges the
+    same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with :func:`~hylo.numerics.sound_results`, so all decide alike,
+    and the fallback's ⟨∇W, ∇W⟩ is the norm's square (no second collective).
     """
-    local = torch.stack([result_terms(g, v) for g, v in zip(grads, results, strict=True)])
+    local = torch.stack([result_terms(*item) for item in zip(grads, results, norms, dampings, strict=True)])
     key = (CONTROL, "results")
     total = comm.all_reduce(Payload({key: local}), "sum").wait()[key]
-    ok = sound_results(total, dampings, [g.weight.dtype for g in grads])
+    norm_values = torch.stack(list(norms))
+    ok = sound_results(total, norm_values, dampings, [g.weight.dtype for g in grads])
     written = [g.fill_where_not(ok[i], v) for i, (g, v) in enumerate(zip(grads, results, strict=True))]
     if clip is not None:
         kl_clip, lr = clip
-        vg = torch.where(ok, total[:, 1], total[:, 2]).sum().abs() * lr**2
+        vg = torch.where(ok, total[:, 0], norm_values.square()).sum().abs() * lr**2
         scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
         written = [v * scale.to(v.dtype) for v in written]
     return written, (~ok).long()

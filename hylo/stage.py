@@ -182,9 +182,14 @@ class UpdateStage:
 
     # ---------------------------------------------------------------- every step
     def precondition(
-        self, items: Sequence[tuple[str, HeldState, int, GradMatrix]], strategy: Strategy, watch: Clock
+        self,
+        items: Sequence[tuple[str, HeldState, int, GradMatrix]],
+        norms: dict[str, Tensor],
+        strategy: Strategy,
+        watch: Clock,
     ) -> dict[str, Tensor]:
-        """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient".
+        """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient", having checked
+        their results against each layer's ‖∇W‖ in ``norms`` (float64).
 
         Every rank must pass the same layers in the same order (the preconditioner agrees on them).
         """
@@ -201,9 +206,16 @@ class UpdateStage:
             # then applies the same result, and a rank that holds no state for the layer checks finiteness only
             checked = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
             if checked:
-                terms = torch.stack([result_terms(grad, results[name]) for name, _, grad in checked])
+                dampings = [state.damping for _, state, _ in checked]
+                terms = torch.stack(
+                    [
+                        result_terms(grad, results[name], norms[name], damping)
+                        for (name, _, grad), damping in zip(checked, dampings, strict=True)
+                    ]
+                )
                 dtypes = [grad.weight.dtype for _, _, grad in checked]
-                sound = sound_results(terms, [state.damping for _, state, _ in checked], dtypes)
+                mine = torch.stack([norms[name] for name, _, _ in checked])
+                sound = sound_results(terms, mine, dampings, dtypes)
                 for i, (name, _, grad) in enumerate(checked):
                     results[name] = grad.fill_where_not(sound[i], results[name])
             for src in range(self.comm.world_size):

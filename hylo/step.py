@@ -129,10 +129,13 @@ def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCo
     outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
 
-def kl_clipped(results: Sequence[Tensor], terms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> list[Tensor]:
+def kl_clipped(
+    results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
+) -> list[Tensor]:
     """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
-    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² where it fell back, ``ok`` false)."""
-    vg = torch.where(ok, terms[:, 1], terms[:, 2]).sum().abs() * lr**2
+    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² from ``norms`` where it fell back,
+    ``ok`` false)."""
+    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr**2
     scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
     return [v * scale.to(v.dtype) for v in results]
 
@@ -140,13 +143,15 @@ def kl_clipped(results: Sequence[Tensor], terms: Tensor, ok: Tensor, kl_clip: fl
 def precondition(
     stage: UpdateStage,
     ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+    norms: Sequence[Tensor],
     outcome: Outcome,
     values: StepValues,
     config: HyLoConfig,
     watch: Stopwatch,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back,
-    and 1 per ready layer whose result fell back to its raw gradient.
+    and 1 per ready layer whose result fell back to its raw gradient. ``norms``: each ready layer's ‖∇W‖ (0-dim,
+    float64, over every rank's rows: the guard's).
 
     A layer whose result is not finite although its gradient is (an overflow in the solve's
     arithmetic), or that is not a descent direction no longer than ‖∇W‖/λ as its damped system
@@ -158,7 +163,8 @@ def precondition(
         for layer, grad in ready
         if (state := outcome.state_of(layer)) is not None
     ]
-    results = stage.precondition(items, config.distributed.strategy, watch)
+    norm_of = {layer.name: norm for (layer, _), norm in zip(ready, norms, strict=True)}
+    results = stage.precondition(items, norm_of, config.distributed.strategy, watch)
     clip = None
     if values.kl_clip is not None:
         assert values.lr is not None
@@ -170,13 +176,14 @@ def precondition(
         state.damping if isinstance(state := outcome.state_of(layer), LayerState) else None for layer, _ in ready
     ]
     if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
-        written, fallbacks = sharding.agree_results(stage.comm, grads, outputs, dampings, clip)
+        written, fallbacks = sharding.agree_results(stage.comm, grads, outputs, norms, dampings, clip)
         watch.lap("precondition", [layer.name for layer, _ in ready])
         return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, fallbacks
-    terms = torch.stack([result_terms(grad, v) for grad, v in zip(grads, outputs, strict=True)])
-    ok = sound_results(terms, dampings, [grad.weight.dtype for grad in grads])
+    terms = torch.stack([result_terms(*item) for item in zip(grads, outputs, norms, dampings, strict=True)])
+    norm_values = torch.stack(list(norms))
+    ok = sound_results(terms, norm_values, dampings, [grad.weight.dtype for grad in grads])
     written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, outputs, strict=True))]
     if clip is not None:
-        written = kl_clipped(written, terms, ok, *clip)
+        written = kl_clipped(written, terms, norm_values, ok, *clip)
     watch.lap("precondition", [layer.name for layer, _ in ready])
     return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, (~ok).long()

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import result_terms, sound_results
+from hylo.numerics import CHUNK_BYTES, result_terms, sound_results
 from hylo.solvers.kfac import KFACState
-from tests.kit.checks import grad_matrix
+from tests.kit.checks import as_parts, grad_matrix
 from tests.kit.reference import dense_natural_gradient, per_sample_matrices
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -148,6 +148,17 @@ def test_an_unsound_result_falls_back_to_the_raw_gradient_with_a_warning(how: st
         pre.step()
 
 
+def _terms(grad: GradMatrix, v: Tensor, damping: float | None) -> Tensor:
+    """The check's terms of ``v`` against ``grad`` (whole: ‖∇W‖ measured here in float64)."""
+    return result_terms(grad, v, grad.to(torch.float64).norm(torch.float64), damping)
+
+
+def _judge(grad: GradMatrix, vs: list[Tensor], dampings: list[float | None]) -> list[bool]:
+    terms = torch.stack([_terms(grad, v, lam) for v, lam in zip(vs, dampings, strict=True)])
+    norms = grad.to(torch.float64).norm(torch.float64).expand(len(vs))
+    return sound_results(terms, norms, dampings, [grad.dtype] * len(vs)).tolist()
+
+
 def test_sound_results_judges_each_condition() -> None:
     """Finite, ⟨∇W, V̂⟩ > 0 (or ∇W = 0), ‖V̂‖ ≤ ‖∇W‖/λ (1 + slack): each failing alone fails; λ = 0 skips
     the length bound; None checks finiteness only."""
@@ -160,30 +171,113 @@ def test_sound_results_judges_each_condition() -> None:
         "too long, no bound": (torch.tensor([[300.0, 400.0]]), 0.0, True),
         "uphill, finiteness only": (torch.tensor([[-3.0, -4.0]]), None, True),
         "not finite, finiteness only": (torch.tensor([[float("inf"), 4.0]]), None, False),
+        "not finite, no bound": (torch.tensor([[float("inf"), 4.0]]), 0.0, False),
         "not finite": (torch.tensor([[float("inf"), 4.0]]), 0.1, False),
         "nan": (torch.tensor([[float("nan"), 4.0]]), 0.1, False),
+        "nan, finiteness only": (torch.tensor([[float("nan"), 4.0]]), None, False),
     }
-    terms = torch.stack([result_terms(g, v) for v, _, _ in cases.values()])
-    ok = sound_results(terms, [lam for _, lam, _ in cases.values()], [torch.float32] * len(cases))
-    assert dict(zip(cases, ok.tolist(), strict=True)) == {name: want for name, (_, _, want) in cases.items()}
+    ok = _judge(g, [v for v, _, _ in cases.values()], [lam for _, lam, _ in cases.values()])
+    assert dict(zip(cases, ok, strict=True)) == {name: want for name, (_, _, want) in cases.items()}
     zero = GradMatrix(torch.zeros(1, 2), None)
-    assert sound_results(result_terms(zero, torch.zeros(1, 2)).reshape(1, 4), [0.1], [torch.float32]).item()
+    assert _judge(zero, [torch.zeros(1, 2), torch.tensor([[1e-30, 0.0]])], [0.1, 0.1]) == [True, False]
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19])
 def test_result_terms_add_up_over_rows_without_overflow(scale: float) -> None:
-    """Rows of one ∇W split between ranks (FSDP2): the terms of the parts add up to those of the whole (so every
-    rank judges the same sums), in float64 from float32 entries of 10⁻²⁰ or 10¹⁹ (whose products under- or
-    overflow float32)."""
+    """Rows of one ∇W split between ranks (FSDP2): the terms of the parts, each scaled by the global ‖∇W‖, add
+    up to those of the whole (so every rank judges the same sums), in float64 from float32 entries of 10⁻²⁰ or
+    10¹⁹ (whose products under- or overflow float32)."""
     gen = torch.Generator().manual_seed(3)
     weight, bias = scale * torch.randn(6, 4, generator=gen), scale * torch.randn(6, generator=gen)
     v = 7.0 * torch.cat([weight, bias[:, None]], dim=1) + scale * torch.randn(6, 5, generator=gen)
-    whole = result_terms(GradMatrix(weight, bias), v)
-    parts = result_terms(GradMatrix(weight[:2], bias[:2]), v[:2]) + result_terms(
-        GradMatrix(weight[2:], bias[2:]), v[2:]
+    norm = GradMatrix(weight, bias).to(torch.float64).norm(torch.float64)
+    whole = result_terms(GradMatrix(weight, bias), v, norm, 0.1)
+    parts = result_terms(GradMatrix(weight[:2], bias[:2]), v[:2], norm, 0.1) + result_terms(
+        GradMatrix(weight[2:], bias[2:]), v[2:], norm, 0.1
     )
     g64, v64 = torch.cat([weight, bias[:, None]], dim=1).double(), v.double()
-    expected = torch.stack([v64.sum(), (g64 * v64).sum(), g64.square().sum(), v64.square().sum()])
+    expected = torch.stack([(g64 * v64).sum(), v64.square().sum()])
     torch.testing.assert_close(whole, expected, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(parts, expected, rtol=1e-6, atol=0.0)
-    assert bool(sound_results(torch.stack([whole, parts]), [0.1, 0.1], [torch.float32] * 2).all())
+    ok = sound_results(torch.stack([whole, parts]), norm.expand(2), [0.1, 0.1], [torch.float32] * 2)
+    assert bool(ok.all())
+
+
+# --------------------------------------------------------------------------- the terms against float64
+def _reference(grad: GradMatrix, v: Tensor) -> Tensor:
+    """[⟨∇W, V̂⟩, ‖V̂‖²] in float64 from float64 copies (nothing of the check)."""
+    g64, v64 = grad.to(torch.float64).full(), v.to(torch.float64)
+    return torch.stack([(g64 * v64).sum(), v64.square().sum()])
+
+
+def _layouts(d_g: int, d_w: int, gen: torch.Generator) -> dict[str, GradMatrix]:
+    """One ∇W in each layout hylo's layers give: contiguous weight with a bias, a transposed weight (an
+    embedding's), a column block of a wider weight with a strided bias (neither dense nor contiguous), and a
+    weight over several of the CPU's chunks of rows."""
+    wide = torch.randn(d_g, d_w + 3, generator=gen)
+    rows = 3 * CHUNK_BYTES // (4 * d_w) + 5
+    return {
+        "contiguous": GradMatrix(torch.randn(d_g, d_w, generator=gen), torch.randn(d_g, generator=gen)),
+        "transposed": GradMatrix(torch.randn(d_w, d_g, generator=gen).mT),
+        "strided": GradMatrix(wide[:, 1 : d_w + 1], wide[:, 0]),
+        "chunked": GradMatrix(torch.randn(rows, d_w, generator=gen), torch.randn(rows, generator=gen)),
+    }
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "chunked"])
+def test_result_terms_match_float64_at_extreme_scales(scale: float, layout: str) -> None:
+    """⟨∇W, V̂⟩ and ‖V̂‖² of a float32 ∇W of 10⁻²⁰, 1 or 10¹⁹ against its V̂ = (F̃ + λI)⁻¹∇W-like result
+    (at the bound, or 10⁶ times shorter), in every layout, agree with float64 sums; without a bound ‖V̂‖² is
+    not measured."""
+    gen = torch.Generator().manual_seed(11)
+    grad = _layouts(24, 256, gen)[layout]
+    grad = GradMatrix(grad.weight * scale, None if grad.bias is None else grad.bias * scale)
+    norm = grad.to(torch.float64).norm(torch.float64)
+    for damping, shrink in [(1e-12, 1.0), (1e6, 1.0), (1e-3, 1e-6)]:
+        noise = torch.randn(grad.shape, generator=gen) * (0.1 * float(norm) / grad.shape[1])
+        v = ((grad.full() + noise) * (shrink / damping)).contiguous()
+        want = _reference(grad, v)
+        torch.testing.assert_close(result_terms(grad, v, norm, damping), want, rtol=1e-5, atol=0.0)
+        unbounded = result_terms(grad, v, norm, None)
+        torch.testing.assert_close(unbounded[0], want[0], rtol=1e-5, atol=0.0)
+        assert unbounded[1] == 0
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-7, 1.0, 1e19])
+@pytest.mark.parametrize("damping", [1e-12, 1e-3, 1e6])
+def test_a_result_at_the_bound_is_accepted_and_one_percent_beyond_refused(scale: float, damping: float) -> None:
+    """V̂ = ∇W/λ (F̃ = 0: exactly at ‖∇W‖/λ) is sound at every scale of ∇W and λ; 1.01 times it is not, nor
+    is it reversed (uphill); V̂ = ∇W/(10⁶ + λ) (a large F̃: far shorter, its products far smaller) still
+    counts as a descent direction."""
+    gen = torch.Generator().manual_seed(5)
+    grad = _layouts(32, 300, gen)["contiguous"]
+    grad = GradMatrix(grad.weight * scale, grad.bias * scale)
+    norm = grad.to(torch.float64).norm(torch.float64)
+    full = grad.full().to(torch.float64)
+    vs = [(full / damping).float(), (1.01 * full / damping).float(), (-full / damping).float()]
+    vs.append((full / (1e6 + damping)).float())
+    terms = torch.stack([result_terms(grad, v, norm, damping) for v in vs])
+    assert sound_results(terms, norm.expand(4), [damping] * 4, [torch.float32] * 4).tolist() == [
+        True,
+        False,
+        False,
+        True,
+    ]
+
+
+def test_a_tiny_gradient_keeps_its_preconditioned_step() -> None:
+    """A float32 ∇W of about 10⁻²³ (its squares below float32's subnormals: its float32 norm is 0) is measured
+    exactly by the guard, so its sound result is applied, not refused as longer than ‖∇W‖/λ = 0."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    pre = HyLoPreconditioner(model, solver="sngd", damping=0.1)
+    x, y = torch.randn(8, 6), torch.randn(8, 4)
+    (1e-22 * F.mse_loss(model(x), y)).backward()
+    raw = grad_matrix(model)
+    assert float(raw.abs().max()) < 1e-21 and float(torch.linalg.vector_norm(raw)) < 1e-20
+    pre.step()
+    assert int(pre._guard.fallbacks.sum()) == 0
+    state = pre._layers[0].state
+    assert state is not None
+    torch.testing.assert_close(grad_matrix(model), state.precondition(as_parts(raw, True)), rtol=1e-6, atol=0.0)
