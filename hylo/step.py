@@ -171,9 +171,13 @@ def precondition(
         clip = values.kl_clip, values.lr
     grads = [grad for _, grad in ready]
     outputs = [results[layer.name] for layer, _ in ready]
-    # λ of the system each result solves; a layer another rank owns and checked ("gradient"): finiteness only
+    # λ of the system each result solves. Under "gradient" with P > 1 the owners checked their results before
+    # sending them (UpdateStage.precondition): every rank then checks finiteness only, with one scale for all,
+    # so that every rank computes the same ⟨∇W, V̂⟩ for kl_clip and the ranks' weights stay equal bit for bit
+    shared = config.distributed.strategy == "gradient" and stage.comm.world_size > 1
     dampings = [
-        state.damping if isinstance(state := outcome.state_of(layer), LayerState) else None for layer, _ in ready
+        state.damping if not shared and isinstance(state := outcome.state_of(layer), LayerState) else None
+        for layer, _ in ready
     ]
     if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
         written, fallbacks = sharding.agree_results(stage.comm, grads, outputs, norms, dampings, clip)

@@ -453,3 +453,28 @@ def test_ranks_that_differ_raise_value_error_on_every_rank_naming_the_difference
         assert result["error"] is not None, (rank, result)
         assert DIFFERENCES[difference][1] in result["error"], (rank, result["error"])
         assert result["steps"] == expected_steps, (rank, result)
+
+
+# --------------------------------------------------------------------------- ranks stay equal
+def _gradient_strategy_weights(rank: int, world_size: int, solver: str) -> list[Tensor]:
+    """Six float32 steps under "gradient" with kl_clip: this rank's parameters afterwards."""
+    xs, ys = make_data(6, 8, torch.float32)
+    net = nn.parallel.DistributedDataParallel(make_model(torch.float32))
+    pre = hylo.HyLoPreconditioner(
+        net, solver=solver, strategy="gradient", update_freq=2, damping=1e-3, kl_clip=1e-3, lr=0.1
+    )
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for x, y in zip(xs, ys, strict=True):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+        pre.step()
+        optimizer.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("solver", ["sngd", "kfac"])
+def test_gradient_strategy_with_kl_clip_keeps_every_ranks_weights_equal(solver: str) -> None:
+    """Owners and the ranks that receive their results apply the same step, bit for bit: every rank computes
+    kl_clip's ⟨∇W, V̂⟩ the same way, whoever owns the layer (docs/reliability.md, "Fallbacks")."""
+    first, second = run_distributed(_gradient_strategy_weights, 2, solver, timeout=120)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
