@@ -127,7 +127,9 @@ def _values(rng: random.Random) -> Any:
 
 
 def _tensor_variant(rng: random.Random, t: Tensor) -> Tensor:
-    """``t`` with another shape, dtype or values."""
+    """``t`` with another shape, dtype or values (a sparse tensor an earlier mutation made is mutated dense)."""
+    if t.layout != torch.strided:
+        t = t.to_dense()
     ops: list[Callable[[], Tensor]] = [
         lambda: t.to(
             rng.choice([torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.bool])
@@ -139,7 +141,12 @@ def _tensor_variant(rng: random.Random, t: Tensor) -> Tensor:
         lambda: t.unsqueeze(0),
         lambda: t.mT.contiguous() if t.dim() == 2 else t,
         lambda: (
-            torch.full_like(t, rng.choice([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e300, -1e300, 1e-310]))
+            # through float64, so that 1e300 becomes ±inf in a narrower dtype instead of raising
+            torch.full(
+                t.shape,
+                rng.choice([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e300, -1e300, 1e-310]),
+                dtype=torch.float64,
+            ).to(t.dtype)
             if t.is_floating_point()
             else t + 1
         ),
@@ -156,7 +163,8 @@ def _poke(rng: random.Random, t: Tensor) -> Tensor:
     if not t.numel() or not t.is_floating_point():
         return t
     out = t.clone().reshape(-1)
-    out[rng.randrange(out.numel())] = rng.choice([math.nan, math.inf, -1.0, 0.0, -1e300, 1e300, -1e-3])
+    value = rng.choice([math.nan, math.inf, -1.0, 0.0, -1e300, 1e300, -1e-3])
+    out[rng.randrange(out.numel())] = torch.tensor(value, dtype=torch.float64)  # ±inf in a narrower dtype
     return out.reshape(t.shape)
 
 
