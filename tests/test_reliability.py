@@ -637,4 +637,3 @@ def _misuse_on_one_rank(rank: int, world: int) -> str:
 def test_misuse_on_one_rank_raises_on_every_rank() -> None:
     out = run_distributed(_misuse_on_one_rank, 2, timeout=60)
     assert "another rank" in out[0] and "twice" in out[1], out
-
