@@ -6,6 +6,10 @@ step costs a handful of launches and at most one host synchronisation per call
 regardless of the number of layers. A group is split into batches of at most
 ``STACK_CAP_MB`` (one matrix at least): stacking copies its matrices, and a
 batched solve's workspace grows with it (docs/design.md, "Memory").
+
+It also holds the check of every applied result (:func:`result_terms`, :func:`sound_results`) and the
+``kl_clip`` scale built on its terms (:func:`kl_clipped`), the same on one rank, under "gradient" and under
+FSDP2 (docs/reliability.md, "Fallbacks").
 """
 
 from __future__ import annotations
@@ -231,3 +235,14 @@ def sound_results(
     descent = (terms[:, 0] > 0) | (norms == 0)
     bounded = terms[:, 1].sqrt() * damping <= norms * slack
     return finite & (damping.isnan() | (descent & bounded))
+
+
+def kl_clipped(
+    results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
+) -> list[Tensor]:
+    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
+    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² from ``norms`` where it fell back,
+    ``ok`` false)."""
+    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr**2
+    scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+    return [v * scale.to(v.dtype) for v in results]

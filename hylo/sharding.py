@@ -27,7 +27,7 @@ from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded, local
-from hylo.numerics import result_terms, sound_results
+from hylo.numerics import kl_clipped, result_terms, sound_results
 from hylo.solvers import LayerState
 from hylo.solvers.base import Clock, Exchange
 from hylo.state import RegisteredLayer
@@ -149,8 +149,5 @@ def agree_results(
     ok = sound_results(total, norm_values, dampings, [g.weight.dtype for g in grads])
     written = [g.fill_where_not(ok[i], v) for i, (g, v) in enumerate(zip(grads, results, strict=True))]
     if clip is not None:
-        kl_clip, lr = clip
-        vg = torch.where(ok, total[:, 0], norm_values.square()).sum().abs() * lr**2
-        scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-        written = [v * scale.to(v.dtype) for v in written]
+        written = kl_clipped(written, total, norm_values, ok, *clip)
     return written, (~ok).long()

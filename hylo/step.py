@@ -20,7 +20,7 @@ from hylo import sharding
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import result_terms, sound_results
+from hylo.numerics import kl_clipped, result_terms, sound_results
 from hylo.records import Decision
 from hylo.solvers import HeldState, LayerState, RemoteState, UpdateContext
 from hylo.solvers.base import UpdateJob
@@ -127,17 +127,6 @@ def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCo
             f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=4
         )
     outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
-
-
-def kl_clipped(
-    results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
-) -> list[Tensor]:
-    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
-    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² from ``norms`` where it fell back,
-    ``ok`` false)."""
-    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr**2
-    scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-    return [v * scale.to(v.dtype) for v in results]
 
 
 def precondition(
