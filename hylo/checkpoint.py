@@ -17,7 +17,6 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -407,15 +406,9 @@ def _layer(
 
 
 def save_checkpoint(pre: HyLoPreconditioner, path: str | os.PathLike[str]) -> None:
-    """Write ``pre.state_dict()`` (sealed with its checksum) to ``path`` with ``torch.save``, atomically: a
-    temporary file beside it, then renamed (docs/usage.md, "Checkpoints")."""
-    target = Path(path)
-    temporary = target.with_name(f".{target.name}.tmp")
-    try:
-        torch.save(pre.state_dict(), temporary)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    """Write ``pre.state_dict()`` (sealed with its checksum) to ``path`` with ``torch.save``, atomically
+    (:func:`hylo.integrity.save_atomic`; docs/usage.md, "Checkpoints")."""
+    integrity.save_atomic(pre.state_dict(), path)
 
 
 def load_checkpoint(

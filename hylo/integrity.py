@@ -4,13 +4,17 @@ docs/reliability.md, "Checksums". :func:`checksum` digests a nested structure (m
 tuples, tensors, NumPy arrays, numbers, strings, bytes, ``None``) deterministically: equal
 contents give equal digests in any process, on any device, whatever the mapping order.
 :func:`seal` stores the digest beside the contents and :func:`verify` recomputes it, raising
-``ValueError`` naming where the contents came from when a single bit differs.
+``ValueError`` naming where the contents came from when a single bit differs; :func:`save_atomic` writes a
+checkpoint file whole or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +48,22 @@ def verify(contents: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where} holds a value that was never checksummed: {err}") from err
     if actual != stored:
         raise ValueError(f"{where} is corrupted: its contents do not match the checksum stored with them")
+
+
+def save_atomic(contents: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` ``contents`` to a temporary file beside ``path`` (``.NAME.XXXX.tmp``), flushed to disk, then
+    moved onto ``path`` with ``os.replace``: a reader finds the old file or the whole new one, never a part."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(contents, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _feed(digest: Any, value: Any) -> None:

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ RUN_FILES = ("config.json", "metrics.csv")
 #: The other files of a run (:mod:`hylo_scripts.rundir`), removed with it when a run that stopped before its first
 #: checkpoint restarts.
 OTHER_RUN_FILES = ("model-summary.txt", "dataset.json")
-#: Temporaries left by a process killed while writing: :func:`save_atomic`'s, ``rundir.write_json``'s and hylo's
+#: Temporaries left by a process killed while writing: :func:`hylo.integrity.save_atomic`'s, ``rundir.write_json``'s and hylo's
 #: ``run.json``'s; removed when a run starts or resumes.
 TEMPORARIES = re.compile(r"\.checkpoint-\d+(-hylo-r\d+)?\.pt\..+\.tmp|\.(config|dataset)\.json\.tmp|run\.json\.tmp")
 #: Options a resumed run may change; any other difference from the checkpoint's configuration is refused.
@@ -113,21 +112,6 @@ def latest_checkpoint(log_dir: str | Path) -> tuple[int, Path] | None:
     """The highest epoch with a (complete) rank-0 checkpoint in ``log_dir`` and its path, or None."""
     found = _checkpoints(Path(log_dir))
     return found[-1] if found else None
-
-
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, flushed to disk, then ``os.replace`` onto it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load(path: str | Path, map_location: torch.device | str | None = None) -> dict[str, Any]:
@@ -405,7 +389,7 @@ def save_checkpoint(
     if pre is not None:
         profile_bytes = pre.flush_profile()  # the rows up to this step, on disk: what the checkpoint covers
         contents = {"format": FORMAT, "run_id": run_id, "hylo": pre.state_dict(), "profile_bytes": profile_bytes}
-        save_atomic(integrity.seal(contents), hylo_state_path(log_dir, epoch, rank))
+        integrity.save_atomic(integrity.seal(contents), hylo_state_path(log_dir, epoch, rank))
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -423,6 +407,6 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        save_atomic(integrity.seal(state), checkpoint_path(log_dir, epoch))
+        integrity.save_atomic(integrity.seal(state), checkpoint_path(log_dir, epoch))
     if world > 1:
         dist.barrier()
