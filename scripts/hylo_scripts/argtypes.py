@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 
 def positive_int(text: str) -> int:
     """An int >= 1."""
@@ -27,3 +29,24 @@ def ratio(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
     return value
+
+
+def device(text: str) -> torch.device:
+    """A device to run on (``cpu``, ``cuda``, ``cuda:N``), refused when this machine has no such device."""
+    try:
+        value = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} ({err})") from err
+    if value.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"a benchmark runs on 'cpu' or 'cuda', got {text!r}")
+    if value.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available on this machine")
+        if value.index is not None and value.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return value
+
+
+def default_device() -> str:
+    """``--device``'s default: ``cuda`` when available, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
