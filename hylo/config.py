@@ -42,6 +42,7 @@ from hylo.rules import (
     window_decay,
 )
 from hylo.solvers import HYBRID, solver_names
+from hylo.solvers.kfac import KFAC_METHODS
 from hylo.solvers.lowrank import rows_for_ratio
 from hylo.solvers.registry import solver_rule, variant_rule
 
@@ -77,6 +78,13 @@ class KFACConfig(Section):
         "between updates (one all-reduce, no decomposition); None: only at update steps",
         rule=COUNT,
         schedule=True,
+    )
+    kfac_method: str = option(
+        "eigen",
+        doc="'eigen': (A ⊗ G + λI)⁻¹ exactly, through eigendecompositions, four products a step; 'inverse': "
+        "(A + δ_a I)⁻¹ ⊗ (G + δ_g I)⁻¹ with δ_a δ_g = λ (factored damping, a little more than λ's), through "
+        "Cholesky inverses about 4× cheaper at an update and two products a step; takes effect at the next update",
+        rule=Rule(lambda x: x in KFAC_METHODS, f"one of {KFAC_METHODS}"),
     )
     kfc_exponent: float = option(
         DEFAULT_KFC_EXPONENT,

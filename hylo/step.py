@@ -58,6 +58,7 @@ class StepValues:
             factor_decay=self.factor_decay,
             seed=seed,
             kis_estimator=config.lowrank.kis_estimator,
+            kfac_method=config.kfac.kfac_method,
             watch=watch,
         )
 

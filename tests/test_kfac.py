@@ -220,3 +220,96 @@ def test_kfac_keeps_previous_state_when_every_eigh_fails(monkeypatch: pytest.Mon
     state = pre._layers[0].state
     expected = dense_kfac(stored["factor_a"], stored["factor_g"], grad, 0.05)
     assert state is not None and rel_err(grad_matrix(layer), expected) < RTOL
+
+
+# --------------------------------------------------------------------------- kfac_method="inverse"
+def dense_factored(factor_a: Tensor, factor_g: Tensor, grad: Tensor, damping: float) -> Tensor:
+    """V with ((A + δ_a I) ⊗ (G + δ_g I)) vec(V) = vec(∇W), δ_a = π√λ, δ_g = √λ/π, π² = (tr A/d_a)/(tr G/d_g)."""
+    d_g, d_a = grad.shape
+    pi = ((factor_a.trace() / d_a) / (factor_g.trace() / d_g)).sqrt()
+    shifted_a = factor_a + pi * damping**0.5 * torch.eye(d_a, dtype=DT)
+    shifted_g = factor_g + damping**0.5 / pi * torch.eye(d_g, dtype=DT)
+    return torch.linalg.solve(torch.kron(shifted_a, shifted_g), vec_cm(grad)).reshape(d_a, d_g).mT
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+def test_inverse_method_is_the_factored_damping_solve(bias: bool, shape: str) -> None:
+    """kfac_method="inverse" = a dense solve of (A + δ_a I) ⊗ (G + δ_g I) from the layer's own rows, which differs
+    from the exact (A ⊗ G + λI) solve of the eigen method at the same λ, and keeps the step within ‖∇W‖/λ."""
+    damping = 0.05
+    layer = nn.Linear(5, 3, bias=bias, dtype=DT)
+    x = torch.randn(LINEAR_SHAPES[shape], dtype=DT)
+    labels = torch.randint(0, 3, LINEAR_SHAPES[shape][:-1])
+
+    def loss_fn(out: Tensor) -> Tensor:
+        return F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))
+
+    _, dout, grad, got = one_step(layer, x, loss_fn, solver="kfac", damping=damping, kfac_method="inverse")
+    a, g = linear_rows(layer, x, dout)
+    rows = a.shape[0]
+    factor_a, factor_g = a.mT @ a / rows, g.mT @ g / rows
+    expected = dense_factored(factor_a, factor_g, grad, damping)
+    assert rel_err(expected, dense_kfac(factor_a, factor_g, grad, damping)) > 1e-2  # another damping
+    assert_rel_close(got, expected)
+    assert torch.linalg.matrix_norm(got) <= torch.linalg.matrix_norm(grad) / damping
+    assert float((got * grad).sum()) > 0
+
+
+def test_inverse_method_on_a_convolution_and_its_state_round_trip() -> None:
+    """A Conv2d under the inverse method = the factored solve of the reference's KFC factors; its state saved and
+    loaded into a preconditioner of the eigen method applies the same step (the option decides the next update)."""
+    damping = 0.02
+    result = conv_case("kfac", True, "stride2-pad1", damping, kfac_method="inverse")
+    ref = result.conv
+    assert ref is not None
+    assert_rel_close(result.got, dense_factored(ref["A"], ref["G"], result.grad, damping))
+
+    torch.manual_seed(3)
+    layer = nn.Linear(6, 4, dtype=DT)
+    x, labels = torch.randn(10, 6, dtype=DT), torch.randint(0, 4, (10,))
+    pre = HyLoPreconditioner(layer, solver="kfac", update_freq=100, damping=damping, kfac_method="inverse")
+    F.cross_entropy(layer(x), labels).backward()
+    pre.step()
+    twin = nn.Linear(6, 4, dtype=DT)
+    twin.load_state_dict(layer.state_dict())
+    other = HyLoPreconditioner(twin, solver="kfac", update_freq=100, damping=damping)
+    other.load_state_dict(pre.state_dict(), options="keep")
+    for module in (layer, twin):
+        module.zero_grad()
+        F.cross_entropy(module(x), labels).backward()
+    pre.step()
+    other.step()  # not an update step: the loaded inverse state applies
+    torch.testing.assert_close(grad_matrix(twin), grad_matrix(layer), rtol=0, atol=0)
+
+
+def test_inverse_method_sharded_terms_sum_to_the_whole_step() -> None:
+    """Under FSDP2 each rank's term of V̂ (its rows, or its columns, of ∇W), summed over ranks and cut to its part,
+    is its part of the whole V̂."""
+    from hylo.layers.gradmatrix import GradMatrix, GradShard
+    from hylo.solvers.kfac import KFACInverseState
+
+    torch.manual_seed(0)
+    spd = [torch.randn(d, d, dtype=DT) for d in (5, 4)]
+    inv_a, inv_g = (torch.linalg.inv(m @ m.mT + torch.eye(m.shape[0], dtype=DT)) for m in spd)
+    state = KFACInverseState(torch.eye(5, dtype=DT), torch.eye(4, dtype=DT), inv_a, inv_g, 0.1)
+    weight, bias = torch.randn(4, 4, dtype=DT), torch.randn(4, dtype=DT)
+    whole = state.precondition(GradMatrix(weight, bias))
+    torch.testing.assert_close(whole, inv_g @ torch.cat([weight, bias[:, None]], 1) @ inv_a)
+    row_parts = [GradShard(0, 3, 4, 0), GradShard(3, 4, 4, 0)]
+    grads = [GradMatrix(weight[s.start : s.stop], bias[s.start : s.stop], s) for s in row_parts]
+    total = sum(state.shard_partial(grad)[1] for grad in grads)
+    for grad in grads:
+        torch.testing.assert_close(state.shard_finish(grad, total), whole[grad.shard.start : grad.shard.stop])
+    plain = torch.randn(4, 5, dtype=DT)
+    whole = state.precondition(plain)
+    col_parts = [GradShard(0, 2, 5, 1), GradShard(2, 5, 5, 1)]
+    grads = [GradMatrix(plain[:, s.start : s.stop], None, s) for s in col_parts]
+    total = sum(state.shard_partial(grad)[1] for grad in grads)
+    for grad in grads:
+        torch.testing.assert_close(state.shard_finish(grad, total), whole[:, grad.shard.start : grad.shard.stop])
+
+
+def test_kfac_method_is_checked() -> None:
+    with pytest.raises(ValueError, match="kfac_method"):
+        HyLoPreconditioner(nn.Linear(2, 2), kfac_method="cholesky")

@@ -243,6 +243,8 @@ class UpdateContext:
     watch: Clock
     #: KIS's estimator: ``"unbiased"`` (Horvitz–Thompson weights) or ``"hylo"`` (unweighted).
     kis_estimator: str = "unbiased"
+    #: How K-FAC layers are solved: ``"eigen"`` or ``"inverse"`` (docs/solvers.md, "The inverse method").
+    kfac_method: str = "eigen"
 
 
 PreparedT = TypeVar("PreparedT")

@@ -1,9 +1,12 @@
-"""The K-FAC family: (A ⊗ G + λI)⁻¹ vec ∇W through eigendecompositions of running factors.
+"""The K-FAC family: (A ⊗ G + λI)⁻¹ vec ∇W through eigendecompositions of running factors, or damped inverses.
 
 docs/solvers.md, "K-FAC". Each rank builds its batch factors A = E[a aᵀ] and G = E[g gᵀ]; the
 ranks average them weighted by their sample counts; every rank blends them into the running
 averages (decay β; the first update takes the batch factors as they are); the owner
-eigendecomposes A and G and the state applies V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ.
+eigendecomposes A and G and the state applies V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ
+(``kfac_method="eigen"``), or inverts the factors with factored damping and the state applies
+V̂ = (G + δ_g I)⁻¹ ∇W (A + δ_a I)⁻¹, two products instead of four (``"inverse"``, docs/solvers.md,
+"The inverse method").
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerShape
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
-from hylo.numerics import eigh_many
+from hylo.numerics import eigh_many, spd_inverse_many
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -38,6 +41,10 @@ from hylo.solvers.base import (
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
 EIGH_COST = 4.0
+#: Multiply-adds of a Cholesky factorisation and the inverse from it per d³.
+INVERSE_COST = 1.0
+#: How a K-FAC layer is solved and applied (docs/solvers.md, "The inverse method").
+KFAC_METHODS = ("eigen", "inverse")
 
 
 def _eigh_work(d_a: int, d_g: int) -> float:
@@ -107,10 +114,11 @@ class KFACState(LayerState):
     @classmethod
     def from_dict(
         cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
-    ) -> KFACState:
-        """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
-        ``dtype``, the damping is a finite number > 0 and the eigenvalues are ≥ 0 (as ``eigh_many`` leaves them),
-        so that every e_g e_a + λ the apply divides by is > 0 (docs/reliability.md, "Validation")."""
+    ) -> LayerState:
+        """A state saved by ``to_dict`` (a :class:`KFACInverseState`'s when it holds ``inverse_a``); ``ValueError``
+        naming the field unless every tensor has its shape and ``dtype``, the damping is a finite number > 0 and
+        the eigenvalues are ≥ 0 (as ``eigh_many`` leaves them), so that every e_g e_a + λ the apply divides by is
+        > 0 (docs/reliability.md, "Validation")."""
         if "divisor" in entry:
             raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
         damping = positive_number(entry, "damping")
@@ -122,7 +130,10 @@ class KFACState(LayerState):
             "evals_g": (d_g,),
             "evecs_g": (d_g, d_g),
         }
-        t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
+        tensors = entry.get("tensors")
+        if isinstance(tensors, Mapping) and "inverse_a" in tensors:
+            return KFACInverseState.from_dict(entry, d_a, d_g, dtype, device)
+        t = checked_tensors(tensors, shapes, dict.fromkeys(shapes, dtype), device)
         for key in ("evals_a", "evals_g"):
             if bool((t[key] < 0).any()):
                 raise ValueError(f"{key} holds negative eigenvalues (the factors are positive semi-definite)")
@@ -138,11 +149,99 @@ class KFACState(LayerState):
 
 
 @dataclass
-class KFACFactors:
-    """A layer's running factors after this update's blend: the input of its eigendecompositions."""
+class KFACInverseState(LayerState):
+    """Running Kronecker factors of one layer and their damped inverses (``kfac_method="inverse"``).
+
+    ``precondition`` computes V̂ = (G + δ_g I)⁻¹ ∇W (A + δ_a I)⁻¹ with δ_a δ_g = λ (:func:`split_damping`): the
+    inverse of (A + δ_a I) ⊗ (G + δ_g I) = A ⊗ G + λI + δ_g A ⊗ I + δ_a I ⊗ G, a damping larger than λ's alone,
+    in two products (docs/solvers.md, "The inverse method").
+    """
+
+    family: ClassVar[str] = "kfac"
 
     factor_a: Tensor
     factor_g: Tensor
+    inverse_a: Tensor
+    inverse_g: Tensor
+    damping: float
+
+    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
+        """Preconditioned (d_g, d_a) gradient (∇W (A + δ_a I)⁻¹ taken part by part)."""
+        parts = GradMatrix.of(grad)
+        return (self.inverse_g @ parts.to(self.inverse_a.dtype).times(self.inverse_a)).to(parts.dtype)
+
+    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
+        """This rank's term of V̂ = Σ_ranks G⁻¹[:, rows] ∇W[rows] A⁻¹ (or G⁻¹ ∇W[:, cols] A⁻¹[cols]), summed over
+        ranks (d_g·d_a numbers)."""
+        shard = grad.shard
+        assert shard is not None
+        work = grad.to(self.inverse_a.dtype)
+        if shard.axis == 0:
+            return Exchange.SUM, self.inverse_g[:, shard.start : shard.stop] @ work.times(self.inverse_a)
+        return Exchange.SUM, self.inverse_g @ work.times(self.inverse_a[shard.start : shard.stop])
+
+    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
+        """This rank's rows (or columns) of the summed V̂."""
+        shard = grad.shard
+        assert shard is not None
+        if shard.axis == 0:
+            return received[shard.start : shard.stop].to(grad.dtype)
+        return received[:, shard.start : shard.stop].to(grad.dtype)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Factors and damped inverses by name."""
+        return {
+            "factor_a": self.factor_a,
+            "factor_g": self.factor_g,
+            "inverse_a": self.inverse_a,
+            "inverse_g": self.inverse_g,
+        }
+
+    def carried(self) -> dict[str, Tensor]:
+        """The running factors, which the next update blends with its batch factors."""
+        return {"factor_a": self.factor_a, "factor_g": self.factor_g}
+
+    @classmethod
+    def from_dict(
+        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> KFACInverseState:
+        """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
+        ``dtype`` and the damping is a finite number > 0 (docs/reliability.md, "Validation")."""
+        if "divisor" in entry:
+            raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
+        damping = positive_number(entry, "damping")
+        shapes = {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g), "inverse_a": (d_a, d_a), "inverse_g": (d_g, d_g)}
+        t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
+        return cls(t["factor_a"], t["factor_g"], t["inverse_a"], t["inverse_g"], damping)
+
+
+def split_damping(factor_a: Tensor, factor_g: Tensor, damping: float) -> tuple[Tensor, Tensor]:
+    """Factored Tikhonov damping (δ_a, δ_g) = (π√λ, √λ/π), π = sqrt((tr A / d_a) / (tr G / d_g)) (1 where a trace
+    is not finite and > 0), so δ_a δ_g = λ: the shift of each factor in proportion to its mean eigenvalue (Martens
+    & Grosse's π; docs/solvers.md, "The inverse method"). 0-dim float64 tensors, no host sync."""
+    mean_a = torch.diagonal(factor_a).sum(dtype=torch.float64) / factor_a.shape[0]
+    mean_g = torch.diagonal(factor_g).sum(dtype=torch.float64) / factor_g.shape[0]
+    ratio = mean_a / mean_g
+    usable = (mean_a > 0) & (mean_g > 0) & torch.isfinite(ratio) & (ratio > 0)
+    pi = torch.where(usable, ratio, torch.ones_like(ratio)).sqrt()
+    root = damping**0.5
+    return pi * root, root / pi
+
+
+def _shifted(factor: Tensor, shift: Tensor) -> Tensor:
+    """factor + shift·I (a new tensor; the running factor is kept)."""
+    out = factor.clone()
+    out.diagonal().add_(shift.to(factor.dtype))
+    return out
+
+
+@dataclass
+class KFACFactors:
+    """A layer's running factors after this update's blend, and how the owner solves them (``method``)."""
+
+    factor_a: Tensor
+    factor_g: Tensor
+    method: str = "eigen"
 
 
 def blend_factors(
@@ -187,7 +286,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
             carried = carried_from(job.previous, self.name)
             previous = (carried["factor_a"], carried["factor_g"]) if carried else None
             batch = (received[(job.name, "factor_a")], received[(job.name, "factor_g")])
-            prepared.append(KFACFactors(*blend_factors(previous, batch, context.factor_decay)))
+            prepared.append(KFACFactors(*blend_factors(previous, batch, context.factor_decay), context.kfac_method))
         return prepared
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
@@ -206,20 +305,35 @@ class KFACFamily(SolverFamily[KFACFactors]):
         )
 
     def solve_cost(self, prepared: KFACFactors) -> float:
-        """The eigendecompositions' cost."""
-        return _eigh_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0])
+        """The eigendecompositions' (or inverses') cost."""
+        d_a, d_g = prepared.factor_a.shape[0], prepared.factor_g.shape[0]
+        if prepared.method == "inverse":
+            return INVERSE_COST * (float(d_a) ** 3 + float(d_g) ** 3)
+        return _eigh_work(d_a, d_g)
 
     def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
-        """Eigendecompositions of every A and G, batched by shape."""
-        decompositions = eigh_many([m for f in prepared for m in (f.factor_a, f.factor_g)])
-        return [
-            {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
-            for (ea, qa), (eg, qg) in zip(decompositions[0::2], decompositions[1::2], strict=True)
-        ]
+        """Eigendecompositions of every A and G batched by shape (or, for the layers of the inverse method, their
+        damped inverses, batched by shape); each layer's solution in its order."""
+        out: list[dict[str, Tensor]] = [{} for _ in prepared]
+        eigen = [i for i, f in enumerate(prepared) if f.method == "eigen"]
+        decompositions = eigh_many([m for i in eigen for m in (prepared[i].factor_a, prepared[i].factor_g)])
+        for i, (ea, qa), (eg, qg) in zip(eigen, decompositions[0::2], decompositions[1::2], strict=True):
+            out[i] = {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
+        inverse = [i for i, f in enumerate(prepared) if f.method == "inverse"]
+        shifted = []
+        for i in inverse:
+            delta_a, delta_g = split_damping(prepared[i].factor_a, prepared[i].factor_g, context.damping)
+            shifted += [_shifted(prepared[i].factor_a, delta_a), _shifted(prepared[i].factor_g, delta_g)]
+        inverses = spd_inverse_many(shifted)
+        for i, inv_a, inv_g in zip(inverse, inverses[0::2], inverses[1::2], strict=True):
+            out[i] = {"inverse_a": inv_a, "inverse_g": inv_g}
+        return out
 
     def solution_template(self, prepared: KFACFactors) -> dict[str, Tensor]:
-        """Buffers for another rank's eigendecompositions."""
+        """Buffers for another rank's eigendecompositions (or inverses)."""
         fa, fg = prepared.factor_a, prepared.factor_g
+        if prepared.method == "inverse":
+            return {"inverse_a": torch.empty_like(fa), "inverse_g": torch.empty_like(fg)}
         return {
             "evals_a": fa.new_empty(fa.shape[0]),
             "evecs_a": torch.empty_like(fa),
@@ -227,9 +341,15 @@ class KFACFamily(SolverFamily[KFACFactors]):
             "evecs_g": torch.empty_like(fg),
         }
 
-    def assemble(self, prepared: KFACFactors, solution: Mapping[str, Tensor], context: UpdateContext) -> KFACState:
-        """The running factors with their eigendecompositions."""
+    def assemble(
+        self, prepared: KFACFactors, solution: Mapping[str, Tensor], context: UpdateContext
+    ) -> KFACState | KFACInverseState:
+        """The running factors with their eigendecompositions (or damped inverses)."""
         s = solution
+        if prepared.method == "inverse":
+            return KFACInverseState(
+                prepared.factor_a, prepared.factor_g, s["inverse_a"], s["inverse_g"], context.damping
+            )
         return KFACState(
             prepared.factor_a,
             prepared.factor_g,
@@ -251,7 +371,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         ``factor_update_freq``): they are redone from the running factors at the next update."""
         refreshed: list[HeldState] = []
         for job, factors in zip(jobs, self.prepare(jobs, received, context), strict=True):
-            if isinstance(job.previous, KFACState):
+            if isinstance(job.previous, KFACState | KFACInverseState):
                 refreshed.append(
                     dataclasses.replace(job.previous, factor_a=factors.factor_a, factor_g=factors.factor_g)
                 )

@@ -10,7 +10,15 @@ Random inputs of the workload's shape (the data does not change the cost): image
 tokens of ``--vocab`` (a language model's vocabulary, a classifier's classes). Reports the mean
 time of an iteration (forward, backward, preconditioner, optimizer) over ``--steps`` after
 ``--warmup`` iterations, averaged over update and non-update steps as they occur, and the median
-(a step between updates when updates are fewer than half the steps). ``--set KEY=VALUE`` passes
+(a step between updates when updates are fewer than half the steps), and apart: the mean of the
+update steps and the median of the other steps, each against the plain optimizer's median
+iteration (the update step is when hylo captures and solves; the others only apply the stored
+state). ``--steps`` a multiple of ``--update-freq`` makes the mean the cost amortized over whole
+update cycles. ``--device`` runs it on a GPU (default: cuda when available), each iteration
+timed between two device synchronisations; the device is printed with the table. ``--model
+llama`` is a small Hugging Face ``LlamaForCausalLM`` (needs ``transformers``; 4 layers of width
+256, 4 heads, MLP 688, random weights, ``--vocab`` default 1,024, ``--image-size`` its context,
+default 128). ``--set KEY=VALUE`` passes
 hylo options (Python literals: ``--set "skip_layers=('head',)"``); a solver whose construction
 refuses the model (e.g. ``kfac`` over ``kfac_max_state_mb``) is reported as refused.
 
@@ -40,7 +48,34 @@ from typing import Any
 import torch
 
 import hylo
+from hylo_scripts.argtypes import default_device
+from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.models import MODELS, build_model, model_names
+from hylo_scripts.timing import now
+
+#: ``--model llama``: the Hugging Face decoder of :func:`hylo_scripts.bench_compile.build` (vocabulary, context).
+LLAMA_DEFAULTS = (1024, 128)
+
+
+def _workload(
+    model_name: str, batch: int, image: int | None, classes: int | None, model_options: Mapping[str, int] | None
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, bool]:
+    """The model (from seed 0), a random batch and its targets, and whether it is a language model."""
+    torch.manual_seed(0)
+    if model_name == "llama":
+        from hylo_scripts.bench_compile import build
+
+        vocab, context = classes or LLAMA_DEFAULTS[0], image or LLAMA_DEFAULTS[1]
+        tokens = torch.randint(0, vocab, (batch, context + 1))
+        return build("llama", vocab, context), tokens[:, :-1], tokens[:, 1:], True
+    spec = MODELS[model_name]
+    side = image or None
+    model = build_model(model_name, spec.shape(side), classes, **(model_options or {}))
+    x, y = spec.random_batch(batch, side=side)
+    if classes is not None:  # labels (or tokens) of the model's own classes
+        x = torch.randint(0, classes, x.shape) if spec.task == "lm" else x
+        y = torch.randint(0, classes, y.shape) if y.dtype == torch.long else y
+    return model, x, y, spec.task == "lm"
 
 
 def iteration_time(
@@ -58,21 +93,25 @@ def iteration_time(
     optimizer: str = "sgd",
     options: Mapping[str, Any] | None = None,
     times: list[float] | None = None,
+    updates: list[bool] | None = None,
+    device: torch.device | None = None,
+    cpu_time: bool = False,
 ) -> float:
     """Mean seconds per iteration (solver None = the plain optimizer); ``profile_dir`` turns on hylo's
     profiling. ``classes``: the model's classes (a language model's vocabulary); ``model_options``: its
     size options; ``optimizer``: ``"sgd"`` (momentum 0.9) or ``"adamw"``; ``options``: more hylo options;
-    ``times``, if given, receives every timed iteration's seconds."""
+    ``times``, if given, receives every timed iteration's seconds, and ``updates`` whether each was an update
+    step (an iteration whose ``step()`` was hylo's ``k``-th with ``k`` a multiple of ``update_freq``; all False for
+    the plain optimizer); ``device``: where it runs (default CPU), each iteration timed between two
+    synchronisations of it; ``cpu_time``: the process's CPU seconds instead of wall seconds (CPU only: a figure
+    that another process's load on the machine disturbs less)."""
+    if cpu_time and device is not None and device.type != "cpu":
+        raise ValueError("cpu_time measures the process's CPU seconds: it needs device cpu")
     if profile_dir is not None and solver is None:
         raise ValueError("profile_dir profiles hylo: it needs a solver")
-    spec = MODELS[model_name]
-    side = image or None
-    torch.manual_seed(0)
-    model = build_model(model_name, spec.shape(side), classes, **(model_options or {}))
-    x, y = spec.random_batch(batch, side=side)
-    if classes is not None:  # labels (or tokens) of the model's own classes
-        x = torch.randint(0, classes, x.shape) if spec.task == "lm" else x
-        y = torch.randint(0, classes, y.shape) if y.dtype == torch.long else y
+    device = device or torch.device("cpu")
+    model, x, y, lm = _workload(model_name, batch, image, classes, model_options)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
     opt: torch.optim.Optimizer = (
@@ -93,14 +132,15 @@ def iteration_time(
             },
         )
     timed = [] if times is None else times
+    kinds = [] if updates is None else updates
     try:
         for i in range(warmup + steps):
-            start = time.perf_counter()
+            start = time.process_time() if cpu_time else now(device)
             opt.zero_grad()
             out = model(x)
             loss = (
                 torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
-                if spec.task == "lm"
+                if lm
                 else torch.nn.functional.cross_entropy(out, y)
             )
             loss.backward()
@@ -108,7 +148,8 @@ def iteration_time(
                 pre.step()
             opt.step()
             if i >= warmup:
-                timed.append(time.perf_counter() - start)
+                timed.append((time.process_time() if cpu_time else now(device)) - start)
+                kinds.append(pre is not None and i % update_freq == 0)
     finally:
         if pre is not None:
             pre.remove()
@@ -164,11 +205,23 @@ def _option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _row(label: str, times: list[float], updates: list[bool], base_mean: float, base_median: float) -> str:
+    """One table row: mean and median ms per iteration, the update steps' mean and the other steps' median, each
+    with its ratio to the plain optimizer's mean or median."""
+    mean, median = statistics.fmean(times), statistics.median(times)
+    update = [t for t, u in zip(times, updates, strict=True) if u]
+    other = [t for t, u in zip(times, updates, strict=True) if not u]
+    cells = [(mean, base_mean), (median, base_median)]
+    cells += [(statistics.fmean(update), base_median) if update else (float("nan"), base_median)]
+    cells += [(statistics.median(other), base_median) if other else (float("nan"), base_median)]
+    return f"{label:<14}" + "".join(f" {1e3 * t:>9.1f} {t / ref:>6.2f}" for t, ref in cells)
+
+
 def main() -> None:
     """Print the per-iteration time of the plain optimizer and of each solver, and the ratios (with
     ``--profile``, profiled too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet32", choices=model_names() + model_names("lm"))
+    parser.add_argument("--model", default="resnet32", choices=[*model_names(), *model_names("lm"), "llama"])
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
         "--image-size", type=int, default=None, help="input side, a language model's T (default: the workload's)"
@@ -185,10 +238,21 @@ def main() -> None:
     parser.add_argument("--solvers", nargs="+", default=["hybrid", "kid", "kis", "sngd", "kfac"])
     parser.add_argument("--set", nargs="+", type=_option, default=[], metavar="KEY=VALUE", help="hylo options")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time the process's CPU seconds, not wall seconds (a loaded machine)"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="also time each solver with hylo's profiling on (profile_dir)"
     )
     args = parser.parse_args()
+    if args.cpu_time and args.device.type != "cpu":
+        parser.error("--cpu-time measures the process's CPU seconds: it needs --device cpu")
+    if args.model == "llama":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            parser.error("--model llama needs the transformers package (pip install transformers)")
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
@@ -199,33 +263,39 @@ def main() -> None:
         "model_options": sizes,
         "optimizer": args.optimizer,
         "options": dict(args.set),
+        "device": args.device,
+        "cpu_time": args.cpu_time,
     }
     base_times: list[float] = []
-    base = iteration_time(
-        args.model, None, *shape, classes=args.vocab, model_options=sizes, optimizer=args.optimizer, times=base_times
-    )
+    base_kinds: list[bool] = []
+    base = iteration_time(args.model, None, *shape, times=base_times, updates=base_kinds, **workload)
     base_median = statistics.median(base_times)
     name = args.optimizer
-    header = f"{'optimizer':<14} {'ms/iter':>9} {'vs ' + name:>9} {'median':>9} {'vs ' + name:>9}"
+    where = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
+    clock = "process CPU" if args.cpu_time else "wall"
+    print(f"device: {args.device} ({where}), threads {torch.get_num_threads()}; {clock} ms per iteration, vs {name}")
+    header = f"{'optimizer':<14} {'mean':>9} {'vs':>6} {'median':>9} {'vs':>6} {'update':>9} {'vs':>6} {'other':>9} {'vs':>6}"
     if args.profile:
         header += f" {'profiled':>9} {'vs ' + name:>9} {'prof/plain':>10}"
     print(header)
-    print(f"{name:<14} {1e3 * base:>9.1f} {1.0:>9.2f} {1e3 * base_median:>9.1f} {1.0:>9.2f}")
+    print(_row(name, base_times, base_kinds, base, base_median))
     breakdowns: dict[str, tuple[dict[str, float], float]] = {}
     for solver in args.solvers:
         times: list[float] = []
+        kinds: list[bool] = []
         try:
-            t = iteration_time(args.model, solver, *shape, times=times, **workload)
+            t = iteration_time(args.model, solver, *shape, times=times, updates=kinds, **workload)
         except ValueError as err:
             print(f"{name + '+' + solver:<14} refused: {str(err)[:200]}", flush=True)
             continue
-        median = statistics.median(times)
-        line = f"{name + '+' + solver:<14} {1e3 * t:>9.1f} {t / base:>9.2f} {1e3 * median:>9.1f} {median / base_median:>9.2f}"
+        line = _row(name + "+" + solver, times, kinds, base, base_median)
         if args.profile:
             p, phases, apply_ms = profiled_iteration_time(args.model, solver, *shape, **workload)
             breakdowns[solver] = (phases, apply_ms)
             line += f" {1e3 * p:>9.1f} {p / base:>9.2f} {p / t:>10.2f}"
         print(line, flush=True)
+    print("mean: all timed iterations (vs the plain mean); median, update (their mean), other (their median): vs the")
+    print(f"plain median; {args.steps} timed iterations after {args.warmup}, update_freq {args.update_freq}")
     if breakdowns:
         print("\nms in hylo's step() per update step, by phase (steps-r0.csv), and per other step:")
         print(f"{'solver':<8}" + "".join(f" {phase:>9}" for phase in (*BREAKDOWN, "step", "apply")))
