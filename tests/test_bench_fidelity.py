@@ -38,6 +38,7 @@ COLUMNS = [
     "rel_error_sgd",
     "cosine_sgd",
     "norm_ratio_sgd",
+    "device",
 ]
 
 
@@ -46,7 +47,7 @@ def test_bench_writes_long_rows_and_sngd_is_exact_on_linear_layers(
 ) -> None:
     out = tmp_path / "fidelity.csv"
     argv = ["--model", "cnn", "--batch-size", "8", "--damping", "0.3", "--methods", "kfac", "sngd", "--csv", str(out)]
-    assert bench_fidelity.main(argv) == 0
+    assert bench_fidelity.main([*argv, "--device", "cpu"]) == 0
     with out.open() as handle:
         rows = list(csv.DictReader(handle))
     assert rows and list(rows[0]) == COLUMNS
@@ -58,6 +59,7 @@ def test_bench_writes_long_rows_and_sngd_is_exact_on_linear_layers(
     linear = {name for name in layers if isinstance(model.get_submodule(name), nn.Linear)}
     assert linear == {"7", "9"}
     assert {r["data"] for r in rows} == {"random"} and {r["weights"] for r in rows} == {"init"}
+    assert {r["device"] for r in rows} == {"cpu"}
     assert {(r["layer"], r["layer_type"], r["positions"]) for r in rows} == {
         ("0", "Conv2d", str(28 * 28)),  # 5×5, padding 2
         ("3", "Conv2d", str(14 * 14)),  # after 2×2 pooling
@@ -71,6 +73,7 @@ def test_bench_writes_long_rows_and_sngd_is_exact_on_linear_layers(
             assert float(row["norm_ratio"]) == pytest.approx(1.0, abs=1e-8)
             assert float(row["rel_error_sgd"]) > 1e-2, row
     printed = capsys.readouterr().out
+    assert printed.startswith("device: cpu\n")
     assert "median" in printed and "kfac" in printed and f"wrote {out}" in printed
 
 

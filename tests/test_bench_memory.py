@@ -21,16 +21,18 @@ def test_replay_peaks_by_hand() -> None:
     assert replay_peaks([(5, -4)], [("only", 0, 9)]) == ({"only": 0}, 0)  # frees alone: nothing above the start
 
 
-def test_each_run_in_its_own_process(tmp_path: Path) -> None:
+def test_each_run_in_its_own_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "memory.csv"
     bench_memory.main(
         ["--model", "mlp", "--batch-size", "8", "--steps", "3", "--update-freq", "2", "--solvers", "sgd", "kfac"]
-        + ["--threads", "1", "--profile-update", "--csv", str(out)]
+        + ["--threads", "1", "--profile-update", "--device", "cpu", "--csv", str(out)]
     )
+    assert capsys.readouterr().out.startswith("device: cpu\n")
     with open(out, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["solver"] for row in rows] == ["sgd", "kfac"]
     assert list(rows[0]) == list(bench_memory.CSV_COLUMNS)
+    assert {row["device"] for row in rows} == {"cpu"}
     sgd, kfac = rows
     for row in rows:
         assert float(row["peak_rss_mb"]) >= float(row["baseline_rss_mb"]) > 0

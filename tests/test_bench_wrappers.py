@@ -35,12 +35,13 @@ def test_one_process_wrappers_train_with_hylo(wrapper: str) -> None:
 def test_table_of_plain_and_hylo_runs_in_their_own_processes(capsys: pytest.CaptureFixture[str]) -> None:
     bench_wrappers.main(
         ["--model", "cnn", "--batch-size", "8", "--steps", "1", "--warmup", "0", "--threads", "1"]
-        + ["--wrappers", "none", "--solver", "sngd"]
+        + ["--wrappers", "none", "--solver", "sngd", "--device", "cpu"]
     )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["wrapper", "plain", "ms"] and len(lines) == 2
-    fields = lines[1].split()
-    assert fields[0] == "none" and "not run" not in lines[1]
+    assert lines[0] == "device: cpu"
+    assert lines[1].split()[:3] == ["wrapper", "plain", "ms"] and len(lines) == 3
+    fields = lines[2].split()
+    assert fields[0] == "none" and "not run" not in lines[2]
     plain, with_hylo, ratio = (float(f) for f in fields[1:4])  # ms printed to 0.1, the ratio to 0.01
     assert (with_hylo - 0.05) / (plain + 0.05) - 0.005 <= ratio <= (with_hylo + 0.05) / (plain - 0.05) + 0.005
 

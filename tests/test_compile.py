@@ -294,7 +294,15 @@ def test_the_benchmark_counts_the_graphs_of_a_compiled_decoder() -> None:
     from hylo_scripts import bench_compile
 
     args = argparse.Namespace(
-        model="decoder", vocab=32, context=8, batch_size=2, solver="kfac", update_freq=2, steps=4, warmup=2
+        model="decoder",
+        vocab=32,
+        context=8,
+        batch_size=2,
+        solver="kfac",
+        update_freq=2,
+        steps=4,
+        warmup=2,
+        device=torch.device("cpu"),
     )
     plain = bench_compile.measure("compiled", args)
     for setup in ("compiled+hylo (after)", "compiled+hylo (before)"):

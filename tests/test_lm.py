@@ -374,7 +374,7 @@ def test_bench_lm_ratios_use_each_seeds_adamw_target() -> None:
 def test_bench_lm_quick_mode_writes_curves_and_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "lm.csv"
     argv = ["--task", "lm", "--quick", "--seeds", "0", "--solvers", "kfac", "--threads", "1", "--out", str(out)]
-    assert bench_accuracy.main(argv) == 0
+    assert bench_accuracy.main([*argv, "--device", "cpu"]) == 0
     curves = _rows(out)
     assert [(r["run"], r["step"]) for r in curves] == [("adamw", "4"), ("adamw", "8"), ("hylo-kfac", "4")] + [
         ("hylo-kfac", "8")
@@ -382,7 +382,9 @@ def test_bench_lm_quick_mode_writes_curves_and_ratios(tmp_path: Path, capsys: py
     assert all(math.isfinite(float(r["val_loss"])) for r in curves)
     ratios = _rows(tmp_path / "lm-ratios.csv")
     assert [r["run"] for r in ratios] == ["hylo-kfac"] and float(ratios[0]["target_loss"]) > 0
-    assert "steps ratio" in capsys.readouterr().out
+    assert {r["device"] for r in curves + ratios} == {"cpu"}
+    printed = capsys.readouterr().out
+    assert printed.startswith("device: cpu\n") and "steps ratio" in printed
     with pytest.raises(SystemExit):
         bench_accuracy.main(["--task", "lm", "--sgd-lrs", "0.1"])
     assert "--sgd-lrs: not a flag of --task lm" in capsys.readouterr().err

@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,9 @@ from typing import Any
 
 import torch
 
+from hylo_scripts import argtypes, timing
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
+from hylo_scripts.devices import describe
 from hylo_scripts.hylo_options import solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.runconfig import RunConfig
@@ -230,6 +231,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-intervals", type=float, help="lr warm-up, in evaluation intervals (default 0.5; lm 2)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="CSV of every run's curve (long format)")
     mnist = parser.add_argument_group("--task classification")
     mnist.add_argument("--batch-sizes", type=int, nargs="+", help="batch sizes (default 500 64)")
@@ -266,20 +273,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_classification(args: argparse.Namespace) -> int:
     """Run every (batch size, run, seed), print the table, optionally write the curves."""
     data: DataSplits = load_dataset("mnist5k", DataOptions(seed=0))
+    device: torch.device = args.device
+    device_name = describe(device)
+    print(f"device: {device_name}", flush=True)
     outcomes: list[Outcome] = []
     curves: list[dict[str, object]] = []
-    began = time.perf_counter()
+    began = timing.now(device)
     for batch_size in args.batch_sizes:
         runs: list[tuple[str | None, float]] = [(None, lr) for lr in args.sgd_lrs]
         runs += [(solver, args.lr) for solver in args.solvers]
         for solver, lr in runs:
             for seed in args.seeds:
-                result = train(run_config(args, batch_size, solver, lr, seed), data)
+                result = train(run_config(args, batch_size, solver, lr, seed), data, device=device)
                 reached = {t: first_reach(result, t) for t in args.thresholds}
                 outcomes.append(Outcome(batch_size, result.name, lr, seed, result.test_accuracy, reached))
                 curves += [
                     {"batch_size": batch_size, "run": result.name, "lr": lr, "seed": seed, "step": e.step}
-                    | {"test_acc": e.test_metric, "train_s": round(e.total_time_s, 4)}
+                    | {"test_acc": e.test_metric, "train_s": round(e.total_time_s, 4), "device": device_name}
                     for e in result.log
                 ]
                 print(
@@ -294,7 +304,7 @@ def run_classification(args: argparse.Namespace) -> int:
     print(summarise(outcomes, args.thresholds))
     if args.sgd_lrs:
         print("sgd: the lr of the grid", args.sgd_lrs, "with the best median final accuracy at each batch size")
-    print(f"total {time.perf_counter() - began:.0f} s")
+    print(f"total {timing.now(device) - began:.0f} s")
     if args.out is not None:
         write_rows(args.out, curves)
         print(f"wrote {args.out}")
@@ -407,13 +417,16 @@ def run_lm(args: argparse.Namespace) -> int:
     if not isinstance(data.test, TokenWindows):
         raise TypeError(f"the stdlib corpus should give token windows, got {type(data.test).__name__}")
     data = dataclasses.replace(data, test=data.test.spread(args.eval_windows))
+    device: torch.device = args.device
+    device_name = describe(device)
+    print(f"device: {device_name}", flush=True)
     print(f"data: {data.info} (evaluating {len(data.test)} validation windows)", flush=True)
     curves: list[LMCurve] = []
-    began = time.perf_counter()
+    began = timing.now(device)
 
     def run(solver: str | None, lr: float) -> None:
         for seed in args.seeds:
-            result = train(lm_config(args, solver, lr, seed), data)
+            result = train(lm_config(args, solver, lr, seed), data, device=device)
             points = [(e.step, e.total_time_s, e.test_loss) for e in result.log]
             curves.append(LMCurve(result.name, lr, seed, points))
             print(
@@ -435,11 +448,11 @@ def run_lm(args: argparse.Namespace) -> int:
         "seed's target; ratios are hylo / AdamW at the first evaluation at or below it (targets: steps <= 0.7, "
         "time <= 0.9)"
     )
-    print(f"total {time.perf_counter() - began:.0f} s")
+    print(f"total {timing.now(device) - began:.0f} s")
     if args.out is not None:
         rows = [
             {"run": c.name, "lr": c.lr, "seed": c.seed, "step": step, "train_s": round(seconds, 4)}
-            | {"val_loss": loss, "val_bpb": loss / math.log(2)}
+            | {"val_loss": loss, "val_bpb": loss / math.log(2), "device": device_name}
             for c in curves
             for step, seconds, loss in c.points
         ]
@@ -447,7 +460,7 @@ def run_lm(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
         if ratios:
             ratio_path = args.out.with_name(f"{args.out.stem}-ratios.csv")
-            write_rows(ratio_path, ratios)
+            write_rows(ratio_path, [row | {"device": device_name} for row in ratios])
             print(f"wrote {ratio_path}")
     return 0
 

@@ -16,7 +16,9 @@ Second metric, ``recv/rank``: bytes each rank receives with the usual ring algor
 P−1 non-source ranks, averaged over ranks). This is the volume that grows with P on the
 low-rank path (every rank receives all P·r rows) and stays ~3·(d_a² + d_g²) for K-FAC.
 
-With one rank nothing is sent. Example:
+With one rank nothing is sent. ``--device cuda`` measures on NCCL instead, rank r on ``cuda:r``
+(refused when the machine has fewer GPUs than ``--measure-ranks``' largest P); the analytic counts
+have no device. Example:
     python scripts/bench_comm.py --ranks 1 2 4 8 16 32 64 --local-batch 32 --rank-ratio 0.1 --measure
 """
 
@@ -26,6 +28,7 @@ import argparse
 import math
 import socket
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hylo
+from hylo_scripts import argtypes
+from hylo_scripts.devices import backend, describe, rank_device, ranks_problem
 from hylo_scripts.engine import write_rows
 from hylo_scripts.models import MODELS, build_model, model_names
 
@@ -75,23 +80,40 @@ def received_bytes_per_rank(solver: str, d_a: int, d_g: int, world: int, local_b
 
 
 def _measure_worker(
-    rank: int, world: int, port: int, model_name: str, solver: str, local_batch: int, rank_ratio: float, queue: Any
+    rank: int,
+    world: int,
+    port: int,
+    model_name: str,
+    solver: str,
+    local_batch: int,
+    rank_ratio: float,
+    queue: Any,
+    device: torch.device,
 ) -> None:
     torch.set_num_threads(1)
+    mine = rank_device(device, rank)
+    if mine.type == "cuda":
+        torch.cuda.set_device(mine)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        backend(device),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
     )
     try:
         spec = MODELS[model_name]
         # the bytes do not depend on the image side: at most 32 keeps ResNet-50 cheap
         side = min(32, spec.input_shape[-1])
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(build_model(model_name, spec.shape(side)))
+        model = torch.nn.parallel.DistributedDataParallel(
+            build_model(model_name, spec.shape(side)).to(mine), device_ids=[mine.index] if mine.type == "cuda" else None
+        )
         with warnings.catch_warnings():  # BatchNorm layers are left alone, as expected here
             warnings.filterwarnings("ignore", message="hylo leaves")
             pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=1, rank_ratio=rank_ratio)
         torch.manual_seed(rank + 1)
-        x, y = spec.random_batch(local_batch, side=side)
+        x, y = (t.to(mine) for t in spec.random_batch(local_batch, side=side))
         torch.nn.functional.cross_entropy(model(x), y).backward()
         pre.step()
         queue.put((rank, dict(pre.comm.bytes_by_tag)))
@@ -99,15 +121,27 @@ def _measure_worker(
         dist.destroy_process_group()
 
 
-def measure(model_name: str, solver: str, world: int, local_batch: int, rank_ratio: float) -> dict[str, int]:
-    """Tagged bytes per layer summed over ranks, from one real update on ``world`` gloo processes."""
+def measure(
+    model_name: str,
+    solver: str,
+    world: int,
+    local_batch: int,
+    rank_ratio: float,
+    device: torch.device | None = None,
+) -> dict[str, int]:
+    """Tagged bytes per layer summed over ranks, from one real update on ``world`` processes: gloo on CPU,
+    NCCL with rank r on ``cuda:r`` when ``device`` (default CPU) is CUDA (see :func:`hylo_scripts.devices.ranks_problem`)."""
+    device = device or torch.device("cpu")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_measure_worker, args=(r, world, port, model_name, solver, local_batch, rank_ratio, queue))
+        ctx.Process(
+            target=_measure_worker,
+            args=(r, world, port, model_name, solver, local_batch, rank_ratio, queue, device),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -124,18 +158,29 @@ def measure(model_name: str, solver: str, world: int, local_batch: int, rank_rat
     return totals
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Print the analytic table (and measured checks), optionally write CSVs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["resnet32", "resnet50"], choices=model_names())
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--local-batch", type=int, default=32)
     parser.add_argument("--rank-ratio", type=float, default=0.1)
-    parser.add_argument("--measure", action="store_true", help="check the counts on gloo at --measure-ranks")
+    parser.add_argument(
+        "--measure", action="store_true", help="check the counts on gloo (NCCL on CUDA) at --measure-ranks"
+    )
     parser.add_argument("--measure-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--measure-solvers", nargs="+", default=["kid", "kis", "kfac"])
     parser.add_argument("--out", default=None, help="CSV of per-layer analytic bytes")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="where --measure runs: cpu (gloo) or cuda (NCCL, one GPU per rank; default: cuda if any)",
+    )
+    args = parser.parse_args(argv)
+    problem = ranks_problem(args.device, max(args.measure_ranks)) if args.measure else None
+    if problem is not None:
+        parser.error(problem)
 
     rows = []
     print("payload = bytes put into collectives by all ranks; recv/rank = bytes one rank receives (ring)")
@@ -185,12 +230,13 @@ def main() -> None:
         write_rows(args.out, rows)
         print(f"wrote {args.out}")
     if args.measure:
-        print("\nmeasured on gloo vs analytic (per-layer bytes summed over ranks)")
+        print(f"\nmeasured on {backend(args.device)} vs analytic (per-layer bytes summed over ranks)")
+        print(f"device: {describe(args.device)}" + (", rank r on cuda:r" if args.device.type == "cuda" else ""))
         for model_name in args.models:
             shapes = layer_shapes(model_name)
             for world in args.measure_ranks:
                 for solver in args.measure_solvers:
-                    measured = measure(model_name, solver, world, args.local_batch, args.rank_ratio)
+                    measured = measure(model_name, solver, world, args.local_batch, args.rank_ratio, args.device)
                     expected = {
                         name: analytic_bytes(solver, d_a, d_g, world, args.local_batch, args.rank_ratio)
                         for name, d_a, d_g in shapes

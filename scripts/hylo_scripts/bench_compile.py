@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -36,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
+from hylo_scripts import argtypes, timing
+from hylo_scripts.devices import describe
 from hylo_scripts.models import DecoderLM
 
 SETUPS = ("eager", "compiled", "eager+hylo", "compiled+hylo (after)", "compiled+hylo (before)")
@@ -107,10 +108,11 @@ class Row:
 def measure(setup: str, args: argparse.Namespace) -> Row:
     """Run ``setup`` for ``--warmup`` + ``--steps`` iterations; its graph counts and median step times."""
     torch._dynamo.reset()
-    model = build(args.model, args.vocab, args.context)
+    device: torch.device = args.device
+    model = build(args.model, args.vocab, args.context).to(device)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=gen)
-    y = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=gen)
+    x = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=gen).to(device)
+    y = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=gen).to(device)
     counter = GraphCounter()
     options = {"solver": args.solver, "update_freq": args.update_freq, "damping": 0.03}
     call: Callable[[Tensor], Tensor] = model
@@ -130,13 +132,13 @@ def measure(setup: str, args: argparse.Namespace) -> Row:
         for i in range(args.warmup + args.steps):
             capturing = pre is not None and i % args.update_freq == 0
             counter.runs = 0
-            start = time.perf_counter()
+            start = timing.now(device)
             optimizer.zero_grad()
             F.cross_entropy(call(x).flatten(0, 1), y.flatten()).backward()
             if pre is not None:
                 pre.step()
             optimizer.step()
-            elapsed = 1e3 * (time.perf_counter() - start)
+            elapsed = 1e3 * (timing.now(device) - start)
             if not capturing:
                 graphs = counter.runs
             if i >= args.warmup:
@@ -148,7 +150,7 @@ def measure(setup: str, args: argparse.Namespace) -> Row:
     return Row(setup, graphs, counter.compiled, median(update_ms) if update_ms else float("nan"), median(other_ms))
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Print one row per set-up: graphs per step, graphs compiled, median ms of update and other steps."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama", choices=("llama", "decoder"))
@@ -161,10 +163,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any)",
+    )
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
+    print(f"device: {describe(args.device)}")
     print(f"{'setup':<24} {'graphs':>6} {'compiled':>8} {'update ms':>10} {'other ms':>9}")
     for setup in args.setups:
         row = measure(setup, args)

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import math
 import statistics
-import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -41,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
+from hylo_scripts import argtypes, timing
+from hylo_scripts.devices import describe
 from hylo_scripts.engine import write_rows
 from hylo_scripts.models import MODELS, ModelSpec, build_model, model_names
 from hylo_scripts.persample import (
@@ -170,12 +171,13 @@ def mnist_batches(spec: ModelSpec, batch: int, seed: int) -> tuple[Iterator[tupl
 
 def train_sgd(model: nn.Module, batches: Iterator[tuple[Tensor, Tensor]], steps: int, lr: float) -> float:
     """``steps`` steps of SGD (momentum 0.9, weight decay 5e-4) in float32 on ``batches``, leaving no
-    ``.grad``; the last 20 steps' mean training loss."""
+    ``.grad``, on the model's device; the last 20 steps' mean training loss."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
     model.train()
+    device = next(model.parameters()).device
     losses: list[float] = []
     for _ in range(steps):
-        x, y = next(batches)
+        x, y = (t.to(device) for t in next(batches))
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -289,6 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=0, help="SGD steps on --data mnist before measuring")
     parser.add_argument("--train-lr", type=float, default=0.05, help="the learning rate of --train-steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any)",
+    )
     parser.add_argument("--csv", default=None, help="write one row per damping, run and layer to this CSV")
     parser.add_argument(
         "--summarize", nargs="+", default=None, metavar="CSV", help="only print the medians of these CSVs' conv layers"
@@ -308,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
-    start = time.perf_counter()
+    device: torch.device = args.device
+    start = timing.now(device)
+    device_name = describe(device)
+    print(f"device: {device_name}", flush=True)
     spec = MODELS[args.model]
     torch.manual_seed(args.seed)
-    model = build_model(args.model)
+    model = build_model(args.model).to(device)
     weights = "init"
     if args.data == "mnist":
         batches, x, y = mnist_batches(spec, args.batch_size, args.seed)
@@ -322,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         x, y = spec.random_batch(args.batch_size)
     model = model.to(torch.float64)
-    x = x.to(torch.float64)
+    x, y = x.to(device, torch.float64), y.to(device)
     batchnorm_eval(model, x)
     layers = supported_layers(model)
     per_sample = per_sample_grads(model, F.cross_entropy, x, y, layers)
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     grads = {name: grad_matrix(model.get_submodule(name)) for name in layers}
     print(
         f"{args.model}, batch {args.batch_size}, {len(layers)} layers, float64; "
-        f"per-sample gradients in {time.perf_counter() - start:.1f} s",
+        f"per-sample gradients in {timing.now(device) - start:.1f} s",
         flush=True,
     )
     shapes = {name: (grads[name].shape[0], grads[name].shape[1]) for name in layers}
@@ -354,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         cosines = {"sgd": {name: cosine(grads[name], references[name]) for name in layers}}
         errors: dict[str, dict[str, float]] = {}
         for run in runs:
-            run_start = time.perf_counter()
+            run_start = timing.now(device)
             results = preconditioned(model, x, y, run, damping, args.seed)
-            print(f"  damping {damping:g}, {run.label}: {time.perf_counter() - run_start:.1f} s", flush=True)
+            print(f"  damping {damping:g}, {run.label}: {timing.now(device) - run_start:.1f} s", flush=True)
             if results.keys() != set(layers):
                 raise RuntimeError(f"hylo registered {sorted(results)}, the oracle covers {layers}")
             errors[run.label] = {name: relative_error(results[name], references[name]) for name in layers}
@@ -382,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                     "rel_error_sgd": sgd[name],
                     "cosine_sgd": cosines["sgd"][name],
                     "norm_ratio_sgd": float(grads[name].norm() / damping / references[name].norm()),
+                    "device": device_name,
                 }
                 for name in layers
             ]
         print()
         print(format_tables(damping, shapes, sgd, errors, cosines, convolutions), flush=True)
-    print(f"\ntotal {time.perf_counter() - start:.1f} s")
+    print(f"\ntotal {timing.now(device) - start:.1f} s")
     if args.csv:
         write_rows(args.csv, rows)
         print(f"wrote {args.csv}")

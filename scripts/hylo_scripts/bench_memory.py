@@ -29,7 +29,6 @@ import json
 import os
 import resource
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import hylo
+from hylo_scripts import argtypes, timing
+from hylo_scripts.devices import describe
 from hylo_scripts.models import MODELS, build_model, model_names
 from hylo_scripts.process import run_child
 
@@ -63,6 +64,7 @@ CSV_COLUMNS = (
     "tensors",
     *(f"transient_{phase}_mb" for phase in PHASES),
     "transient_iteration_mb",
+    "device",
 )
 
 
@@ -131,8 +133,7 @@ def _profiled_iteration(
                 pre.step()
         with record_function("optimizer.step"):
             optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        timing.synchronize(device)
     events = prof.profiler.kineto_results.events()
     kind = torch._C._autograd.DeviceType.CUDA if device.type == "cuda" else torch._C._autograd.DeviceType.CPU
     allocations = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == kind]
@@ -168,21 +169,20 @@ def child_run(config: RunConfig) -> dict[str, Any]:
     captured = 0
     times = []
     for _ in range(config.steps):
-        start = time.perf_counter()
+        start = timing.now(device)
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         if pre is not None:
             if pre.steps % config.update_freq == 0:  # an update step: what the hooks kept for step()
-                paused = time.perf_counter()
+                paused = timing.now(device)
                 captured = max(captured, sum(pre.memory_breakdown().captured.values()))
-                start += time.perf_counter() - paused
+                start += timing.now(device) - paused
             pre.step()
         optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(timing.now(device) - start)
     timed = times[2:] if len(times) > 2 else times
     result: dict[str, Any] = {
+        "device": describe(device),
         "peak_rss_mb": peak_rss_mb(),
         "baseline_rss_mb": baseline,
         "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
@@ -270,7 +270,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, each in its own process")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any)",
+    )
     parser.add_argument("--max-unfold-mb", type=float, default=None, help="hylo's max_unfold_mb (default: its own)")
     parser.add_argument("--profile-update", action="store_true", help="profile one update iteration's allocations")
     parser.add_argument("--csv", default=None, help="write one row per run here")
@@ -278,8 +283,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child is not None:
         print(json.dumps(child_run(RunConfig(**json.loads(args.child)))))
         return
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
     if args.steps < 1 or args.repeats < 1 or args.batch_size < 1 or args.update_freq < 1:
         parser.error("--steps, --repeats, --batch-size and --update-freq must be at least 1")
     configs = [
@@ -292,12 +295,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.update_freq,
             args.damping,
             args.threads,
-            args.device,
+            str(args.device),
             args.max_unfold_mb,
             args.profile_update,
         )
         for solver in args.solvers
     ]
+    print(f"device: {describe(args.device)}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
     for config in configs:
         try:

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 import hylo
+from hylo_scripts import argtypes, timing
+from hylo_scripts.devices import describe
 from hylo_scripts.engine import write_rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_solver(
@@ -39,11 +35,9 @@ def time_solver(
     def timed(fn: Callable[[], None]) -> float:
         layer.zero_grad()
         torch.nn.functional.mse_loss(layer(x), target).backward()
-        _sync(device)
-        start = time.perf_counter()
+        start = timing.now(device)
         fn()
-        _sync(device)
-        return time.perf_counter() - start
+        return timing.now(device) - start
 
     update_times, step_times = [], []
     for _ in range(repeats):
@@ -53,7 +47,7 @@ def time_solver(
     return statistics.median(update_times), statistics.median(step_times)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Run the grid, print a table and optionally write a CSV."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024, 4096])
@@ -62,13 +56,20 @@ def main() -> None:
     parser.add_argument("--rank-ratio", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any)",
+    )
     parser.add_argument("--out", default=None, help="CSV file to write")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = args.device
+    name = describe(device)
     rows = []
+    print(f"device: {name}")
     print(f"{'solver':<6} {'d':>6} {'n':>6} {'update_ms':>11} {'step_ms':>9}")
     for d in args.dims:
         for n in args.batches:
@@ -82,7 +83,7 @@ def main() -> None:
                         "rank_ratio": args.rank_ratio,
                         "update_ms": 1e3 * update_s,
                         "step_ms": 1e3 * step_s,
-                        "device": device.type,
+                        "device": name,
                     }
                 )
                 print(f"{solver:<6} {d:>6} {n:>6} {1e3 * update_s:>11.2f} {1e3 * step_s:>9.2f}", flush=True)

@@ -14,6 +14,8 @@ the same random batch. Reported: the median ms per iteration after ``--warmup`` 
 (update and other steps as they occur), hylo's time over the plain one's, and rank 0's peak
 resident set size (``ru_maxrss``). The language model (``transformer``) trains with AdamW, the
 image models with SGD and momentum. A wrapper this torch build cannot run is reported as such.
+``--device cuda`` runs on the GPU (autocast and the scaler on CUDA), the distributed wrappers on
+NCCL with rank r on ``cuda:r`` (refused when the machine has fewer GPUs than ``--world``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 import socket
 import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -39,7 +40,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import hylo
+from hylo_scripts import argtypes, timing
 from hylo_scripts.bench_memory import peak_rss_mb
+from hylo_scripts.devices import backend, describe, rank_device, ranks_problem
 from hylo_scripts.models import MODELS, build_model
 from hylo_scripts.process import run_child
 
@@ -69,6 +72,13 @@ class WrapperRun:
     layers: int = 2
     width: int = 128
     context: int = 64
+    #: Where it runs (a distributed wrapper's rank r on ``cuda:r`` on CUDA).
+    device: str = "cpu"
+
+    def device_of(self, rank: int) -> torch.device:
+        """The device of rank ``rank`` (of the one process of a wrapper that is not distributed)."""
+        device = torch.device(self.device)
+        return rank_device(device, rank) if self.wrapper in DISTRIBUTED else device
 
 
 class Checkpointed(nn.Module):
@@ -129,10 +139,12 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
     """Train ``run.steps`` iterations in this process (rank ``rank``); its times and peak memory."""
     torch.set_num_threads(run.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
+    device = run.device_of(rank)
     model, x, y = build(run)
     if run.wrapper in DISTRIBUTED:
         share = run.batch // run.world
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+    model, x, y = model.to(device), x.to(device), y.to(device)
     model = wrap(model, run.wrapper)
     if run.wrapper == "compile":
         compiled = torch.compile(model)
@@ -150,12 +162,12 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
     if run.wrapper in ("autocast", "scaler"):
 
         def autocast() -> AbstractContextManager[Any]:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(device.type, dtype=torch.bfloat16)
 
-    scaler = torch.amp.GradScaler("cpu") if run.wrapper == "scaler" else None
+    scaler = torch.amp.GradScaler(device.type) if run.wrapper == "scaler" else None
     times = []
     for _ in range(run.warmup + run.steps):
-        start = time.perf_counter()
+        start = timing.now(device)
         optimizer.zero_grad(set_to_none=True)
         with autocast():
             loss = _loss(model, x, y)
@@ -171,7 +183,7 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
             scaler.update()
         else:
             optimizer.step()
-        times.append(time.perf_counter() - start)
+        times.append(timing.now(device) - start)
     if pre is not None:
         pre.remove()
     return {"ms_per_iter": 1e3 * statistics.median(times[run.warmup :]), "peak_rss_mb": peak_rss_mb()}
@@ -179,7 +191,10 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
 
 def _rank_main(rank: int, run: WrapperRun, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=run.world)
+    device = run.device_of(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's and fully_shard's device of this rank
+    dist.init_process_group(backend(device), rank=rank, world_size=run.world)
     try:
         result = train(run, rank)
         dist.barrier()
@@ -262,15 +277,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of a one-process run")
     parser.add_argument("--solver", default="hybrid")
     parser.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=WRAPPERS)
+    parser.add_argument(
+        "--device",
+        type=argtypes.device,
+        default=argtypes.default_device(),
+        help="cpu or cuda[:N] (default: cuda if any); ddp/fsdp2 on CUDA: NCCL, rank r on cuda:r",
+    )
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(WrapperRun(**json.loads(args.child)))))
         return
     if args.batch_size % args.world:
         parser.error(f"--batch-size {args.batch_size} must be divisible by --world {args.world}")
+    problem = ranks_problem(args.device, args.world) if set(args.wrappers) & set(DISTRIBUTED) else None
+    if problem is not None:
+        parser.error(f"{problem} (the {' and '.join(w for w in args.wrappers if w in DISTRIBUTED)} runs)")
     base = WrapperRun(
-        args.model, "none", None, args.batch_size, args.steps, args.warmup, args.update_freq, args.world, args.threads
+        args.model,
+        "none",
+        None,
+        args.batch_size,
+        args.steps,
+        args.warmup,
+        args.update_freq,
+        args.world,
+        args.threads,
+        device=str(args.device),
     )
+    print(f"device: {describe(args.device)}", flush=True)
     print(format_table(measure(base, args.solver, args.wrappers), args.solver))
 
 

@@ -151,9 +151,9 @@ def sngd_reference(U: Tensor, grad: Tensor | None, damping: float, *, dense: boo
         raise ValueError(f"grad of {v.shape[0]} entries does not match U's (d_g, d_a) = ({d_g}, {d_a})")
     if dense if dense is not None else d_g * d_a <= DENSE_LIMIT:
         fisher = rows.mT @ rows / n
-        solved = torch.linalg.solve(fisher + damping * torch.eye(d_g * d_a, dtype=torch.float64), v)
+        solved = torch.linalg.solve(fisher + damping * torch.eye(d_g * d_a, dtype=torch.float64, device=rows.device), v)
     else:
-        gram = rows @ rows.mT + n * damping * torch.eye(n, dtype=torch.float64)
+        gram = rows @ rows.mT + n * damping * torch.eye(n, dtype=torch.float64, device=rows.device)
         solved = (v - rows.mT @ torch.linalg.solve(gram, rows @ v)) / damping
     return solved.reshape(d_g, d_a)
 
