@@ -231,3 +231,31 @@ def test_pivoted_cholesky_is_greedy_on_residual_diagonal() -> None:
     _, full_factor, full_alive = pivoted_cholesky(FactoredRows(a, g), 25)
     assert full_alive[:20].all() and not full_alive[20:].any()  # rank(U) = min(25, 5·4) = 20
     torch.testing.assert_close(full_factor @ full_factor.mT, kernel, rtol=0, atol=1e-10 * float(kernel.abs().max()))
+
+
+@pytest.mark.parametrize("structure", ["scaled", "duplicated", "low-rank", "non-finite"])
+def test_pivoted_cholesky_lookahead_takes_the_greedy_pivots(structure: str) -> None:
+    """The CPU path's lookahead (residual columns of the LOOKAHEAD largest residuals, kept current) takes the very
+    pivots of the one-column greedy path, with the same factor up to round-off, over 300 rows and 60 pivots: several
+    candidate blocks, dead pivots where rows repeat or span few dimensions, NaN rows without an exception."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(300, 9, generator=gen, dtype=DT) * torch.rand(300, 1, generator=gen, dtype=DT)
+    g = torch.randn(300, 7, generator=gen, dtype=DT)
+    if structure == "duplicated":
+        a, g = torch.cat([a[:20]] * 15), torch.cat([g[:20]] * 15)
+    elif structure == "low-rank":
+        a = a[:, :2] @ torch.randn(2, 9, generator=gen, dtype=DT)
+        g = g[:, :3] @ torch.randn(3, 7, generator=gen, dtype=DT)
+    elif structure == "non-finite":
+        a[[4, 50]] = float("nan")
+    rows = FactoredRows(a, g)
+    ahead = pivoted_cholesky(rows, 60, lookahead=True)
+    plain = pivoted_cholesky(rows, 60, lookahead=False)
+    alive = plain[2]
+    assert torch.equal(ahead[2], alive)
+    # a dead pivot is any row at round-off residual (its column of L is 0 either way): the live ones are the same
+    assert torch.equal(ahead[0][alive], plain[0][alive])
+    scale = float(plain[1].nan_to_num().abs().max())
+    torch.testing.assert_close(ahead[1], plain[1], rtol=1e-9, atol=1e-9 * scale, equal_nan=True)
+    if structure in ("duplicated", "low-rank"):
+        assert not bool(plain[2].all())  # dead pivots were taken

@@ -49,17 +49,28 @@ def kis_select(weights: Tensor, r: int, generator: torch.Generator) -> Tensor:
     return order[torch.topk(keys, r).indices]
 
 
-def pivoted_cholesky(rows: SampleRows, r: int, rel_tol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+#: Pivot columns the CPU path of :func:`pivoted_cholesky` computes ahead in one product (docs/solvers.md, "KID").
+LOOKAHEAD = 16
+
+
+def pivoted_cholesky(
+    rows: SampleRows, r: int, rel_tol: float | None = None, lookahead: bool | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy pivoted Cholesky of the rows' kernel K (n×n): largest residual diagonal first.
 
-    Only K's diagonal (the row norms) and its r pivot columns are formed, in float64:
+    Only K's diagonal (the row norms) and its pivot columns are formed, in float64: about
     n·r·(d_a + d_g) multiply-adds and n·r numbers instead of the n²·(d_a + d_g) and n² of the
     whole kernel (docs/solvers.md, "KID").
 
     Returns (pivots J (r,), factor L (n×r) with K ≈ L Lᵀ, alive (r,) bool). A pivot whose
     residual is below ``rel_tol``·max(diag K) adds nothing (the rows already span it): its
     column of L is zero and ``alive`` is False. The default tolerance, 10·n·eps of float64
-    (at least 1e-12), sits at the float64 kernel's round-off. Deterministic; no host syncs.
+    (at least 1e-12), sits at the float64 kernel's round-off. Deterministic. On the CPU the
+    residual columns of the :data:`LOOKAHEAD` largest residuals are computed together (one
+    matrix product) and kept up to date, and a pivot outside them fetches the next ones: the
+    same greedy pivots, 3× faster on 2,048 rows (one host read per pivot, free on the CPU); on
+    other devices one column per pivot, with no host synchronisation (``lookahead`` None; True or False
+    forces either path).
     """
     rows = rows.to(torch.float64)
     residual = rows.sq_norms()
@@ -71,18 +82,55 @@ def pivoted_cholesky(rows: SampleRows, r: int, rel_tol: float | None = None) -> 
     pivots = torch.empty(r, dtype=torch.long, device=residual.device)
     alive = torch.empty(r, dtype=torch.bool, device=residual.device)
     taken = torch.zeros(n, dtype=torch.bool, device=residual.device)
+    if lookahead is None:
+        lookahead = residual.device.type == "cpu"
+    ahead = _Lookahead(rows, factor) if lookahead else None
     for k in range(r):
-        j = torch.argmax(torch.where(taken, -torch.inf, residual)).reshape(1)
+        masked = torch.where(taken, -torch.inf, residual)
+        j = torch.argmax(masked).reshape(1)
         pivot_residual = residual.index_select(0, j)
         ok = pivot_residual > threshold
-        column = rows.kernel_columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        if ahead is None:
+            column = rows.kernel_columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        else:
+            column = ahead.column(int(j), masked, k)
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
+        if ahead is not None:
+            ahead.downdate(column)
         residual = residual - column.square()
         taken = taken.index_fill(0, j, True)
         pivots[k] = j[0]
         alive[k] = ok[0]
     return pivots, factor, alive
+
+
+class _Lookahead:
+    """The residual kernel columns K[:, C] − L Lᵀ[:, C] of a few candidate pivots C, kept current as pivots are taken."""
+
+    def __init__(self, rows: SampleRows, factor: Tensor) -> None:
+        self.rows, self.factor = rows, factor
+        self.slot: dict[int, int] = {}
+        self.candidates = torch.empty(0, dtype=torch.long)
+        self.columns = factor.new_empty(factor.shape[0], 0)
+
+    def column(self, pivot: int, masked: Tensor, k: int) -> Tensor:
+        """Pivot ``pivot``'s residual column after ``k`` pivots; on a miss, the :data:`LOOKAHEAD` largest of the
+        ``masked`` residuals (taken rows at −inf) become the candidates."""
+        if pivot not in self.slot:
+            width = max(1, min(LOOKAHEAD, int(torch.isfinite(masked).sum())))
+            self.candidates = torch.topk(masked, width).indices
+            self.columns = self.rows.kernel_columns(self.candidates)
+            self.columns -= self.factor[:, :k] @ self.factor.index_select(0, self.candidates)[:, :k].mT
+            self.slot = {int(c): i for i, c in enumerate(self.candidates.tolist())}
+        if pivot not in self.slot:  # non-finite residuals: topk and argmax may disagree; one column, as elsewhere
+            index = torch.tensor([pivot], device=self.factor.device)
+            return self.rows.kernel_columns(index).squeeze(1) - self.factor[:, :k] @ self.factor[pivot, :k]
+        return self.columns[:, self.slot[pivot]].clone()
+
+    def downdate(self, column: Tensor) -> None:
+        """Take a new factor column out of the candidates' residual columns."""
+        self.columns -= column.unsqueeze(1) * column.index_select(0, self.candidates).unsqueeze(0)
 
 
 def kid_skeleton(rows: SampleRows, r: int) -> tuple[Tensor, Tensor]:
