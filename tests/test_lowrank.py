@@ -377,3 +377,36 @@ def test_memory_usage_is_m_rows_plus_m_squared(solver: str, option: dict, dtype:
         assert usage[layer.name] == m * (d_a + d_g) * elem + m * m * 8  # M in float64 (docs/solvers.md, "Numerics")
         shapes = {name: tuple(t.shape) for name, t in layer.state.tensors().items()}
         assert shapes == {"a": (m, d_a), "g": (m, d_g), "inner": (m, m)}
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        {"kernel_size": 3, "padding": 1},
+        {"kernel_size": (3, 2), "stride": (2, 3), "padding": (2, 0), "dilation": (1, 2)},
+        {"kernel_size": 4, "padding": "same", "dilation": 2},
+        {"kernel_size": 5, "stride": 3, "padding": 4},
+        {"kernel_size": 2, "stride": 2},
+    ],
+)
+def test_conv_patch_sums_from_the_unpadded_input_equal_the_padded_blocks(geometry: dict[str, object]) -> None:
+    """The surrogate rows' patch sums read from the unpadded input (windows clipped to it) equal the sums over the
+    padded, blocked input (the path of other padding modes), including windows that fall wholly in the padding."""
+    from hylo.layers.conv import ConvMath
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, dtype=DT, **geometry)  # type: ignore[arg-type]
+    x = torch.randn(5, 3, 9, 8, dtype=DT)
+    out = conv(x)
+    math = ConvMath(conv, "sum")
+    direct = math._position_sums(x, (out.shape[2], out.shape[3]))
+    blocked = torch.cat(
+        [
+            math._patch_sum(block, (rows.stop - rows.start, out.shape[3]))
+            for _, rows, block in math._blocks(x, out.shape[2:])
+        ]
+    )
+    padded = math._padded(x, (out.shape[2], out.shape[3]))
+    unfolded = torch.nn.functional.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    torch.testing.assert_close(direct, blocked, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direct, unfolded.sum(dim=2), rtol=1e-12, atol=1e-12)

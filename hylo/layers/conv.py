@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,12 @@ class ConvMath(LayerMath):
         self.stride = plane(module.stride)
         self.dilation = plane(module.dilation)
 
-    def _padded(self, x: Tensor, out_hw: tuple[int, int]) -> Tensor:
-        """The input the convolution reads, (N, C, H, W): ``x`` with the module's padding."""
+    #: Whether the patch sums of the surrogate rows may read the unpadded input (:meth:`_position_sums`); a subclass
+    #: whose :meth:`_padded` input is more than the padding (a transposed convolution's zeros) sets it False.
+    sums_from_input: ClassVar[bool] = True
+
+    def _pads(self) -> list[tuple[int, int]]:
+        """The module's padding (before, after) along H and W (H: none for a 1-D convolution)."""
         conv = self.conv
         if isinstance(conv.padding, str):
             if conv.padding == "valid":
@@ -86,7 +90,12 @@ class ConvMath(LayerMath):
                     pads.append((total // 2, total - total // 2))
         else:
             pads = [(p, p) for p in conv.padding]
-        pads = [(0, 0)] * (2 - self.spatial) + pads
+        return [(0, 0)] * (2 - self.spatial) + pads
+
+    def _padded(self, x: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """The input the convolution reads, (N, C, H, W): ``x`` with the module's padding."""
+        conv = self.conv
+        pads = self._pads()
         flat = [pads[1][0], pads[1][1], pads[0][0], pads[0][1]]
         if not any(flat):
             return x
@@ -144,6 +153,25 @@ class ConvMath(LayerMath):
         ]
         return torch.stack(sums, dim=-1).reshape(block.shape[0], -1)
 
+    def _position_sums(self, x: Tensor, out_hw: tuple[int, int]) -> Tensor:
+        """Sum over the output positions of each patch entry (n, C·kh·kw) under zero padding, from the unpadded input:
+        each kernel offset's window clipped to the input (the padding adds zeros), summed along W for each of the kw
+        column offsets, then along H for each of the kh row offsets: about one pass over the input at stride 1 (a
+        window is the row's total less the few entries it leaves out), kw strided ones otherwise, against kh·kw
+        strided passes over a padded copy (docs/design.md, "Memory")."""
+        pads = self._pads()
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        n, c, height, width = x.shape
+        rows_total = x.sum(dim=3)
+        by_column = torch.stack(
+            [_window_sum(x, 3, j * dw - pads[1][0], sw, out_hw[1], rows_total) for j in range(kw)], dim=-1
+        )  # (n, C, H, kw)
+        columns_total = by_column.sum(dim=2)
+        sums = torch.stack(
+            [_window_sum(by_column, 2, i * dh - pads[0][0], sh, out_hw[0], columns_total) for i in range(kh)], dim=-2
+        )  # (n, C, kh, kw)
+        return sums.reshape(n, c * kh * kw)
+
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:
         """Per-sample rows in the configured mode (see the class docstring), g scaled by ``scale``.
 
@@ -161,9 +189,12 @@ class ConvMath(LayerMath):
                 if self.bias is not None:
                     u[samples, :, columns] += g.sum(dim=2)
             return DenseRows(u)
-        a = torch.zeros(n, columns, dtype=dtype, device=x.device)
-        for samples, out_rows, block in self._blocks(x, (ho, wo)):
-            a[samples] += self._patch_sum(block, (out_rows.stop - out_rows.start, wo))
+        if self.sums_from_input and self.conv.padding_mode == "zeros":
+            a = self._position_sums(x.to(dtype), (ho, wo))
+        else:
+            a = torch.zeros(n, columns, dtype=dtype, device=x.device)
+            for samples, out_rows, block in self._blocks(x, (ho, wo)):
+                a[samples] += self._patch_sum(block, (out_rows.stop - out_rows.start, wo))
         a /= ho * wo
         if self.bias is not None:
             a = with_ones(a)
@@ -216,3 +247,18 @@ class ConvMath(LayerMath):
         """c = n²·L^(4+e): KAISA divides patches and raw output gradients by L before its position means."""
         positions = kfac_rows / rows
         return float(rows) ** 2 * positions ** (4.0 + self.kfc_exponent)
+
+
+def _window_sum(x: Tensor, dim: int, first: int, step: int, count: int, total: Tensor) -> Tensor:
+    """Σ_t x[..., first + step·t, ...] along ``dim`` over t < ``count``, the indices outside ``x`` counting as 0;
+    ``total`` is x summed along ``dim``: a contiguous window (``step`` 1) covering most of the axis is ``total``
+    less the few indices it leaves out."""
+    size = x.shape[dim]
+    t0 = max(0, -(first // step)) if first < 0 else 0
+    t1 = min(count - 1, (size - 1 - first) // step)
+    if t1 < t0:
+        return torch.zeros_like(total)
+    start, stop = first + step * t0, first + step * t1 + 1
+    if step == 1 and 2 * (start + size - stop) < stop - start:
+        return total - x.narrow(dim, 0, start).sum(dim=dim) - x.narrow(dim, stop, size - stop).sum(dim=dim)
+    return x.narrow(dim, start, stop - start)[(slice(None),) * dim + (slice(None, None, step),)].sum(dim=dim)

@@ -50,6 +50,8 @@ class ConvTransposeMath(ConvMath):
         assert not isinstance(padding, str)  # a transposed convolution's padding is numbers
         self.padding = (0, padding[0]) if self.spatial == 1 else (padding[0], padding[1])
 
+    sums_from_input = False
+
     def _padded(self, x: Tensor, out_hw: tuple[int, int]) -> Tensor:
         """``x`` (N, C, H, W) with stride − 1 zeros between neighbours, padded (or cropped) to give ``out_hw``."""
         sh, sw = self.spacing
