@@ -30,6 +30,7 @@ from hylo.layers import LayerShape
 from hylo.policy import SolverPolicy, is_dynamic
 from hylo.solvers import LAYER_SOLVERS, family_of
 from hylo.solvers.kfac import EIGH_COST
+from hylo.solvers.lowrank import PIVOT_WORK_WEIGHT
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.harness import run_distributed
 from tests.kit.models import override_model, regression_data, sequential
@@ -46,12 +47,12 @@ def kfac_cost(d_a: int, d_g: int, kfac_rows: int, f: int) -> float:
 def lowrank_cost(solver: str, d_a: int, d_g: int, rows: int, kept: int, f: int, world: int = 1) -> float:
     """A low-rank variant per update period, by hand (factored rows, w = d_a + d_g, no traffic).
 
-    m = P·n (sngd) or P·r; local work: none (sngd), n r w + n r² (kid: r kernel columns, pivoted Cholesky),
+    m = P·n (sngd) or P·r; local work: none (sngd), 10 (n r w + n r²) (kid: r kernel columns, pivoted Cholesky),
     n w (kis: row norms); then m² w + m³ + f·2 m d_a d_g.
     """
     w = d_a + d_g
     m = world * (rows if solver == "sngd" else kept)
-    local = {"sngd": 0.0, "kid": rows * kept * w + rows * kept**2, "kis": rows * w}[solver]
+    local = {"sngd": 0.0, "kid": PIVOT_WORK_WEIGHT * (rows * kept * w + rows * kept**2), "kis": rows * w}[solver]
     return local + m**2 * w + m**3 + f * 2.0 * m * d_a * d_g
 
 
@@ -108,7 +109,7 @@ def test_cost_lowrank_cheaper_for_wide_layers(d_a: int, d_g: int, n: int, n_k: i
     (later,) = policy.decide(2 * f, [shape], f, 1, config)
     assert (later.solver, later.reason, later.critical, later.trend) == ("kis", "stable", False, 0.0)
     assert later.cost_lowrank == lowrank_cost("kis", d_a, d_g, n, r, f)
-    assert c_kid - later.cost_lowrank == n * r * (d_a + d_g) + n * r**2 - n * (d_a + d_g)
+    assert c_kid - later.cost_lowrank == PIVOT_WORK_WEIGHT * (n * r * (d_a + d_g) + n * r**2) - n * (d_a + d_g)
 
 
 def test_cost_formulas_recomputed_by_hand() -> None:
@@ -122,14 +123,15 @@ def test_cost_formulas_recomputed_by_hand() -> None:
     assert (factors, eighs, rotations) == (2_751_463_424, 391_915_765_760, 241_591_910_400)
     shape = LayerShape(d_a, d_g, n, n, r)
     assert family_of("kfac").cost(shape, "kfac").per_period(f) == 636_259_139_584 == factors + eighs + rotations
-    # KID: n r (d_a + d_g) + n r² + m² (d_a + d_g) + m³ + f · 2 m d_a d_g, m = r on one rank
-    local_kernel = 128 * 48 * 5120  # 31 457 280: r columns of the n×n kernel
-    pivots = 128 * 48**2  # 294 912
+    # KID: 10 (n r (d_a + d_g) + n r²) + m² (d_a + d_g) + m³ + f · 2 m d_a d_g, m = r on one rank
+    assert PIVOT_WORK_WEIGHT == 10.0
+    local_kernel = 10 * 128 * 48 * 5120  # 314 572 800: r columns of the n×n kernel, weighted
+    pivots = 10 * 128 * 48**2  # 2 949 120
     gathered_kernel = 48**2 * 5120  # 11 796 480
     smw = 48**3  # 110 592
     apply = 10 * 2 * 48 * 4608 * 512  # 2 264 924 160
     kid = family_of("kid").cost(shape, "kid").per_period(f)
-    assert kid == 2_308_583_424 == local_kernel + pivots + gathered_kernel + smw + apply
+    assert kid == 2_594_353_152 == local_kernel + pivots + gathered_kernel + smw + apply
     # KIS: the row norms n (d_a + d_g) instead of the kernel and the pivots
     assert family_of("kis").cost(shape, "kis").per_period(f) == kid - local_kernel - pivots + 128 * 5120
     # SNGD: every row, m = n = 128
@@ -200,7 +202,7 @@ def test_preconditioner_picks_by_cost_on_real_layers() -> None:
     assert (d.step, d.layer, d.solver, d.reason) == (0, "fc", "kid", "critical")
     # update_freq defaults to 10; kept = max(1, floor(0.1 · 8)) = 1.
     assert d.cost_kfac == kfac_cost(2001, 2000, 8, 10) == 384_352_096_012
-    assert d.cost_lowrank == lowrank_cost("kid", 2001, 2000, 8, 1, 10) == 80_076_018
+    assert d.cost_lowrank == lowrank_cost("kid", 2001, 2000, 8, 1, 10) == 80_364_162
     assert torch.isfinite(big.fc.weight.grad).all()
 
     pre_small = HyLoPreconditioner(small, solver="hybrid")

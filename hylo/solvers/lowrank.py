@@ -130,6 +130,12 @@ class SampledRows(RowReduction):
         return float(shape.rows) * shape.row_width
 
 
+#: Multiply-adds of the cost model per multiply-add of KID's pivoted Cholesky: r sequential steps in float64 run
+#: about ten times slower per multiply-add than the float32 matrix products the other terms count (docs/hybrid-policy.md,
+#: "Cost model").
+PIVOT_WORK_WEIGHT = 10.0
+
+
 class SkeletonRows(RowReduction):
     """KID: a skeleton of r rows with interpolation weights W_p = Π Πᵀ, divisor B."""
 
@@ -152,9 +158,10 @@ class SkeletonRows(RowReduction):
         return LowRankUpdate(rows, _total_rows(counts), torch.block_diag(*blocks))
 
     def local_work(self, shape: LayerShape) -> float:
-        """r columns of the local kernel and the pivoted Cholesky (never the n×n kernel)."""
+        """r columns of the local kernel and the pivoted Cholesky (never the n×n kernel), weighted by
+        :data:`PIVOT_WORK_WEIGHT`: they run in float64, r sequential steps."""
         rows, kept = float(shape.rows), float(shape.kept_local)
-        return rows * kept * shape.row_width + rows * kept**2
+        return PIVOT_WORK_WEIGHT * (rows * kept * shape.row_width + rows * kept**2)
 
 
 def _solve_work(m: int, row_width: int) -> float:
