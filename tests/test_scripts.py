@@ -249,3 +249,27 @@ def test_kfac_convention_flags_reach_the_preconditioner() -> None:
         pre.remove()
     default = _parse([])
     assert (default.value("kfc_exponent"), default.value("damping_convention")) == (1.0, "hylo")
+
+
+def test_bench_overhead_marks_update_steps_and_runs_the_llama_decoder(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every iteration is marked an update step when hylo's step count is a multiple of update_freq (none for the
+    plain optimizer), the table has the update and other columns, --cpu-time needs the CPU, and --model llama builds
+    the small Hugging Face decoder with its default vocabulary."""
+    kinds: list[bool] = []
+    bench_overhead.iteration_time("mlp", "kis", 8, 6, 1, 3, None, times=[], updates=kinds)
+    assert kinds == [False, False, True, False, False, True]  # hylo's steps 1..6: updates at 3 and 6
+    plain: list[bool] = []
+    bench_overhead.iteration_time("mlp", None, 8, 2, 0, 1, None, times=[], updates=plain, cpu_time=True)
+    assert plain == [False, False]
+    with pytest.raises(ValueError, match="needs device cpu"):
+        bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, cpu_time=True, device=torch.device("meta"))
+    argv = ["bench_overhead.py", "--model", "llama", "--batch-size", "1", "--image-size", "8", "--steps", "2"]
+    argv += ["--warmup", "0", "--update-freq", "2", "--solvers", "kfac", "--optimizer", "adamw", "--device", "cpu"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", argv)
+        bench_overhead.main()
+    out = capsys.readouterr().out
+    assert out.startswith("device: cpu")
+    assert "update" in out.splitlines()[1] and "other" in out.splitlines()[1]
+    row = next(line for line in out.splitlines() if line.startswith("adamw+kfac"))
+    assert len(row.split()) == 9  # name, then mean, median, update, other with their ratios
