@@ -17,6 +17,7 @@ group from its own base lr.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,7 +199,9 @@ def _kaisa(model: nn.Module, optimizer: torch.optim.Optimizer) -> Steppable:
 
     included = set(curvature_modules(model))
     skipped = [
-        f"^{name}$" for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in included
+        f"^{re.escape(name)}$"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name not in included
     ]
     pre: Steppable = KFACPreconditioner(
         model,
