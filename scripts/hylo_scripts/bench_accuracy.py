@@ -411,12 +411,17 @@ def summarise_lm(curves: Sequence[LMCurve], ratios: Sequence[Mapping[str, Any]],
     return "\n".join(lines)
 
 
-def run_lm(args: argparse.Namespace) -> int:
-    """AdamW over the lr grid, then AdamW + each hylo solver, every seed; print the table, optionally write CSVs."""
+def lm_data(args: argparse.Namespace) -> DataSplits:
+    """The stdlib corpus at ``--seq-len`` / ``--max-bytes``, its test set ``--eval-windows`` spread windows."""
     data = load_dataset("stdlib", DataOptions(seq_len=args.seq_len, max_bytes=args.max_bytes))
     if not isinstance(data.test, TokenWindows):
         raise TypeError(f"the stdlib corpus should give token windows, got {type(data.test).__name__}")
-    data = dataclasses.replace(data, test=data.test.spread(args.eval_windows))
+    return dataclasses.replace(data, test=data.test.spread(args.eval_windows))
+
+
+def run_lm(args: argparse.Namespace) -> int:
+    """AdamW over the lr grid, then AdamW + each hylo solver, every seed; print the table, optionally write CSVs."""
+    data = lm_data(args)
     device: torch.device = args.device
     device_name = describe(device)
     print(f"device: {device_name}", flush=True)

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,21 @@ class RunResult:
     def train_loss(self) -> float:
         """Mean training loss over the last epoch's batches."""
         return self.log[-1].train_loss
+
+
+class Steppable(Protocol):
+    """A preconditioner-like object of another library (e.g. KAISA's ``KFACPreconditioner``): ``step()`` rewrites
+    the gradients in place between ``loss.backward()`` and ``optimizer.step()``, as hylo's does."""
+
+    def step(self) -> Any:
+        """Precondition the current gradients."""
+        ...
+
+
+#: ``train(optimizer_factory=...)``: the run's optimizer, built from the (possibly DDP-wrapped) model and the config.
+OptimizerFactory = Callable[[nn.Module, RunConfig], torch.optim.Optimizer]
+#: ``train(preconditioner_factory=...)``: a :class:`Steppable` built from the model and the run's optimizer.
+PreconditionerFactory = Callable[[nn.Module, torch.optim.Optimizer], Steppable]
 
 
 def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -253,6 +268,8 @@ def train(
     device: torch.device | None = None,
     resume: bool = False,
     verbose: bool = False,
+    optimizer_factory: OptimizerFactory | None = None,
+    preconditioner_factory: PreconditionerFactory | None = None,
 ) -> RunResult:
     """Train ``cfg`` (on ``data``, default: its dataset), evaluating after every epoch; see the module docstring.
 
@@ -260,7 +277,19 @@ def train(
     alone prints (with ``verbose``: the model and hylo summaries, a progress bar on a
     terminal, one line per epoch) and writes the run's files. ``resume`` continues the run in
     ``cfg.log_dir`` from its latest checkpoint (a ``ValueError`` names what does not fit).
+
+    Other optimizers (``scripts/bench_peers.py``; docs/benchmarks.md, "Peers"): ``optimizer_factory``
+    builds the optimizer in place of :func:`make_optimizer` (``cfg.optimizer`` is then unused; the
+    lr schedule scales every param group's own lr); ``preconditioner_factory`` builds a
+    :class:`Steppable` stepped where hylo's ``step()`` is (and timed as its preconditioning time).
+    Neither is saved in checkpoints, so both refuse ``checkpoint_freq`` and ``resume``, and the
+    second refuses a ``cfg.solver`` (one preconditioner per run).
     """
+    if optimizer_factory is not None or preconditioner_factory is not None:
+        if resume or cfg.checkpoint_freq:
+            raise ValueError("optimizer_factory and preconditioner_factory runs cannot checkpoint or resume")
+        if preconditioner_factory is not None and cfg.solver is not None:
+            raise ValueError(f"preconditioner_factory and hylo's solver {cfg.solver!r}: one preconditioner per run")
     rank, world = rank_and_world()
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} must be divisible by the number of ranks {world}")
@@ -324,7 +353,7 @@ def train(
     model: nn.Module = net
     if world > 1:
         model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg) if optimizer_factory is None else optimizer_factory(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
     if start.hylo is not None:
         # hylo checks its state in a preconditioner that writes nothing, before anything is written
@@ -340,6 +369,7 @@ def train(
     if world > 1:
         dist.barrier()  # the run directory is ready before hylo opens its files in it
     pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch, profile_append=start.state is not None)
+    other = preconditioner_factory(model, optimizer) if preconditioner_factory is not None else None
     metrics_path = log_dir / "metrics.csv" if log_dir is not None else None
     if start.state is not None:
         optimizer.load_state_dict(start.state["optimizer"])
@@ -380,6 +410,10 @@ def train(
                 if pre is not None:
                     clock.start()
                     pre.step()
+                    clock.stop()
+                elif other is not None:
+                    clock.start()
+                    other.step()
                     clock.stop()
                 optimizer.step()
                 scheduler.step()

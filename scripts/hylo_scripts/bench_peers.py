@@ -1,0 +1,393 @@
+"""hylo against the optimizers users would otherwise pick: Muon, SOAP, Shampoo, SINGD, KAISA and a tuned baseline.
+
+Each task trains the same model from the same initial weights on the same batches (the seed's,
+:func:`hylo_scripts.loop.train`) with the same schedule (linear warm-up, cosine to 0 at the last
+step) for every method; each method runs at every lr of its own small grid (``--lrs`` overrides
+it) over ``--seeds``, and its best lr is the one with the best median final metric over the
+seeds, read at the end of training.
+
+- ``classification``: the CNN on ``mnist5k`` at batch 500, 120 iterations, evaluated every 8
+  (``bench_accuracy.py``'s settings); the baseline is SGD with momentum 0.9, the metric test
+  accuracy (higher is better).
+- ``lm``: the transformer of ``bench_accuracy.py --task lm`` (2 blocks of width 128, 4 heads,
+  context 64, batch 32, 400 steps, evaluated every 25); the baseline is AdamW (weight decay
+  0.01), the metric the validation loss (nats per byte, lower is better).
+
+The baseline runs first: for each seed, its final metric at its best lr is the target, and each
+method's steps and training seconds to its first evaluation at or beyond the target are given
+with their ratios to the baseline's own. ms/step is the median over evaluation intervals of the
+interval's training time over its steps (amortised over the curvature-update steps). Parameters
+a peer does not train itself go to the baseline optimizer at the baseline's best lr
+(:mod:`hylo_scripts.peers`). A method whose package is missing is skipped with a printed note
+and a CSV row saying why. docs/benchmarks.md, "Peers", has the methods, the grids and a table.
+
+    python scripts/bench_peers.py                                  # both tasks, every method, 3 seeds
+    python scripts/bench_peers.py --task lm --seeds 0 --steps 100 --methods muon soap
+    python scripts/bench_peers.py --quick --out runs/peers.csv     # a smoke test in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hylo_scripts import bench_accuracy, peers
+from hylo_scripts.argtypes import default_device, positive_int
+from hylo_scripts.argtypes import device as device_type
+from hylo_scripts.bench_accuracy import LMCurve, median_range
+from hylo_scripts.data import DataOptions, DataSplits, load_dataset
+from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.loop import RunResult, train
+from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.rundir import write_rows
+
+#: ``--task`` values.
+TASKS = ("classification", "lm", "both")
+#: hylo's solvers run by default.
+DEFAULT_SOLVERS = ("kfac", "hybrid")
+#: ``--quick`` sizes per task (a smoke test: seconds), under any flag given explicitly; every grid is cut to its
+#: middle lr.
+QUICK: dict[str, dict[str, Any]] = {
+    "classification": {"batch_sizes": [100], "iterations": [8], "eval_every": 4},
+    "lm": dict(bench_accuracy.QUICK),
+}
+#: The columns of ``--out``: one row per run (a skipped method: one row with its reason).
+COLUMNS = (
+    "task",
+    "method",
+    "lr",
+    "seed",
+    "status",
+    "reason",
+    "metric",
+    "final",
+    "best_lr",
+    "lr_at_edge",
+    "target",
+    "steps_to_target",
+    "seconds_to_target",
+    "baseline_steps",
+    "baseline_seconds",
+    "step_ratio",
+    "time_ratio",
+    "ms_per_step",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (method, lr, seed) run: its curve of (step, training seconds, loss-like value) and ms per step.
+
+    The value is the validation loss on ``lm`` and the test error (1 − accuracy) on classification,
+    so that lower is better and :meth:`LMCurve.first_below` finds the first evaluation at the target.
+    """
+
+    method: str
+    curve: LMCurve
+    ms_per_step: float
+
+    @property
+    def final(self) -> float:
+        """The last evaluation's value (inf when not finite: a diverged run ranks last)."""
+        value = self.curve.final_loss
+        return value if math.isfinite(value) else math.inf
+
+
+def ms_per_step(result: RunResult) -> float:
+    """Median over evaluation intervals of the interval's training milliseconds per step."""
+    previous = 0
+    rates = []
+    for entry in result.log:
+        rates.append(1000.0 * entry.epoch_time_s / max(1, entry.step - previous))
+        previous = entry.step
+    return statistics.median(rates)
+
+
+def to_run(method: str, lr: float, seed: int, result: RunResult, task: str) -> Run:
+    """The :class:`Run` of a training result (classification: error = 1 − accuracy)."""
+    if task == "lm":
+        points = [(e.step, e.total_time_s, e.test_loss) for e in result.log]
+    else:
+        points = [(e.step, e.total_time_s, 1.0 - e.test_metric) for e in result.log]
+    return Run(method, LMCurve(method, lr, seed, points), ms_per_step(result))
+
+
+def best_lr(runs: Sequence[Run], method: str) -> float:
+    """The lr of ``method`` with the lowest median final value (highest accuracy / lowest loss) over seeds."""
+    mine = [r for r in runs if r.method == method]
+    if not mine:
+        raise ValueError(f"no runs of {method!r}")
+    lrs = sorted({r.curve.lr for r in mine})
+    return min(lrs, key=lambda lr: statistics.median(r.final for r in mine if r.curve.lr == lr))
+
+
+def targets(runs: Sequence[Run], baseline: str, lr: float) -> dict[int, tuple[float, int, float]]:
+    """Per seed: the baseline's final value at ``lr`` and its own (steps, seconds) to first reach it."""
+    out = {}
+    for run in runs:
+        if run.method == baseline and run.curve.lr == lr:
+            target = run.curve.final_loss
+            own = run.curve.first_below(target)
+            if own is not None:  # None only when the final value is NaN: no target for that seed
+                out[run.curve.seed] = (target, own[0], own[1])
+    return out
+
+
+def reach(run: Run, goals: dict[int, tuple[float, int, float]]) -> dict[str, Any]:
+    """``run``'s steps and seconds to its seed's target and their ratios to the baseline's (None: never)."""
+    goal = goals.get(run.curve.seed)
+    if goal is None:
+        return dict.fromkeys(("target", "steps_to_target", "seconds_to_target", "baseline_steps"), None) | {
+            "baseline_seconds": None,
+            "step_ratio": None,
+            "time_ratio": None,
+        }
+    target, steps, seconds = goal
+    hit = run.curve.first_below(target)
+    return {
+        "target": target,
+        "steps_to_target": None if hit is None else hit[0],
+        "seconds_to_target": None if hit is None else round(hit[1], 4),
+        "baseline_steps": steps,
+        "baseline_seconds": round(seconds, 4),
+        "step_ratio": None if hit is None else hit[0] / steps,
+        "time_ratio": None if hit is None else hit[1] / max(seconds, 1e-12),
+    }
+
+
+def metric_of(task: str, value: float) -> float:
+    """The reported metric of a curve value: accuracy in % (classification) or the validation loss (lm)."""
+    return value if task == "lm" else 100.0 * (1.0 - value)
+
+
+def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -> str:
+    """The table: per method at its best lr, the final metric, steps / seconds to the target, ratios, ms/step."""
+    metric = "final val loss" if task == "lm" else "final acc %"
+    header = (
+        f"{'method':<13} {'best lr':>8} {metric:>22} {'steps to target':>20} {'s to target':>20} "
+        f"{'step ratio':>20} {'time ratio':>20} {'ms/step':>8}"
+    )
+    lines = [f"task {task}: target = the baseline's final metric at its best lr, per seed", header, "-" * len(header)]
+    for method in dict.fromkeys(r["method"] for r in rows if r["status"] != "skipped"):
+        runs = [r for r in rows if r["method"] == method and r["best_lr"] and r["status"] != "failed"]
+        if not runs:
+            lines.append(f"{method:<13} no finished run at any lr (see the notes)")
+            continue
+        hits = [r for r in runs if r["steps_to_target"] is not None]
+        count = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)})"
+        finals = [r["final"] for r in runs if math.isfinite(r["final"])]
+        diverged = "" if len(finals) == len(runs) else f" ({len(runs) - len(finals)} diverged)"
+        fmt = ".4f" if task == "lm" else ".1f"
+        edge = "*" if runs[0]["lr_at_edge"] else ""
+        lines.append(
+            f"{method:<13} {format(runs[0]['lr'], 'g') + edge:>8} {median_range(finals, fmt) + diverged:>22} "
+            f"{median_range([r['steps_to_target'] for r in hits], '.0f') + count:>20} "
+            f"{median_range([r['seconds_to_target'] for r in hits], '.1f') + count:>20} "
+            f"{median_range([r['step_ratio'] for r in hits], '.2f') + count:>20} "
+            f"{median_range([r['time_ratio'] for r in hits], '.2f') + count:>20} "
+            f"{statistics.median(r['ms_per_step'] for r in runs):>8.1f}"
+        )
+    lines.append("median [range] over seeds at each method's best lr; (k/n): only k of n seeds reached the target;")
+    lines.append("* the best lr is at an end of the method's grid (widen it with --lrs)")
+    lines += notes
+    return "\n".join(lines)
+
+
+def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
+    """``bench_accuracy``'s options for ``task``: its defaults, ``--quick``'s sizes, then this run's flags."""
+    values = dict(bench_accuracy.DEFAULTS[task]) | {"freq": 10, "rank_ratio": 0.1}
+    if task == "classification":
+        values |= {"batch_sizes": [500], "iterations": [120]}
+    if args.quick:
+        values |= QUICK[task]
+    if task == "classification" and args.iterations is not None:
+        values["iterations"] = [args.iterations]
+    if task == "lm" and args.steps is not None:
+        values["steps"] = args.steps
+    return argparse.Namespace(**values)
+
+
+def run_config(options: argparse.Namespace, task: str, method: peers.Method, lr: float, seed: int) -> RunConfig:
+    """One run's config: ``bench_accuracy``'s of the task, with hylo's solver for a hylo method."""
+    if task == "lm":
+        return bench_accuracy.lm_config(options, method.solver, lr, seed)
+    return bench_accuracy.run_config(options, options.batch_sizes[0], method.solver, lr, seed)
+
+
+def load(task: str, options: argparse.Namespace) -> DataSplits:
+    """The task's data (mnist5k, or the stdlib corpus with its spread validation windows)."""
+    if task == "lm":
+        return bench_accuracy.lm_data(options)
+    return load_dataset("mnist5k", DataOptions(seed=0))
+
+
+def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every method × lr × seed of ``task``; print each run and the table; return the CSV rows (and, with
+    ``--curves``, append every evaluation to ``curves``)."""
+    options = task_args(args, task)
+    data = load(task, options)
+    baseline = peers.BASELINES[task]
+    methods = [peers.METHODS[baseline]]
+    methods += [peers.METHODS[m] for m in args.methods if m != baseline and task in peers.METHODS[m].grids]
+    methods += [peers.hylo_method(s) for s in args.solvers]
+    runs: list[Run] = []
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    rest_lr = math.nan
+    for method in methods:
+        reason = peers.missing(method)
+        if reason is not None:
+            note = f"{method.name}: skipped, {reason}"
+            print(note, flush=True)
+            notes.append(note)
+            rows.append(dict.fromkeys(COLUMNS) | {"task": task, "method": method.name, "status": "skipped"})
+            rows[-1]["reason"] = reason
+            continue
+        grid = args.lrs.get(method.name, method.grids[task])
+        if args.quick and method.name not in args.lrs:
+            grid = (grid[len(grid) // 2],)
+        for lr in grid:
+            for seed in args.seeds:
+                cfg = run_config(options, task, method, lr, seed)
+                factory = None if method.optimizer is None else method.optimizer(lr, rest_lr)
+                began = time.perf_counter()
+                try:
+                    result = train(
+                        cfg,
+                        data,
+                        device=args.device,
+                        optimizer_factory=factory,
+                        preconditioner_factory=method.preconditioner,
+                    )
+                except Exception as err:  # a peer's failure is reported in its row, the benchmark goes on
+                    message = f"{type(err).__name__}: {err}"
+                    print(f"{task} {method.name:<13} lr {lr:<8g} seed {seed}: FAILED {message}", flush=True)
+                    rows.append(
+                        dict.fromkeys(COLUMNS)
+                        | {"task": task, "method": method.name, "lr": lr, "seed": seed, "status": "failed"}
+                        | {"reason": message}
+                    )
+                    continue
+                run = to_run(method.name, lr, seed, result, task)
+                runs.append(run)
+                print(
+                    f"{task} {method.name:<13} lr {lr:<8g} seed {seed}: final "
+                    f"{metric_of(task, run.curve.final_loss):.4g} ({run.ms_per_step:.1f} ms/step, "
+                    f"{time.perf_counter() - began:.1f} s)",
+                    flush=True,
+                )
+        if method.name == baseline:
+            rest_lr = best_lr(runs, baseline)
+    goals = targets(runs, baseline, rest_lr)
+    best = {m: best_lr(runs, m) for m in dict.fromkeys(r.method for r in runs)}
+    for run in runs:
+        grid = sorted({r.curve.lr for r in runs if r.method == run.method})
+        rows.append(
+            dict.fromkeys(COLUMNS)
+            | {"task": task, "method": run.method, "lr": run.curve.lr, "seed": run.curve.seed, "status": "ok"}
+            | {"metric": "val_loss" if task == "lm" else "test_acc_pct"}
+            | {"final": metric_of(task, run.curve.final_loss), "best_lr": run.curve.lr == best[run.method]}
+            | reach(run, goals)
+            | {"ms_per_step": round(run.ms_per_step, 3)}
+            | {"lr_at_edge": len(grid) > 1 and best[run.method] in (grid[0], grid[-1])}
+        )
+    order = [m.name for m in methods]
+    rows.sort(key=lambda row: order.index(row["method"]))  # stable: by method, each in its runs' order
+    notes += [
+        f"{r['method']} lr {r['lr']:g} seed {r['seed']}: failed, {r['reason']}" for r in rows if r["status"] == "failed"
+    ]
+    if args.curves is not None:
+        curves.extend(
+            {"task": task, "method": run.method, "lr": run.curve.lr, "seed": run.curve.seed, "step": step}
+            | {"train_s": round(seconds, 4), "metric": metric_of(task, value)}
+            for run in runs
+            for step, seconds, value in run.curve.points
+        )
+    print()
+    print(summarise(task, rows, notes))
+    print()
+    return rows
+
+
+def parse_lrs(values: Sequence[str], known: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """``--lrs METHOD=a,b,c ...`` as {method: grid}; an unknown method or a bad number is a ValueError."""
+    grids: dict[str, tuple[float, ...]] = {}
+    for text in values:
+        name, sep, numbers = text.partition("=")
+        if not sep or not numbers:
+            raise ValueError(f"--lrs {text!r}: expected METHOD=lr,lr,...")
+        if name not in known:
+            raise ValueError(f"--lrs {text!r}: unknown method {name!r} (one of {', '.join(known)})")
+        try:
+            grid = tuple(float(x) for x in numbers.split(","))
+        except ValueError as err:
+            raise ValueError(f"--lrs {text!r}: {err}") from err
+        if not all(math.isfinite(x) and x > 0 for x in grid):
+            raise ValueError(f"--lrs {text!r}: every lr must be a finite number > 0")
+        grids[name] = grid
+    return grids
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (defaults: the settings of docs/benchmarks.md, "Peers")."""
+    peer_names = [m for m in peers.METHODS if m not in peers.BASELINES.values()]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=TASKS, default="both", help="classification, lm or both (default)")
+    parser.add_argument("--methods", nargs="*", choices=peer_names, default=peer_names, help="peers (default all)")
+    parser.add_argument("--solvers", nargs="*", choices=solver_choices(), default=list(DEFAULT_SOLVERS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--lrs", nargs="+", default=[], metavar="METHOD=A,B,C", help="a method's lr grid")
+    parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
+    parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")
+    parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda (default)")
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("peers.csv"), help="CSV of every run (default peers.csv)")
+    parser.add_argument("--curves", type=Path, default=None, help="CSV of every run's curve (long format)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    args = parser.parse_args(argv)
+    known = list(peers.METHODS) + [f"hylo-{s}" for s in solver_choices()]
+    try:
+        args.lrs = parse_lrs(args.lrs, known)
+    except ValueError as err:
+        parser.error(str(err))
+    tasks = ("classification", "lm") if args.task == "both" else (args.task,)
+    if args.steps is not None and "lm" not in tasks:
+        parser.error("--steps: not a flag of --task classification")
+    if args.iterations is not None and "classification" not in tasks:
+        parser.error("--iterations: not a flag of --task lm")
+    for task in tasks:
+        options = task_args(args, task)
+        steps = options.steps if task == "lm" else options.iterations[0]
+        if steps < options.eval_every:
+            parser.error(f"{task}: {steps} steps is fewer than one evaluation interval ({options.eval_every})")
+    args.tasks = tasks
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark of each task, print the tables, write the CSV(s) (exit status 0)."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    curves: list[dict[str, Any]] = []
+    for task in args.tasks:
+        rows += run_task(args, task, curves)
+    write_rows(args.out, [{c: r.get(c) for c in COLUMNS} for r in rows])
+    if args.curves is not None:
+        write_rows(args.curves, curves)
+        print(f"wrote {args.curves}")
+    print(f"wrote {args.out}; total {time.perf_counter() - began:.0f} s on {args.device}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

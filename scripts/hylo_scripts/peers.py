@@ -1,0 +1,308 @@
+"""The methods of ``scripts/bench_peers.py``: the optimizers users would otherwise pick, and hylo's solvers.
+
+:data:`METHODS` maps a name to a :class:`Method`: the package it needs (imported lazily, when a
+run is built: a missing one skips the method with its reason, :func:`missing`), its default
+learning-rate grid per task, and how a run is built — hylo's solver (through the run's
+``RunConfig``), an optimizer factory, or a preconditioner-like object stepped before the task's
+baseline optimizer (:func:`hylo_scripts.loop.train`'s ``optimizer_factory`` and
+``preconditioner_factory``). docs/benchmarks.md, "Peers", lists the methods and their settings.
+
+Parameters a method does not train itself — Muon's non-matrix parameters, SINGD's parameters
+outside ``Linear``/``Conv2d`` modules — are trained by the task's baseline optimizer (SGD with
+momentum on ``classification``, AdamW on ``lm``) at the baseline's tuned learning rate (``rest_lr``),
+through a :class:`CombinedOptimizer` whose param groups the run's one lr schedule scales, each
+group from its own base lr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hylo_scripts.loop import OptimizerFactory, PreconditionerFactory, Steppable
+from hylo_scripts.runconfig import RunConfig
+
+#: The benchmark's tasks and each one's baseline method (the per-seed target comes from it).
+BASELINES = {"classification": "sgd", "lm": "adamw"}
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, stepped as one.
+
+    ``param_groups`` is the list of every optimizer's own group dicts (the same objects), so an lr
+    scheduler built on the combination (``LambdaLR``) records each group's own base lr and sets
+    each group's lr in the optimizer that owns it. ``step()`` and ``zero_grad()`` call every
+    optimizer's once, in order; the state dict is the list of theirs.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        seen: set[int] = set()
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if id(param) in seen:
+                        raise ValueError("CombinedOptimizer: a parameter is in two of the optimizers")
+                    seen.add(id(param))
+        self.optimizers = list(optimizers)
+        # The base class checks and registers the groups as given (the dicts themselves, with no defaults added).
+        super().__init__([group for optimizer in self.optimizers for group in optimizer.param_groups], {})
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Step every optimizer once (no closure: the loss is computed once, by the caller)."""
+        if closure is not None:
+            raise ValueError("CombinedOptimizer.step takes no closure")
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) every optimizer's gradients."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every optimizer's state dict, in order."""
+        return {"optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of the same optimizers."""
+        states = state_dict.get("optimizers")
+        if not isinstance(states, list) or len(states) != len(self.optimizers):
+            raise ValueError(f"expected the state dicts of {len(self.optimizers)} optimizers")
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+
+
+def baseline_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
+    """The task's baseline optimizer over ``params``: AdamW on ``lm``, momentum SGD elsewhere (the run's decay)."""
+    if cfg.task == "lm":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _combine(parts: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """One optimizer, or a :class:`CombinedOptimizer` of several."""
+    return parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
+
+
+def curvature_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The ``Linear`` and ``Conv2d`` modules that run their own forward, by name.
+
+    ``nn.MultiheadAttention`` calls its ``out_proj``'s weight functionally (its module hooks never
+    fire), so the modules inside one are left out: the Kronecker-factored peers (SINGD, KAISA)
+    cannot see their inputs, unlike hylo (docs/transformers.md, "Attention").
+    """
+    inside = {
+        id(sub)
+        for module in model.modules()
+        if isinstance(module, nn.MultiheadAttention)
+        for sub in module.modules()
+        if sub is not module
+    }
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and id(module) not in inside
+    }
+
+
+def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon trains: the 2-D weights of the hidden layers.
+
+    Per ``torch.optim.Muon``'s documentation, embeddings, the output head (the last ``Linear``),
+    biases and norms are left to AdamW; convolution filters (4-D) are too, as the optimizer takes
+    2-D parameters only.
+    """
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    head = {id(p) for p in linears[-1].parameters()} if linears else set()
+    return [p for p in model.parameters() if p.ndim == 2 and id(p) not in embeddings | head]
+
+
+def _rest(model: nn.Module, mine: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """The model's parameters not in ``mine``."""
+    taken = {id(p) for p in mine}
+    return [p for p in model.parameters() if id(p) not in taken]
+
+
+def _muon(lr: float, rest_lr: float) -> OptimizerFactory:
+    def build(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+        matrices = muon_matrices(model)
+        muon = torch.optim.Muon(matrices, lr=lr, weight_decay=cfg.weight_decay)
+        rest = _rest(model, matrices)
+        # Muon's documentation prescribes AdamW for the rest; on classification the tuned baseline is SGD, so
+        # the rest keeps the baseline's optimizer and lr there (docs/benchmarks.md, "Peers").
+        return _combine([muon, baseline_optimizer(rest, cfg, rest_lr)] if rest else [muon])
+
+    return build
+
+
+def _soap(lr: float, rest_lr: float) -> OptimizerFactory:
+    def build(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+        from pytorch_optimizer import SOAP
+
+        return SOAP(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, precondition_frequency=10)
+
+    return build
+
+
+def _shampoo(lr: float, rest_lr: float) -> OptimizerFactory:
+    def build(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+        from pytorch_optimizer import ScalableShampoo
+        from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting
+
+        return ScalableShampoo(
+            model.parameters(),
+            lr=lr,
+            weight_decay=cfg.weight_decay,
+            decoupled_weight_decay=True,
+            start_preconditioning_step=10,
+            preconditioning_compute_steps=10,
+            # AdaGrad's magnitude: the package's RMSprop graft has no bias correction, so its first steps are
+            # ~30× too long (they diverge on both tasks).
+            graft_type=LayerWiseGrafting.ADAGRAD,
+        )
+
+    return build
+
+
+def _singd(lr: float, rest_lr: float) -> OptimizerFactory:
+    def build(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+        from singd.optim.optimizer import SINGD
+
+        mine = [p for module in curvature_modules(model).values() for p in module.parameters()]
+        singd = SINGD(
+            model,
+            params=mine,
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            T=10,
+            loss_average="batch+sequence" if cfg.task == "lm" else "batch",
+            warn_unsupported=False,
+        )
+        rest = _rest(model, mine)
+        return _combine([singd, baseline_optimizer(rest, cfg, rest_lr)] if rest else [singd])
+
+    return build
+
+
+def _kaisa(model: nn.Module, optimizer: torch.optim.Optimizer) -> Steppable:
+    from kfac.preconditioner import KFACPreconditioner
+
+    included = set(curvature_modules(model))
+    skipped = [
+        f"^{re.escape(name)}$"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name not in included
+    ]
+    pre: Steppable = KFACPreconditioner(
+        model,
+        factor_update_steps=10,
+        inv_update_steps=10,
+        damping=0.003,
+        lr=lambda _step: optimizer.param_groups[0]["lr"],
+        skip_layers=skipped,
+        loglevel=0,
+    )
+    return pre
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the benchmark.
+
+    ``package``: the module it imports (None: torch alone); ``grids``: the default lr grid per task
+    (a task absent: the method does not run on it); ``optimizer``: ``(lr, rest_lr) -> factory`` of
+    the run's optimizer (None: the baseline's, :func:`hylo_scripts.loop.make_optimizer` of the run's
+    ``RunConfig``);
+    ``preconditioner``: a :data:`~hylo_scripts.loop.PreconditionerFactory` stepped before it;
+    ``solver``: hylo's solver; ``attribute``: a name the package must have (``torch.optim.Muon``).
+    """
+
+    name: str
+    description: str
+    grids: Mapping[str, tuple[float, ...]]
+    package: str | None = None
+    attribute: str | None = None
+    optimizer: Callable[[float, float], OptimizerFactory] | None = None
+    preconditioner: PreconditionerFactory | None = None
+    solver: str | None = None
+
+
+#: Learning-rate grids shared by the methods that step the baseline optimizer (hylo, KAISA).
+_PRECONDITIONED = {"classification": (0.05, 0.1, 0.2), "lm": (1e-3, 2e-3, 4e-3)}
+
+#: Every method, by name (``hylo-<solver>`` for hylo's).
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "sgd",
+            "SGD, momentum 0.9 (the classification baseline)",
+            {"classification": (0.015, 0.03, 0.05)},
+        ),
+        Method("adamw", "AdamW, weight decay 0.01 (the lm baseline)", {"lm": (1e-3, 2e-3, 4e-3)}),
+        Method(
+            "muon",
+            "torch.optim.Muon on hidden 2-D weights, the baseline at its tuned lr elsewhere",
+            {"classification": (0.02, 0.05, 0.1), "lm": (0.02, 0.04, 0.08)},
+            package="torch.optim",
+            attribute="Muon",
+            optimizer=_muon,
+        ),
+        Method(
+            "soap",
+            "pytorch_optimizer.SOAP, preconditioner every 10 steps",
+            {"classification": (1e-2, 3e-2, 0.1), "lm": (3e-3, 6e-3, 1.2e-2)},
+            package="pytorch_optimizer",
+            optimizer=_soap,
+        ),
+        Method(
+            "shampoo",
+            "pytorch_optimizer.ScalableShampoo, AdaGrad grafting, roots every 10 steps",
+            {"classification": (1e-3, 3e-3, 1e-2), "lm": (1e-3, 2e-3, 4e-3)},
+            package="pytorch_optimizer",
+            optimizer=_shampoo,
+        ),
+        Method(
+            "singd",
+            "singd's SINGD (dense factors, T = 10) on Linear/Conv2d, the baseline at its tuned lr elsewhere",
+            {"classification": (0.01, 0.03, 0.1), "lm": (3e-3, 1e-2, 3e-2)},
+            package="singd",
+            optimizer=_singd,
+        ),
+        Method(
+            "kaisa",
+            "KAISA's KFACPreconditioner (damping 0.003, updates every 10 steps) + the baseline optimizer",
+            _PRECONDITIONED,
+            package="kfac",
+            preconditioner=_kaisa,
+        ),
+    )
+}
+
+
+def hylo_method(solver: str) -> Method:
+    """hylo with ``solver`` on the task's baseline optimizer (damping 0.3, ``kl_clip`` 0.01, updates every 10 steps)."""
+    return Method(f"hylo-{solver}", f"hylo's {solver} + the baseline optimizer", _PRECONDITIONED, solver=solver)
+
+
+def missing(method: Method) -> str | None:
+    """Why ``method`` cannot run here (its package or attribute is missing), or None."""
+    if method.package is None:
+        return None
+    try:
+        module = importlib.import_module(method.package)
+    except ImportError as err:
+        return f"{method.package} is not importable ({err})"
+    if method.attribute is not None and not hasattr(module, method.attribute):
+        return f"{method.package}.{method.attribute} does not exist in this version"
+    return None

@@ -1,0 +1,261 @@
+"""scripts/bench_peers.py: its flags, the per-seed targets, the combined optimizer, the training loop's hooks for
+other optimizers, the same start for every method, a skipped package, and one tiny run's CSV."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hylo_scripts import bench_peers, loop, peers
+from hylo_scripts.bench_accuracy import LMCurve
+from hylo_scripts.loop import make_optimizer, train
+from hylo_scripts.runconfig import RunConfig
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+#: A tiny language-model run (the quick bench's sizes): 2 intervals of 2 steps.
+TINY = RunConfig(
+    dataset="stdlib",
+    model="transformer",
+    seq_len=16,
+    layers=1,
+    width=32,
+    heads=2,
+    max_bytes=20_000,
+    optimizer="adamw",
+    epochs=2,
+    max_steps=2,
+    batch_size=8,
+    lr=2e-3,
+    lr_schedule="cosine",
+    warmup_epochs=0.5,
+    weight_decay=0.01,
+)
+#: The quick bench on lm, one seed, on CPU.
+QUICK = ["--task", "lm", "--quick", "--seeds", "0", "--threads", "1", "--device", "cpu", "--steps", "4"]
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+# --------------------------------------------------------------------------- flags
+def test_flags_default_to_every_peer_both_tasks_three_seeds() -> None:
+    args = bench_peers.parse_args(["--device", "cpu"])
+    assert args.tasks == ("classification", "lm") and args.seeds == [0, 1, 2]
+    assert args.methods == ["muon", "soap", "shampoo", "singd", "kaisa"] and args.solvers == ["kfac", "hybrid"]
+    assert args.lrs == {} and args.out == Path("peers.csv")
+    args = bench_peers.parse_args(["--task", "lm", "--lrs", "muon=0.01,0.03", "hylo-kfac=1e-3", "--device", "cpu"])
+    assert args.lrs == {"muon": (0.01, 0.03), "hylo-kfac": (1e-3,)}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lrs", "muon"], "expected METHOD=lr,lr"),
+        (["--lrs", "adam=0.1"], "unknown method 'adam'"),
+        (["--lrs", "soap=0.1,x"], "could not convert"),
+        (["--lrs", "soap=-0.1"], "every lr must be a finite number > 0"),
+        (["--task", "classification", "--steps", "100"], "--steps: not a flag of --task classification"),
+        (["--task", "lm", "--iterations", "100"], "--iterations: not a flag of --task lm"),
+        (["--task", "lm", "--steps", "10"], "lm: 10 steps is fewer than one evaluation interval (25)"),
+        (["--methods", "adam"], "invalid choice: 'adam'"),
+        (["--steps", "0"], "must be an int >= 1"),
+    ],
+)
+def test_misused_flags_are_refused_with_the_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args([*argv, "--device", "cpu"])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_device_cuda_is_refused_on_a_cpu_only_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args(["--device", "cuda"])
+    assert "cuda: no CUDA device is available on this machine" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- targets and ratios
+def _run(method: str, lr: float, seed: int, points: list[tuple[int, float, float]]) -> bench_peers.Run:
+    return bench_peers.Run(method, LMCurve(method, lr, seed, points), 10.0)
+
+
+def test_each_seed_targets_the_baselines_final_value_at_its_best_lr() -> None:
+    runs = [
+        _run("adamw", 1e-3, 0, [(10, 1.0, 3.0), (20, 2.0, 2.0)]),
+        _run("adamw", 1e-3, 1, [(10, 1.0, 3.0), (20, 2.0, 2.2)]),
+        _run("adamw", 2e-3, 0, [(10, 1.0, 1.5), (20, 2.0, 1.5)]),  # reaches its own final value at step 10
+        _run("adamw", 2e-3, 1, [(10, 1.0, 2.0), (20, 2.0, 1.6)]),
+        _run("muon", 0.02, 0, [(10, 4.0, 1.4), (20, 8.0, 1.0)]),
+        _run("muon", 0.02, 1, [(10, 4.0, 1.7), (20, 8.0, 1.65)]),
+        _run("muon", 0.04, 0, [(10, 4.0, float("nan")), (20, 8.0, float("nan"))]),  # diverged: ranks last
+        _run("muon", 0.04, 1, [(10, 4.0, 0.5), (20, 8.0, 0.5)]),
+    ]
+    assert bench_peers.best_lr(runs, "adamw") == 2e-3
+    assert bench_peers.best_lr(runs, "muon") == 0.02  # medians: 0.02 → 1.325, 0.04 → (0.5 + inf) / 2
+    goals = bench_peers.targets(runs, "adamw", 2e-3)
+    assert goals == {0: (1.5, 10, 1.0), 1: (1.6, 20, 2.0)}
+    seed0 = bench_peers.reach(runs[4], goals)
+    assert (seed0["steps_to_target"], seed0["seconds_to_target"], seed0["step_ratio"], seed0["time_ratio"]) == (
+        10,
+        4.0,
+        1.0,
+        4.0,
+    )
+    seed1 = bench_peers.reach(runs[5], goals)
+    assert seed1["target"] == 1.6 and seed1["steps_to_target"] is None and seed1["step_ratio"] is None
+    assert bench_peers.reach(_run("muon", 0.02, 7, [(10, 1.0, 0.1)]), goals)["target"] is None  # no baseline seed 7
+
+
+def test_classification_curves_are_errors_so_the_target_is_reached_upwards() -> None:
+    result = loop.RunResult(TINY)
+    for step, interval_s, seconds, accuracy in [(8, 1.0, 1.0, 0.90), (16, 1.5, 2.5, 0.96), (24, 0.5, 3.0, 0.95)]:
+        result.log.append(loop.EpochLog(step // 8, step, 0.1, 0.3, 0.2, accuracy, interval_s, seconds, 0.0))
+    run = bench_peers.to_run("sgd", 0.1, 0, result, "classification")
+    assert run.curve.first_below(1.0 - 0.955) == (16, 2.5)
+    assert bench_peers.metric_of("classification", run.curve.final_loss) == pytest.approx(95.0)
+    assert run.ms_per_step == pytest.approx(1000.0 * 1.0 / 8)  # median of 125, 187.5, 62.5 ms per step
+
+
+# --------------------------------------------------------------------------- the combined optimizer
+def test_combined_muon_and_adamw_step_every_parameter_once_at_each_groups_scheduled_lr() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 11))
+    twin = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 11))
+    twin.load_state_dict(model.state_dict())
+    matrices = peers.muon_matrices(model)
+    assert [tuple(p.shape) for p in matrices] == [(5, 6)]  # the hidden Linear only: not the embedding, not the head
+
+    def split(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        mine = peers.muon_matrices(net)
+        rest = [p for p in net.parameters() if all(p is not q for q in mine)]
+        return torch.optim.Muon(mine, lr=0.02), torch.optim.AdamW(rest, lr=2e-3, weight_decay=0.01)
+
+    combined = peers.CombinedOptimizer(split(model))
+    by_hand = split(twin)
+    factor = [0.5, 1.0, 0.25]
+    schedule = torch.optim.lr_scheduler.LambdaLR(combined, lambda step: factor[min(step, 2)])
+    by_hand_schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: factor[min(step, 2)]) for o in by_hand]
+    tokens = torch.randint(0, 11, (4, 3))
+    for _ in range(3):
+        assert [g["lr"] for g in combined.param_groups] == [g["lr"] for o in by_hand for g in o.param_groups]
+        for net, optimizers in ((model, [combined]), (twin, list(by_hand))):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            nn.functional.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten()).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+        schedule.step()
+        for s in by_hand_schedules:
+            s.step()
+    assert [g["lr"] for g in combined.param_groups] == [0.02 * 0.25, 2e-3 * 0.25]
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    muon_state, adamw_state = (s["state"] for s in combined.state_dict()["optimizers"])
+    assert len(muon_state) == 1 and len(adamw_state) == 4  # embedding, hidden bias, head weight and bias
+    assert all(float(state["step"]) == 3 for state in adamw_state.values())  # once per step
+
+
+def test_combined_optimizer_refuses_a_parameter_in_two_optimizers() -> None:
+    weight = nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="a parameter is in two of the optimizers"):
+        peers.CombinedOptimizer([torch.optim.SGD([weight], lr=0.1), torch.optim.AdamW([weight], lr=0.1)])
+
+
+def test_kronecker_peers_leave_out_the_projections_attention_calls_functionally() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.TransformerEncoderLayer(4, 2, 8))
+    names = set(peers.curvature_modules(model))
+    assert names == {"0", "1.linear1", "1.linear2"}  # not "1.self_attn.out_proj"
+
+
+# --------------------------------------------------------------------------- the loop's hooks
+def test_an_optimizer_factory_of_the_runs_own_optimizer_trains_bit_identically() -> None:
+    plain = train(TINY)
+    built = train(TINY, optimizer_factory=make_optimizer)
+    assert [(e.step, e.train_loss, e.test_loss, e.lr) for e in built.log] == [
+        (e.step, e.train_loss, e.test_loss, e.lr) for e in plain.log
+    ]
+
+
+def test_a_preconditioner_factory_steps_once_per_step_between_backward_and_the_optimizer() -> None:
+    seen: list[tuple[bool, float]] = []
+
+    class Probe:
+        def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            self.weight = next(model.parameters())
+            self.optimizer = optimizer
+            self.before = self.weight.detach().clone()
+
+        def step(self) -> None:
+            # gradients are there, and the weights are those the last optimizer step left
+            seen.append((self.weight.grad is not None, float((self.weight.detach() - self.before).abs().max())))
+            self.before = self.weight.detach().clone()
+
+    result = train(TINY, preconditioner_factory=Probe)
+    assert len(seen) == result.steps == 4
+    assert seen[0] == (True, 0.0) and all(grad for grad, _ in seen) and all(moved > 0 for _, moved in seen[1:])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (RunConfig(solver="kfac"), "one preconditioner per run"),
+        (RunConfig(log_dir="unused", checkpoint_freq=1), "cannot checkpoint or resume"),
+    ],
+)
+def test_the_hooks_refuse_what_they_cannot_do(cfg: RunConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        train(cfg, preconditioner_factory=lambda model, optimizer: optimizer)
+
+
+# --------------------------------------------------------------------------- end to end
+def test_every_method_starts_from_the_same_weights_and_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    starts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    build = loop.build_model
+
+    def recording(*args: Any, **kwargs: Any) -> nn.Module:
+        model = build(*args, **kwargs)
+        weights = [p.detach().clone() for p in model.parameters()]
+        inputs: list[torch.Tensor] = []
+        model.register_forward_pre_hook(lambda _m, given: None if inputs else inputs.append(given[0].clone()))
+        starts.append((weights, inputs))
+        return model
+
+    monkeypatch.setattr(loop, "build_model", recording)
+    argv = [*QUICK, "--methods", "muon", "soap", "--solvers", "kfac"]
+    assert bench_peers.main([*argv, "--out", str(tmp_path / "peers.csv")]) == 0
+    assert len(starts) == 4  # adamw, muon, soap, hylo-kfac
+    weights, inputs = starts[0]
+    for other_weights, other_inputs in starts[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights, other_weights, strict=True))
+        assert torch.equal(inputs[0], other_inputs[0])
+
+
+def test_a_quick_run_writes_one_csv_row_per_run_and_reports_a_missing_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "singd", None)  # import singd raises ImportError
+    out, curves = tmp_path / "peers.csv", tmp_path / "curves.csv"
+    argv = [*QUICK, "--methods", "muon", "singd", "--solvers", "--out", str(out), "--curves", str(curves)]
+    assert bench_peers.main(argv) == 0
+    rows = _rows(out)
+    assert list(rows[0]) == list(bench_peers.COLUMNS)
+    assert [(r["method"], r["status"]) for r in rows] == [("adamw", "ok"), ("muon", "ok"), ("singd", "skipped")]
+    assert "singd is not importable" in rows[2]["reason"]
+    adamw, muon = rows[0], rows[1]
+    assert adamw["best_lr"] == "True" and adamw["step_ratio"] == "1.0" and float(adamw["final"]) > 0
+    assert float(muon["lr"]) == peers.METHODS["muon"].grids["lm"][1]  # --quick: the middle of the grid
+    assert float(muon["target"]) == float(adamw["final"])
+    printed = capsys.readouterr().out
+    assert "singd: skipped, singd is not importable" in printed and "final val loss" in printed
+    assert [(r["method"], r["step"]) for r in _rows(curves)] == [("adamw", "4"), ("muon", "4")]
