@@ -259,3 +259,18 @@ def test_a_quick_run_writes_one_csv_row_per_run_and_reports_a_missing_package(
     printed = capsys.readouterr().out
     assert "singd: skipped, singd is not importable" in printed and "final val loss" in printed
     assert [(r["method"], r["step"]) for r in _rows(curves)] == [("adamw", "4"), ("muon", "4")]
+
+
+def test_hylo_options_reach_every_hylo_run_and_bad_ones_stop_before_any(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--set KEY=VALUE`` is merged into every hylo run's options (the peers' and the baseline's runs have none), and
+    an option hylo refuses is an argparse error before anything runs."""
+    args = bench_peers.parse_args(["--task", "lm", "--quick", "--set", "damping=0.003", "kfac_method=inverse"])
+    options = bench_peers.task_args(args, "lm")
+    hylo_run = bench_peers.run_config(options, "lm", peers.hylo_method("kfac"), 1e-3, 0, dict(args.set))
+    assert (hylo_run.hylo["damping"], hylo_run.hylo["kfac_method"]) == (0.003, "inverse")
+    assert hylo_run.hylo["kl_clip"] == options.kl_clip  # the task's other options stay
+    plain = bench_peers.run_config(options, "lm", peers.METHODS["adamw"], 1e-3, 0, dict(args.set))
+    assert plain.hylo == {}
+    with pytest.raises(SystemExit) as exit_info:
+        bench_peers.parse_args(["--task", "lm", "--quick", "--set", "kfac_method=cholesky"])
+    assert exit_info.value.code == 2 and "--set" in capsys.readouterr().err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+from typing import Any
 
 import torch
 
@@ -50,3 +52,14 @@ def device(text: str) -> torch.device:
 def default_device() -> str:
     """``--device``'s default: ``cuda`` when available, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hylo_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of a ``--set`` flag: a hylo option and its value as a Python literal (else the text itself)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value

@@ -35,7 +35,6 @@ machine differences of a few percent are within the run-to-run noise.
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import os
 import statistics
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 
 import hylo
-from hylo_scripts.argtypes import default_device
+from hylo_scripts.argtypes import default_device, hylo_option
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.models import MODELS, build_model, model_names
 from hylo_scripts.timing import now
@@ -194,17 +193,6 @@ def profiled_iteration_time(
         return t, phases, apply_ms
 
 
-def _option(text: str) -> tuple[str, Any]:
-    """argparse type of ``--set KEY=VALUE``: a hylo option and a Python literal."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def _row(label: str, times: list[float], updates: list[bool], base_mean: float, base_median: float) -> str:
     """One table row: mean and median ms per iteration, the update steps' mean and the other steps' median, each
     with its ratio to the plain optimizer's mean or median."""
@@ -236,7 +224,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--update-freq", type=int, default=10)
     parser.add_argument("--solvers", nargs="+", default=["hybrid", "kid", "kis", "sngd", "kfac"])
-    parser.add_argument("--set", nargs="+", type=_option, default=[], metavar="KEY=VALUE", help="hylo options")
+    parser.add_argument("--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo options")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda[:N]")
     parser.add_argument(

@@ -29,10 +29,11 @@ and a CSV row saying why. docs/benchmarks.md, "Peers", has the methods, the grid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from hylo_scripts import bench_accuracy, peers
-from hylo_scripts.argtypes import default_device, positive_int
+from hylo_scripts.argtypes import default_device, hylo_option, positive_int
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.bench_accuracy import LMCurve, median_range
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
@@ -215,11 +216,18 @@ def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def run_config(options: argparse.Namespace, task: str, method: peers.Method, lr: float, seed: int) -> RunConfig:
-    """One run's config: ``bench_accuracy``'s of the task, with hylo's solver for a hylo method."""
+def run_config(
+    options: argparse.Namespace, task: str, method: peers.Method, lr: float, seed: int, hylo: Mapping[str, Any]
+) -> RunConfig:
+    """One run's config: ``bench_accuracy``'s of the task, with hylo's solver and the ``--set`` options ``hylo``
+    for a hylo method."""
     if task == "lm":
-        return bench_accuracy.lm_config(options, method.solver, lr, seed)
-    return bench_accuracy.run_config(options, options.batch_sizes[0], method.solver, lr, seed)
+        cfg = bench_accuracy.lm_config(options, method.solver, lr, seed)
+    else:
+        cfg = bench_accuracy.run_config(options, options.batch_sizes[0], method.solver, lr, seed)
+    if method.solver is None or not hylo:
+        return cfg
+    return dataclasses.replace(cfg, hylo={**cfg.hylo, **hylo})
 
 
 def load(task: str, options: argparse.Namespace) -> DataSplits:
@@ -238,6 +246,8 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
     methods = [peers.METHODS[baseline]]
     methods += [peers.METHODS[m] for m in args.methods if m != baseline and task in peers.METHODS[m].grids]
     methods += [peers.hylo_method(s) for s in args.solvers]
+    if args.set and args.solvers:
+        print(f"{task}: hylo runs with {dict(args.set)} over the task's options", flush=True)
     runs: list[Run] = []
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -256,7 +266,7 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
             grid = (grid[len(grid) // 2],)
         for lr in grid:
             for seed in args.seeds:
-                cfg = run_config(options, task, method, lr, seed)
+                cfg = run_config(options, task, method, lr, seed, dict(args.set))
                 factory = None if method.optimizer is None else method.optimizer(lr, rest_lr)
                 began = time.perf_counter()
                 try:
@@ -345,6 +355,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--solvers", nargs="*", choices=solver_choices(), default=list(DEFAULT_SOLVERS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lrs", nargs="+", default=[], metavar="METHOD=A,B,C", help="a method's lr grid")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        type=hylo_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="hylo options of every hylo run, over the task's (damping 0.3, kl_clip 0.01, update_freq 10, ρ 0.1)",
+    )
     parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
     parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")
     parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda (default)")
@@ -368,6 +386,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         steps = options.steps if task == "lm" else options.iterations[0]
         if steps < options.eval_every:
             parser.error(f"{task}: {steps} steps is fewer than one evaluation interval ({options.eval_every})")
+    if args.set:
+        try:  # checked before any run, by hylo's own validation of the run's options
+            RunConfig(solver=args.solvers[0] if args.solvers else "kfac", hylo=dict(args.set))
+        except ValueError as err:
+            parser.error(f"--set: {err}")
     args.tasks = tasks
     return args
 
