@@ -82,6 +82,9 @@ def train(
     if world_size > 1 and dist.is_initialized():
         net = nn.parallel.DistributedDataParallel(model)
     options: dict[str, Any] = {"strategy": strategy} if strategy != "inverse" else {}
+    solver, _, method = solver.partition("-")  # "kfac-inverse": kfac_method="inverse"
+    if method:
+        options["kfac_method"] = method
     pre = hylo.HyLoPreconditioner(
         net, solver=solver, update_freq=update_freq, damping=DAMPING, factor_decay=0.5, **options
     )
@@ -151,12 +154,13 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
     [(2, "inverse"), (4, "inverse"), (4, "gradient")],
     ids=["2-inverse", "4-inverse", "4-gradient"],
 )
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse"])
 def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
     """docs/distributed.md, "Distribution invariant": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
-    broadcast preconditioned gradients instead of solved states.
+    broadcast preconditioned gradients instead of solved states; ``kfac-inverse`` is K-FAC with
+    ``kfac_method="inverse"`` (its owners broadcast the damped inverses).
     """
     steps, batch = 3, 8
     xs, ys = make_data(steps, batch, torch.float64)
