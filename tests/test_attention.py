@@ -5,10 +5,13 @@ attention core written here from its definition (softmax(QKᵀ/√d + mask)·V p
 solver must give the projections of both models the same preconditioned gradients, for
 packed and separate weights, ``batch_first`` either way, with and without bias, masks,
 ``need_weights`` either way, cross-attention, ``add_bias_kv``/``add_zero_attn`` and unbatched
-inputs. Also: the stock forward is unchanged (outputs, attention weights), ``remove()``
+inputs. Also: the stock forward is unchanged (outputs, attention weights, gradients), ``remove()``
 restores it, ``state_dict`` keys never change, checkpoints round-trip, and the projections of
 ``nn.TransformerEncoderLayer``/``DecoderLayer`` are all captured with one row per token, and
-2 gloo ranks under DDP give one process's result on the whole batch.
+2 gloo ranks under DDP give one process's result on the whole batch. On the common path
+(``need_weights=False`` without ``bias_k``/``bias_v``/``add_zero_attn``; docs/transformers.md, "Attention") a capture step's forward does the
+stock forward's products only (no identity products) and dropout draws the stock forward's random
+numbers; other calls still take the identity-projection path and fail as torch fails them.
 """
 
 from __future__ import annotations

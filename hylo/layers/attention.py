@@ -3,11 +3,12 @@
 docs/transformers.md, "Attention". The module applies its q/k/v and output projections functionally
 (``F.multi_head_attention_forward``), so no module hook sees them. On capture steps only, a
 forward pre-hook enters a torch-function mode that takes over that one call: it applies the
-projections itself with ``F.linear`` (hooking their outputs like any captured layer) and hands
-the projected tensors to ``F.multi_head_attention_forward`` with identity projections, so masks,
+projections itself with ``F.linear`` (hooking their outputs like any captured layer). On the common
+path (``need_weights=False``, no ``bias_k``/``bias_v``/``add_zero_attn``, masks of the shapes and
+dtypes torch expects) it then computes torch's attention core step for step; for anything else it hands the
+projected tensors to ``F.multi_head_attention_forward`` with identity projections, so masks,
 dropout, ``need_weights`` and every other option keep torch's own semantics. The model's class,
-forward and ``state_dict`` are untouched; between capture steps nothing runs at all.
-"""
+forward and ``state_dict`` are untouched; between capture steps nothing runs at all."""
 
 from __future__ import annotations
 
