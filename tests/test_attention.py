@@ -5,10 +5,13 @@ attention core written here from its definition (softmax(QKᵀ/√d + mask)·V p
 solver must give the projections of both models the same preconditioned gradients, for
 packed and separate weights, ``batch_first`` either way, with and without bias, masks,
 ``need_weights`` either way, cross-attention, ``add_bias_kv``/``add_zero_attn`` and unbatched
-inputs. Also: the stock forward is unchanged (outputs, attention weights), ``remove()``
+inputs. Also: the stock forward is unchanged (outputs, attention weights, gradients), ``remove()``
 restores it, ``state_dict`` keys never change, checkpoints round-trip, and the projections of
 ``nn.TransformerEncoderLayer``/``DecoderLayer`` are all captured with one row per token, and
-2 gloo ranks under DDP give one process's result on the whole batch.
+2 gloo ranks under DDP give one process's result on the whole batch. On the common path
+(``need_weights=False`` without ``bias_k``/``bias_v``/``add_zero_attn``; docs/transformers.md, "Attention") a capture step's forward does the
+stock forward's products only (no identity products) and dropout draws the stock forward's random
+numbers; other calls still take the identity-projection path and fail as torch fails them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT
@@ -43,6 +47,8 @@ class Variant:
     inputs: str = "self"
     call: dict[str, Any] = field(default_factory=dict)
     batched: bool = True
+    #: Whether the call is on the common path (docs/transformers.md, "Attention"): no identity products.
+    common: bool = False
 
 
 def _causal(length: int) -> Tensor:
@@ -56,8 +62,25 @@ def _padding() -> Tensor:
     return mask
 
 
+def _float_padding() -> Tensor:
+    return torch.zeros(N, S, dtype=DT).masked_fill(_padding(), float("-inf")) + torch.linspace(-0.5, 0.5, S, dtype=DT)
+
+
+def _head_masks() -> Tensor:
+    """A boolean (N·heads, L, S) mask, different per sequence and head, never masking a whole row."""
+    mask = torch.zeros(N * HEADS, L, S, dtype=torch.bool)
+    for i in range(N * HEADS):
+        mask[i, :, i % S] = True
+    return mask
+
+
 VARIANTS = [
-    Variant("packed-batch-first-causal", {"batch_first": True}, call={"attn_mask": _causal(L), "need_weights": False}),
+    Variant(
+        "packed-batch-first-causal",
+        {"batch_first": True},
+        call={"attn_mask": _causal(L), "need_weights": False},
+        common=True,
+    ),
     Variant("packed-seq-first-weights", {}, call={"attn_mask": _causal(L), "need_weights": True}),
     Variant(
         "no-bias-is-causal", {"bias": False, "batch_first": True}, call={"attn_mask": _causal(L), "is_causal": True}
@@ -73,6 +96,7 @@ VARIANTS = [
         {},
         inputs="qkv",
         call={"attn_mask": torch.linspace(-1.0, 0.5, L * S, dtype=DT).reshape(L, S), "need_weights": False},
+        common=True,
     ),
     Variant("separate-weights", {"kdim": 3, "vdim": 5, "batch_first": True}, inputs="qkv"),
     Variant(
@@ -82,6 +106,46 @@ VARIANTS = [
         call={"key_padding_mask": _padding()},
     ),
     Variant("unbatched", {"batch_first": True}, call={"attn_mask": _causal(L)}, batched=False),
+    Variant(  # outside the common path although need_weights=False: a float mask not of the query's dtype
+        "float32-mask",
+        {"batch_first": True},
+        call={"attn_mask": torch.linspace(-1.0, 0.5, L * L).reshape(L, L), "need_weights": False},
+    ),
+    # more of the common path (need_weights=False, no bias_k/bias_v/add_zero_attn): no identity products
+    Variant(
+        "direct-no-bias-is-causal",
+        {"bias": False, "batch_first": True},
+        call={"attn_mask": _causal(L), "is_causal": True, "need_weights": False},
+        common=True,
+    ),
+    Variant(
+        "direct-is-causal-with-padding",
+        {},
+        inputs="kv",
+        call={"attn_mask": _causal(S)[:L], "is_causal": True, "key_padding_mask": _padding(), "need_weights": False},
+        common=True,
+    ),
+    Variant(
+        "direct-cross-kv-float-padding",
+        {"batch_first": True},
+        inputs="kv",
+        call={"key_padding_mask": _float_padding(), "need_weights": False},
+        common=True,
+    ),
+    Variant(
+        "direct-separate-weights-3d-mask-padding",
+        {"kdim": 3, "vdim": 5},
+        inputs="qkv",
+        call={"attn_mask": _head_masks(), "key_padding_mask": _padding(), "need_weights": False},
+        common=True,
+    ),
+    Variant(
+        "direct-unbatched",
+        {"batch_first": True},
+        call={"attn_mask": _causal(L), "need_weights": False},
+        batched=False,
+        common=True,
+    ),
 ]
 
 
@@ -103,11 +167,14 @@ def _explicit_core(
     mask = call.get("attn_mask")
     if mask is not None:
         mask = F.pad(mask, (0, scores.shape[-1] - mask.shape[-1]))
+        if mask.dim() == 3:  # (N·heads, L, S)
+            mask = mask.reshape(n, HEADS, tgt, scores.shape[-1])
         scores = scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     padding = call.get("key_padding_mask")
     if padding is not None:
         padding = F.pad(padding, (0, scores.shape[-1] - padding.shape[-1]))
-        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        padding = padding[:, None, None, :]
+        scores = scores.masked_fill(padding, float("-inf")) if padding.dtype == torch.bool else scores + padding
     out = torch.softmax(scores, dim=-1) @ vh  # (N, H, L, d)
     return out.transpose(1, 2).reshape(n, tgt, E)
 
@@ -239,6 +306,12 @@ def _options(solver: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the stock forward is unchanged
+def _rows(variant: Variant) -> tuple[int, int]:
+    """The numbers of query rows and of key/value rows (tokens) of one call."""
+    rows = N * L if variant.batched else L
+    return rows, (rows // L * S if variant.inputs != "self" else rows)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
     stock, _ = _models(variant)
@@ -246,6 +319,9 @@ def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
     assert isinstance(mha, nn.MultiheadAttention)
     inputs = _inputs(variant, mha, 0)
     expected = nn.MultiheadAttention.forward(mha, *inputs, **variant.call)  # no hooks run
+    stock.head(torch.tanh(expected[0])).square().mean().backward()
+    expected_grads = {name: p.grad.clone() for name, p in stock.named_parameters()}
+    stock.zero_grad()
     pre = HyLoPreconditioner(stock, solver="sngd", update_freq=1)
     got = mha(*inputs, **variant.call)  # a capture step: hylo's projections
     torch.testing.assert_close(got[0], expected[0], rtol=1e-13, atol=1e-13)
@@ -254,8 +330,9 @@ def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
         torch.testing.assert_close(got[1], expected[1], rtol=1e-13, atol=1e-13)
     assert all(not layer.capture.calls() for layer in pre._layers)  # no backward yet
     stock.head(torch.tanh(got[0])).square().mean().backward()
-    rows = N * L if variant.batched else L
-    key_rows = rows // L * S if variant.inputs != "self" else rows
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(p.grad, expected_grads[name], rtol=1e-12, atol=1e-14, msg=name)
+    rows, key_rows = _rows(variant)
     counts = {layer.name: sum(call.rows for call in layer.capture.calls()) for layer in pre._layers}
     assert counts == {
         "attn.q_proj": rows,
@@ -264,6 +341,74 @@ def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
         "attn.out_proj": rows,
         "head": rows,
     }
+
+
+def _forward_flops(module: nn.Module, *args: Any, **kwargs: Any) -> int:
+    """The floating-point operations of one forward, as torch's FlopCounterMode counts them (products)."""
+    with FlopCounterMode(display=False) as counter:
+        module(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_a_capture_step_multiplies_by_identities_only_outside_the_common_path(variant: Variant) -> None:
+    stock, _ = _models(variant)
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    inputs = _inputs(variant, mha, 0)
+    plain = _forward_flops(mha, *inputs, **variant.call)
+    pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
+    captured = _forward_flops(mha, *inputs, **variant.call)
+    assert all(layer.capture.records for layer in pre._layers if layer.name.startswith("attn."))
+    rows, key_rows = _rows(variant)
+    # the old path: q, k, v and the output multiplied by (E, E) identities, 2·rows·E² operations each
+    identities = 0 if variant.common else 2 * E * E * (2 * rows + 2 * key_rows)
+    assert captured == plain + identities
+
+
+@pytest.mark.parametrize(
+    "call",
+    (
+        {"is_causal": True, "need_weights": False},  # is_causal without its mask
+        {"attn_mask": _causal(L + 1), "need_weights": False},  # a mask of the wrong shape
+    ),
+    ids=("is-causal-without-mask", "mask-shape"),
+)
+def test_calls_outside_the_common_path_fail_as_torch_fails_them(call: dict[str, Any]) -> None:
+    stock, _ = _models(VARIANTS[0])
+    mha = stock.attn
+    assert isinstance(mha, nn.MultiheadAttention)
+    inputs = _inputs(VARIANTS[0], mha, 0)
+    with pytest.raises(RuntimeError) as expected:
+        nn.MultiheadAttention.forward(mha, *inputs, **call)
+    pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
+    with pytest.raises(RuntimeError) as got:
+        mha(*inputs, **call)
+    assert str(got.value) == str(expected.value)
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert all(not layer.capture.calls() for layer in pre._layers)
+
+
+@pytest.mark.parametrize("batch_first", (True, False))
+def test_dropout_in_training_draws_the_stock_forwards_random_numbers(batch_first: bool) -> None:
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=16, dropout=0.3, batch_first=batch_first, dtype=DT)
+    x = torch.randn(N, L, E, dtype=DT) if batch_first else torch.randn(L, N, E, dtype=DT)
+    weights = torch.randn(x.shape, dtype=DT)
+    stock = copy.deepcopy(block)
+    torch.manual_seed(7)
+    expected = stock(x, src_mask=_causal(L), is_causal=True)
+    (expected * weights).sum().backward()
+    plain = _forward_flops(stock, x, src_mask=_causal(L))
+    pre = HyLoPreconditioner(block, solver="kfac", update_freq=1)
+    torch.manual_seed(7)
+    got = block(x, src_mask=_causal(L), is_causal=True)
+    assert torch.equal(got, expected)
+    (got * weights).sum().backward()
+    for (name, p), q in zip(block.named_parameters(), stock.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    assert all(layer.capture.calls() for layer in pre._layers)
+    assert _forward_flops(block, x, src_mask=_causal(L)) == plain  # the common path: no identity products
 
 
 # --------------------------------------------------------------------------- equivalence with plain Linear projections

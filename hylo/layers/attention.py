@@ -3,11 +3,12 @@
 docs/transformers.md, "Attention". The module applies its q/k/v and output projections functionally
 (``F.multi_head_attention_forward``), so no module hook sees them. On capture steps only, a
 forward pre-hook enters a torch-function mode that takes over that one call: it applies the
-projections itself with ``F.linear`` (hooking their outputs like any captured layer) and hands
-the projected tensors to ``F.multi_head_attention_forward`` with identity projections, so masks,
+projections itself with ``F.linear`` (hooking their outputs like any captured layer). On the common
+path (``need_weights=False``, no ``bias_k``/``bias_v``/``add_zero_attn``, masks of the shapes and
+dtypes torch expects) it then computes torch's attention core step for step; for anything else it hands the
+projected tensors to ``F.multi_head_attention_forward`` with identity projections, so masks,
 dropout, ``need_weights`` and every other option keep torch's own semantics. The model's class,
-forward and ``state_dict`` are untouched; between capture steps nothing runs at all.
-"""
+forward and ``state_dict`` are untouched; between capture steps nothing runs at all."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, has_torch_function
 from torch.utils.hooks import RemovableHandle
 
 from hylo.layers.capture import LayerCapture, Record, watch_gradient
@@ -30,6 +31,9 @@ from hylo.layers.sharded import dim0_chunk, is_sharded, local, unsupported_layou
 #: The input projections in their packing order, then the output projection.
 PROJECTIONS = ("q", "k", "v", "out")
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_MHA_DEFAULTS = {
+    name: p.default for name, p in _MHA_SIGNATURE.parameters.items() if p.default is not inspect.Parameter.empty
+}
 
 
 def projection_name(attention_name: str, part: str) -> str:
@@ -210,9 +214,15 @@ class AttentionTap:
         flip = attention.batch_first and query.dim() == 3
         bias = args["in_proj_bias"]
         separate = bool(args.get("use_separate_proj_weight"))
-        if query is key and key is value and not separate:  # self-attention: one product, as torch does
-            packed = self._project(query, args["in_proj_weight"], bias, ("q", "k", "v"), wanted, flip)
-            q, k, v = packed.unflatten(-1, (3, embed)).unbind(-2)
+        if not separate and key is value:  # one product per packed input, in torch's layout (contiguous parts)
+            weight = args["in_proj_weight"]
+            if query is key:  # self-attention
+                q, k, v = _unpack(self._project(query, weight, bias, ("q", "k", "v"), wanted, flip), 3, embed)
+            else:  # query against one memory: q, then k and v from one product, as torch does
+                w_q, w_kv = weight.split([embed, 2 * embed])
+                b_q, b_kv = (None, None) if bias is None else bias.split([embed, 2 * embed])
+                q = self._project(query, w_q, b_q, ("q",), wanted, flip)
+                k, v = _unpack(self._project(key, w_kv, b_kv, ("k", "v"), wanted, flip), 2, embed)
         else:
             biases: list[Tensor | None] = [None] * 3 if bias is None else list(bias.chunk(3))
             if separate:
@@ -223,6 +233,9 @@ class AttentionTap:
             k = self._project(key, weights[1], biases[1], ("k",), wanted, flip)
             v = self._project(value, weights[2], biases[2], ("v",), wanted, flip)
         out_weight, out_bias = args["out_proj_weight"], args["out_proj_bias"]
+        core = _attention_core({**_MHA_DEFAULTS, **args}, q, k, v)
+        if core is not None:  # the common path: torch's attention core written out, no identity products
+            return self._project(core, out_weight, out_bias, ("out",), wanted, flip), None
         eye = torch.eye(embed, dtype=out_weight.dtype, device=out_weight.device)
         args.update(
             query=q,
@@ -261,6 +274,83 @@ class AttentionTap:
             records.append((capture.open(inputs), _selector(columns, flip)))
         watch_gradient(output, records)
         return output
+
+
+def _unpack(packed: Tensor, parts: int, embed: int) -> tuple[Tensor, ...]:
+    """The ``parts`` projections of one packed product, each contiguous, in the layout torch's own packed
+    in-projection gives them (so the attention core sees the tensors the stock forward gives it)."""
+    return tuple(packed.unflatten(-1, (parts, embed)).movedim(-2, 0).contiguous().unbind(0))
+
+
+def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask as torch's attention makes it additive (-inf where True); a float mask unchanged."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def _attention_core(args: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """The attention core of ``F.multi_head_attention_forward`` on projected q, k and v, before the output
+    projection, or None when the call is outside the common path (docs/transformers.md, "Attention").
+
+    The common path is the ``need_weights=False`` branch of torch's code with no ``bias_k``/``bias_v``, no
+    ``add_zero_attn``, 3-D (batched) or 2-D (unbatched) inputs, masks of the shapes torch accepts that are
+    boolean or of the input query's dtype (one dtype when both are given), ``is_causal`` only with an
+    ``attn_mask``, and no tensor with a ``__torch_function__`` of its own. The steps below are torch's, in
+    its order (mask conversion and merging, head reshapes, one ``F.scaled_dot_product_attention`` call with
+    the same tensors, dropout only in training), so outputs, gradients and the dropout's random stream are
+    the stock forward's. Anything else takes the identity-projection path, i.e. torch's own code.
+    """
+    query, mask, padding = args["query"], args["attn_mask"], args["key_padding_mask"]
+    if args["need_weights"] or args["bias_k"] is not None or args["bias_v"] is not None or args["add_zero_attn"]:
+        return None
+    masks = [m for m in (mask, padding) if m is not None]
+    if (
+        has_torch_function((q, k, v, *masks))
+        or query.dim() not in (2, 3)
+        or {q.dim(), k.dim(), v.dim()} != {query.dim()}
+    ):
+        return None
+    if any(m.dtype not in (torch.bool, query.dtype) for m in masks) or len({m.dtype for m in masks}) > 1:
+        return None
+    batched = query.dim() == 3
+    if not batched:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        padding = None if padding is None else padding.unsqueeze(0)
+    tgt, bsz, embed = q.shape
+    src, heads = k.shape[0], args["num_heads"]
+    head_dim = embed // heads
+    if query.shape[-1] != args["embed_dim_to_check"] or head_dim * heads != embed or k.shape != v.shape:
+        return None
+    if k.shape[1] != bsz or (padding is not None and padding.shape != (bsz, src)):
+        return None
+    if mask is not None and mask.shape not in ((tgt, src), (bsz * heads, tgt, src)):
+        return None
+    is_causal = bool(args["is_causal"])
+    if is_causal and mask is None:
+        return None  # torch raises
+    if padding is not None:
+        padding = _float_mask(padding, query.dtype)
+    if is_causal and padding is None:
+        mask = None  # torch hands SDPA the is_causal hint instead of the mask
+    else:
+        mask = None if mask is None else _float_mask(mask, query.dtype)
+        if mask is not None and mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+        if padding is not None:
+            is_causal = False  # the merged mask is no longer causal
+    if padding is not None:
+        padding = padding.view(bsz, 1, 1, src).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src)
+        mask = padding if mask is None else mask + padding
+    if mask is not None:
+        mask = mask.unsqueeze(0) if mask.size(0) == 1 and mask.dim() == 3 else mask.view(bsz, heads, -1, src)
+    dropout = float(args["dropout_p"]) if args["training"] else 0.0
+    q = q.view(tgt, bsz * heads, head_dim).transpose(0, 1).view(bsz, heads, tgt, head_dim)
+    k = k.view(src, bsz * heads, head_dim).transpose(0, 1).view(bsz, heads, src, head_dim)
+    v = v.view(src, bsz * heads, head_dim).transpose(0, 1).view(bsz, heads, src, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal)
+    out = out.permute(2, 0, 1, 3).reshape(tgt, bsz, embed)
+    return out if batched else out.squeeze(1)
 
 
 def _selector(columns: slice, flip: bool) -> Callable[[Tensor], Tensor]:
