@@ -133,7 +133,7 @@ def _greedy_with_lookahead(
         if alive[k]:
             torch.div(column, max(pivot_residual, threshold) ** 0.5, out=factor[:, k])
             column = factor[:, k]
-            columns.addr_(column, column.index_select(0, candidates), alpha=-1.0)
+            columns.addmm_(column.unsqueeze(1), column.index_select(0, candidates).unsqueeze(0), alpha=-1.0)
             work.addcmul_(column, column, value=-1.0)
         taken[j] = True
         work.masked_fill_(taken, -torch.inf)
