@@ -86,7 +86,7 @@ DAMPING = 0.3
 #: The lm bench's damping of a solver when ``--damping`` is not given (the others: :data:`DAMPING`). Under AdamW,
 #: which sets the step's length, K-FAC at 0.3 barely turns the decoder's gradients; at 1e-3 it beats KAISA
 #: (docs/benchmarks.md, "KAISA and hylo's K-FAC on the language model").
-LM_DAMPING = {"kfac": 1e-3}
+LM_DAMPING = {"kfac": 1e-3, "hybrid": 1e-3}  # hybrid: K-FAC on every matrix of the decoder (its cost model)
 #: Each task's defaults of the flags left unset (lm: the bench size; ``lr`` None: AdamW's best).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "classification": {
