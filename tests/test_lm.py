@@ -434,3 +434,14 @@ def test_bench_lm_default_damping_lets_kfac_precondition_the_decoder() -> None:
     assert max(default.values()) < 0.95, default
     old = cosines(0.3)
     assert sorted(old.values())[len(old) // 2] > 0.98, old
+
+
+def test_bench_lm_runs_kfac_with_the_inverse_method_and_the_cnn_with_the_eigen_method() -> None:
+    """The LM bench's hylo runs take ``kfac_method="inverse"`` (docs/benchmarks.md, "KAISA and hylo's K-FAC on the
+    language model"), the classification bench's the exact eigen method; ``--kfac-method`` overrides either."""
+    lm = bench_accuracy.parse_args(["--task", "lm"])
+    assert bench_accuracy.lm_config(lm, "kfac", 2e-3, 0).hylo["kfac_method"] == "inverse"
+    cnn = bench_accuracy.parse_args([])
+    assert bench_accuracy.run_config(cnn, 500, "kfac", 0.1, 0).hylo["kfac_method"] == "eigen"
+    chosen = bench_accuracy.parse_args(["--task", "lm", "--kfac-method", "eigen"])
+    assert bench_accuracy.lm_config(chosen, "hybrid", 2e-3, 0).hylo["kfac_method"] == "eigen"

@@ -98,6 +98,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "thresholds": [0.96, 0.97],
         "lr": 0.1,
         "damping": DAMPING,
+        "kfac_method": "eigen",
         "kl_clip": 1e-2,
         "weight_decay": 5e-4,
         "warmup_intervals": 0.5,
@@ -116,6 +117,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "eval_windows": 64,
         "lr": None,
         "damping": None,  # LM_DAMPING
+        # docs/benchmarks.md, "KAISA and hylo's K-FAC on the language model": the factored damping wins there
+        "kfac_method": "inverse",
         "kl_clip": 1e-2,
         "weight_decay": 0.01,
         "warmup_intervals": 2.0,
@@ -162,7 +165,8 @@ def _hylo_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any
     if solver is None:
         return {}
     damping = LM_DAMPING.get(solver, DAMPING) if args.damping is None else args.damping
-    return {"damping": damping, "update_freq": args.freq, "kl_clip": args.kl_clip, "rank_ratio": args.rank_ratio}
+    options = {"damping": damping, "update_freq": args.freq, "kl_clip": args.kl_clip, "rank_ratio": args.rank_ratio}
+    return options | {"kfac_method": args.kfac_method}
 
 
 def run_config(args: argparse.Namespace, batch_size: int, solver: str | None, lr: float, seed: int) -> RunConfig:
@@ -233,6 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--damping", type=float, help="hylo damping (default 0.3; lm: kfac 1e-3, others 0.3)")
     parser.add_argument("--freq", type=int, default=10, help="hylo update_freq")
     parser.add_argument("--kl-clip", type=float, help="hylo kl_clip (default 1e-2)")
+    parser.add_argument(
+        "--kfac-method", choices=("eigen", "inverse"), help="hylo's kfac_method (default eigen; lm: inverse)"
+    )
     parser.add_argument("--rank-ratio", type=float, default=0.1)
     parser.add_argument("--weight-decay", type=float, help="weight decay (default 5e-4; lm 0.01)")
     parser.add_argument(
