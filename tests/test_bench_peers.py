@@ -232,9 +232,9 @@ def test_every_method_starts_from_the_same_weights_and_batches(tmp_path: Path, m
         return model
 
     monkeypatch.setattr(loop, "build_model", recording)
-    argv = [*QUICK, "--methods", "muon", "soap", "--solvers", "kfac"]
+    argv = [*QUICK, "--methods", "muon", "--solvers", "kfac", "hybrid"]  # torch alone: no optional package
     assert bench_peers.main([*argv, "--out", str(tmp_path / "peers.csv")]) == 0
-    assert len(starts) == 4  # adamw, muon, soap, hylo-kfac
+    assert len(starts) == 4  # adamw, muon, hylo-kfac, hylo-hybrid
     weights, inputs = starts[0]
     for other_weights, other_inputs in starts[1:]:
         assert all(torch.equal(a, b) for a, b in zip(weights, other_weights, strict=True))
