@@ -90,7 +90,7 @@ def pivoted_cholesky(
         j = torch.argmax(torch.where(taken, -torch.inf, residual)).reshape(1)
         pivot_residual = residual.index_select(0, j)
         ok = pivot_residual > threshold
-        column = rows.kernel_columns(j).squeeze(1) - factor[:, :k] @ factor.index_select(0, j)[0, :k]
+        column = _residual_columns(rows, factor, j, k).squeeze(1)
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
         residual = residual - column.square()
@@ -98,6 +98,11 @@ def pivoted_cholesky(
         pivots[k] = j[0]
         alive[k] = ok[0]
     return pivots, factor, alive
+
+
+def _residual_columns(rows: SampleRows, factor: Tensor, index: Tensor, k: int) -> Tensor:
+    """Columns ``index`` of the residual kernel K − L Lᵀ after the first ``k`` pivots (n × |index|)."""
+    return rows.kernel_columns(index) - factor[:, :k] @ factor.index_select(0, index)[:, :k].mT
 
 
 def _greedy_with_lookahead(
@@ -120,14 +125,12 @@ def _greedy_with_lookahead(
         if j not in slot:
             width = max(1, min(LOOKAHEAD, int(torch.isfinite(work).sum())))
             candidates = torch.topk(work, width).indices
-            columns = rows.kernel_columns(candidates)
-            columns -= factor[:, :k] @ factor.index_select(0, candidates)[:, :k].mT
+            columns = _residual_columns(rows, factor, candidates, k)
             slot = {int(c): i for i, c in enumerate(candidates.tolist())}
         if j in slot:
             column = columns[:, slot[j]]
         else:
-            column = rows.kernel_columns(torch.tensor([j], device=residual.device)).squeeze(1)
-            column = column - factor[:, :k] @ factor[j, :k]
+            column = _residual_columns(rows, factor, torch.tensor([j], device=residual.device), k).squeeze(1)
         pivot_residual = float(work[j])
         pivots[k], alive[k] = j, pivot_residual > threshold
         if alive[k]:
