@@ -71,9 +71,12 @@ def _feed(digest: Any, value: Any) -> None:
     if isinstance(value, Tensor):
         data = value.detach().cpu()
         layout = "" if data.layout == torch.strided else f"{data.layout}"  # a sparse tensor: by its dense values
-        data = (data if not layout else data.to_dense()).contiguous()
+        data = data if not layout else data.to_dense()
+        # a fresh row-major copy: contiguous() keeps a loaded tensor's odd strides where they do not matter (a
+        # size-1 dimension), which the byte view refuses
+        packed = torch.empty(data.shape, dtype=data.dtype).copy_(data)
         digest.update(f"T{layout}{data.dtype}{tuple(data.shape)}|".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(packed.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, Mapping):
         entries = sorted(value.items(), key=lambda item: (type(item[0]).__name__, repr(item[0])))
         digest.update(f"M{len(entries)}|".encode())

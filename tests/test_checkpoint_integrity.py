@@ -69,6 +69,14 @@ def test_state_dict_is_sealed_and_verified() -> None:
     assert_same_tensors(target.state_dict(), before)
 
 
+def test_a_tensor_with_odd_strides_is_sealed_by_its_values() -> None:
+    """A loaded (or corrupted) file can hold a tensor whose size-1 dimension has a stride other than 1: it is sealed
+    by its values like any copy of it, not refused with a RuntimeError."""
+    odd = torch.arange(10.0)[::5][:1]  # shape (1,), stride (5,)
+    assert odd.stride() == (5,)
+    assert seal({"x": odd})["checksum"] == seal({"x": odd.clone(memory_format=torch.contiguous_format)})["checksum"]
+
+
 @pytest.mark.parametrize("solver", ["kfac", "kis"])
 def test_flipped_bit_in_a_saved_file_is_refused_naming_it(tmp_path: Path, solver: str) -> None:
     """One bit flipped at 300 spread positions of ``torch.save(pre.state_dict(), path)``'s file: each load through
