@@ -3,7 +3,8 @@
 The public API is what this module exports — the preconditioner, its configuration and records,
 the checkpoint files :func:`save_checkpoint` and :func:`load_checkpoint`, and the extension
 points :func:`register_layer_type` (a layer type's math, subclassing
-:class:`hylo.layers.LayerMath`) and :func:`register_variant` (a low-rank row reduction,
+:class:`hylo.layers.LayerMath`), :func:`register_family` (a solver family, subclassing
+:class:`hylo.solvers.SolverFamily`) and :func:`register_variant` (a low-rank row reduction,
 subclassing :class:`hylo.solvers.RowReduction`; docs/extending.md) — and five modules:
 :mod:`hylo.config` (every option, with :func:`hylo.config.options` describing each),
 :mod:`hylo.layers` and :mod:`hylo.solvers` (what the extension points build on),
@@ -27,7 +28,8 @@ from hylo.layers import LayerMath, register_layer_type
 from hylo.memory import MemoryUsage
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
-from hylo.solvers import RowReduction, register_variant
+from hylo.solvers import RowReduction, register_family, register_variant
+from hylo.solvers.kfac_adam import KFACAdamConfig
 from hylo.version import __version__
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "DistributedConfig",
     "HyLoConfig",
     "HyLoPreconditioner",
+    "KFACAdamConfig",
     "KFACConfig",
     "LayerInfo",
     "LayerMath",
@@ -48,6 +51,7 @@ __all__ = [
     "TelemetryConfig",
     "__version__",
     "load_checkpoint",
+    "register_family",
     "register_layer_type",
     "register_variant",
     "save_checkpoint",

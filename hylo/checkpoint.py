@@ -341,7 +341,9 @@ def _layer(
     m, where = layer.math, f"layer {layer.name!r}"
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where}: state_dict entry is not a mapping but {type(entry).__name__}")
-    unknown = sorted(set(entry) - ENTRY_KEYS, key=repr)
+    solver_name = entry.get("solver")
+    extra = family_of(solver_name).state_type.entry_keys if solver_name in solver_names() else frozenset()
+    unknown = sorted(set(entry) - ENTRY_KEYS - extra, key=repr)
     if unknown:
         raise ValueError(f"{where}: state_dict entry holds unknown keys {unknown}")
     for key in ("d_a", "d_g", "solver"):

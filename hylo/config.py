@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from hylo.layers.batch import DampingConvention
-from hylo.layers.conv import DEFAULT_KFC_EXPONENT, DEFAULT_MAX_UNFOLD_MB, ConvRows
+from hylo.layers.conv import DEFAULT_MAX_UNFOLD_MB, ConvRows
 from hylo.records import LayerStats
 from hylo.rules import (
     COUNT,
@@ -31,25 +31,24 @@ from hylo.rules import (
     POSITIVE,
     RATIO,
     REGEXES,
+    Hyper,
+    IntHyper,
     OptionSpec,
     Rule,
     Section,
     default_of,
     is_bool,
     is_collection,
-    is_real,
     option,
     window_decay,
 )
-from hylo.solvers import HYBRID, solver_names
-from hylo.solvers.kfac import KFAC_METHODS
+from hylo.solvers import HYBRID, solver_names, variant_names
+from hylo.solvers.kfac import KFACConfig
+from hylo.solvers.kfac_adam import KFACAdamConfig
 from hylo.solvers.lowrank import rows_for_ratio
 from hylo.solvers.registry import solver_rule, variant_rule
 
 T = TypeVar("T", int, float)
-#: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
-Hyper = float | Callable[[int], float]
-IntHyper = int | Callable[[int], int]
 #: How owners share solved layers between ranks (see :class:`DistributedConfig`).
 Strategy = Literal["inverse", "gradient"]
 #: KIS's estimator (see :class:`LowRankConfig`).
@@ -60,54 +59,6 @@ STUDIES: tuple[Study, ...] = get_args(Study)
 
 
 # --------------------------------------------------------------------------- sections
-@dataclass(frozen=True)
-class KFACConfig(Section):
-    """The K-FAC family's options (docs/solvers.md, "K-FAC", "K-FAC conventions")."""
-
-    section_name: ClassVar[str | None] = "kfac"
-
-    factor_decay: Hyper = option(
-        0.95,
-        doc="running-average decay β of the K-FAC factors (the first update takes the batch factors as they are)",
-        rule=DECAY,
-        schedule=True,
-    )
-    factor_update_freq: IntHyper | None = option(
-        None,
-        doc="KAISA's factor cadence: K-FAC layers also refresh their running factors every this many steps "
-        "between updates (one all-reduce, no decomposition); None: only at update steps",
-        rule=COUNT,
-        schedule=True,
-    )
-    kfac_method: str = option(
-        "eigen",
-        doc="'eigen': (A ⊗ G + λI)⁻¹ exactly, through eigendecompositions, four products a step; 'inverse': "
-        "(A + δ_a I)⁻¹ ⊗ (G + δ_g I)⁻¹ with δ_a δ_g = λ (factored damping, a little more than λ's), through "
-        "Cholesky inverses about 4× cheaper at an update and two products a step; takes effect at the next update",
-        rule=Rule(lambda x: x in KFAC_METHODS, f"one of {KFAC_METHODS}"),
-    )
-    kfc_exponent: float = option(
-        DEFAULT_KFC_EXPONENT,
-        doc="e ∈ [0, 4] of a convolution's K-FAC factors, F ≈ L^e·E_p[aaᵀ] ⊗ E_p[ggᵀ] over its L output "
-        "positions: 1 is Grosse & Martens' KFC, 2 fully correlated positions, 0 a position per sample",
-        rule=Rule(lambda x: is_real(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
-        fixed=True,
-    )
-    kfac_max_state_mb: float | None = option(
-        2048.0,
-        doc="the most MB of one layer's K-FAC state (A, G, their eigenvectors and eigenvalues: 2(d_a² + d_g²) + "
-        "d_a + d_g numbers in the working dtype, held on every rank), known at construction: over it "
-        "solver='kfac' (or a layer_solvers entry) refuses the layer, naming it, and hybrid never gives it K-FAC. "
-        "2048 (MB of 2²⁰ bytes, an eighth of a 16 GB GPU) keeps K-FAC for layers up to 11,585 wide (a 4096×11008 "
-        "MLP: 1,053 MB) and refuses vocabulary-sized ones (V = 32,000: 7,813 MB); inf or None: no limit",
-        rule=Rule(lambda x: is_real(x) and x > 0, "a number > 0 (inf or None: no limit)"),
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._set("kfc_exponent", float(self.kfc_exponent))
-
-
 @dataclass(frozen=True)
 class LowRankConfig(Section):
     """The low-rank solvers' options: how many rows KID and KIS keep, KIS's draws (docs/solvers.md, "KIS")."""
@@ -235,6 +186,18 @@ class PolicyConfig(Section):
         "kid", doc="the low-rank variant of a layer in the critical regime", rule=variant_rule()
     )
     stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=variant_rule())
+    kfac_solver: str = option(
+        "kfac",
+        doc="what hybrid gives a layer where K-FAC wins (fidelity or cost): 'kfac', or 'kfac_adam' (Adam in the "
+        'K-FAC eigenbasis; docs/hybrid-policy.md, "With kfac_adam")',
+        rule=Rule(
+            lambda x: x in solver_names() and x not in variant_names(),
+            lambda: (
+                "a registered solver that is "
+                f"not a low-rank variant, one of {tuple(n for n in solver_names() if n not in variant_names())}"
+            ),
+        ),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -350,6 +313,7 @@ class TelemetryConfig(Section):
 
 SECTIONS: dict[str, type[Section]] = {
     "kfac": KFACConfig,
+    "kfac_adam": KFACAdamConfig,
     "lowrank": LowRankConfig,
     "conv": ConvConfig,
     "policy": PolicyConfig,
@@ -410,6 +374,7 @@ class HyLoConfig(Section):
         fixed=True,
     )
     kfac: KFACConfig = field(default_factory=KFACConfig)
+    kfac_adam: KFACAdamConfig = field(default_factory=KFACAdamConfig)
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
     conv: ConvConfig = field(default_factory=ConvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

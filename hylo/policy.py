@@ -76,21 +76,15 @@ def is_dynamic(config: HyLoConfig) -> bool:
 MB = 2**20
 
 
-def kfac_state_bytes(d_a: int, d_g: int, itemsize: int) -> int:
-    """Bytes of one layer's K-FAC state as :class:`~hylo.solvers.kfac.KFACState` holds it: the running A
-    (d_a×d_a, dense also for an embedding's diagonal one) and G (d_g×d_g), their eigenvectors (the same
-    sizes) and eigenvalues (d_a + d_g), in the working dtype."""
-    return (2 * (d_a * d_a + d_g * d_g) + d_a + d_g) * itemsize
-
-
-def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig) -> str | None:
-    """Why a (d_g, d_a) layer never gets K-FAC (its state over ``kfac_max_state_mb``), or None."""
+def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig, solver: str = "kfac") -> str | None:
+    """Why a (d_g, d_a) layer never gets ``solver`` (a K-FAC-factor state over ``kfac_max_state_mb``), or None."""
     limit = config.kfac.kfac_max_state_mb
-    size = kfac_state_bytes(d_a, d_g, itemsize)
-    if limit is None or size <= limit * MB:
+    size = family_of(solver).state_bytes(d_a, d_g, itemsize)
+    if limit is None or size is None or size <= limit * MB:
         return None
     shown = f"{size / MB:,.0f}" if size >= 10 * MB else f"{size / MB:.3g}"
-    return f"K-FAC state {shown} MB (A {d_a}×{d_a}, G {d_g}×{d_g}) > kfac_max_state_mb={limit:g}"
+    label = "K-FAC" if solver == "kfac" else solver
+    return f"{label} state {shown} MB (A {d_a}×{d_a}, G {d_g}×{d_g}) > kfac_max_state_mb={limit:g}"
 
 
 def check_kfac_budget(layers: Sequence[tuple[str, str, int, int, torch.dtype]], config: HyLoConfig) -> None:
@@ -98,8 +92,9 @@ def check_kfac_budget(layers: Sequence[tuple[str, str, int, int, torch.dtype]], 
     (``solver`` or a ``layer_solvers`` entry) whose state would exceed ``kfac_max_state_mb``."""
     refused, names = [], []
     for name, kind, d_a, d_g, dtype in layers:
-        why = kfac_refusal(d_a, d_g, dtype.itemsize, config)
-        if why is not None and config.initial_solver(name) == "kfac":
+        solver = config.initial_solver(name)
+        why = None if solver == HYBRID else kfac_refusal(d_a, d_g, dtype.itemsize, config, solver)
+        if why is not None:
             refused.append(f"{name!r} ({kind}, {str(dtype).removeprefix('torch.')}): {why}")
             names.append(name)
     if refused:
@@ -185,8 +180,8 @@ class SolverPolicy:
                 lowrank,
                 budget,
             )
-            refused = kfac_refusal(shape.d_a, shape.d_g, shape.itemsize, config)
-            solver, reason = self._choose(stats, config, refused)
+            refused = kfac_refusal(shape.d_a, shape.d_g, shape.itemsize, config, config.policy.kfac_solver)
+            solver, reason = self._choose(stats, config, refused, shape.itemsize)
             decisions.append(Decision(step, name, solver, reason, critical[i], trends[i], costs, lowrank))
         return decisions
 
@@ -207,7 +202,7 @@ class SolverPolicy:
         return dataclasses.replace(decision, solver=solver, reason="planned")
 
     @staticmethod
-    def _choose(stats: LayerStats, config: HyLoConfig, refused: str | None) -> tuple[str, Reason]:
+    def _choose(stats: LayerStats, config: HyLoConfig, refused: str | None, itemsize: int) -> tuple[str, Reason]:
         """The rule of the module docstring; ``refused``: why the layer never gets K-FAC (:func:`kfac_refusal`)."""
         policy = config.policy
         forced = policy.override_for(stats.name)
@@ -219,9 +214,10 @@ class SolverPolicy:
                 raise ValueError(
                     f"solver_fn returned {chosen!r} for layer {stats.name!r}; expected one of {solver_names()}"
                 )
-            if chosen == "kfac" and refused is not None:
+            over = kfac_refusal(stats.d_a, stats.d_g, itemsize, config, chosen)
+            if over is not None:
                 raise ValueError(
-                    f"solver_fn returned 'kfac' for layer {stats.name!r}: {refused}; return a low-rank solver "
+                    f"solver_fn returned {chosen!r} for layer {stats.name!r}: {over}; return a low-rank solver "
                     "for it, or raise kfac_max_state_mb"
                 )
             return chosen, "solver_fn"
@@ -231,8 +227,9 @@ class SolverPolicy:
             return "sngd", "fidelity"
         if refused is not None:  # vocabulary-sized: the cheaper variant (docs/hybrid-policy.md, "Memory budget")
             return min((policy.critical_variant, policy.stable_variant), key=lambda v: stats.costs[v]), "memory"
-        if stats.cost_kfac <= stats.budget:
-            return "kfac", "fidelity"
-        if stats.cost_kfac <= stats.cost_lowrank:
-            return "kfac", "cost"
+        kfac, cost = policy.kfac_solver, stats.costs[policy.kfac_solver]
+        if cost <= stats.budget:
+            return kfac, "fidelity"
+        if cost <= stats.cost_lowrank:
+            return kfac, "cost"
         return regime_variant(stats.step, stats.critical, policy)

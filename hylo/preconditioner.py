@@ -36,7 +36,7 @@ from hylo.planner import STATISTICS, Planner
 from hylo.policy import SolverPolicy, check_kfac_budget
 from hylo.records import Decision, LayerInfo, format_summary
 from hylo.stage import UpdateStage
-from hylo.state import RegisteredLayer, registered_layers
+from hylo.state import RegisteredLayer, layer_parameters, registered_layers
 from hylo.step import Outcome, StepValues, precondition, refresh, update
 from hylo.telemetry import recording
 from hylo.telemetry.monitor import Telemetry
@@ -334,6 +334,13 @@ class HyLoPreconditioner:
     def layer_info(self) -> list[LayerInfo]:
         """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
         return [layer.info(self._config) for layer in self._layers]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients ``step()`` rewrites, each once (a parameter several layers share, such as
+        MultiheadAttention's ``in_proj_weight``, once). For ``solver="kfac_adam"``, whose result is the whole
+        update direction, give them to an optimizer that applies only lr and weight decay (docs/usage.md,
+        "Adaptive solvers")."""
+        return layer_parameters(self._layers)
 
     def solver_of(self, name: str) -> str:
         """The solver layer ``name`` used at the latest update (its configured one before any)."""

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, cast, get_args, get_origin
 
+#: A hyperparameter: a constant or a callable of the step (0-based count of ``step()`` calls).
+Hyper = float | Callable[[int], float]
+IntHyper = int | Callable[[int], int]
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -108,10 +108,10 @@ def global_safe_norms(comm: Communicator, grads: Sequence[GradMatrix | None], de
 
 def precondition(
     comm: Communicator, items: Sequence[tuple[str, LayerState, GradMatrix]], watch: Clock
-) -> dict[str, Tensor]:
+) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
     """Each layer's rows of V̂ on this rank, every layer's partial results in one all-reduce and one
     all-gather (each launched only if some layer needs it; the same on every rank: every rank holds
-    every state)."""
+    every state), and the successors of the states that advance (not yet stored)."""
     payloads = {Exchange.SUM: Payload(), Exchange.ROWS: Payload()}
     for name, state, grad in items:
         exchange, partial = state.shard_partial(grad)
@@ -123,7 +123,13 @@ def precondition(
     received = {**summed.wait(), **gathered.wait()}
     sizes = [received[(name, "partial")].numel() * received[(name, "partial")].element_size() for name in names]
     watch.lap("gather", names, sizes if watch.enabled else None)
-    return {name: state.shard_finish(grad, received[(name, "partial")]) for name, state, grad in items}
+    results: dict[str, Tensor] = {}
+    successors: dict[str, LayerState] = {}
+    for name, state, grad in items:
+        results[name], successor = state.shard_advance(grad, received[(name, "partial")])
+        if successor is not state:
+            successors[name] = successor
+    return results, successors
 
 
 def agree_results(

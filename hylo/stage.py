@@ -87,17 +87,23 @@ class UpdateStage:
             solutions.update(zip(mine, exchange.family.solve([prepared[name] for name in mine], context), strict=True))
             watch.lap("solve", mine, [exchange.family.solve_cost(prepared[name]) for name in mine])
 
-        if strategy == "inverse" and self.comm.world_size > 1:
-            states = self._share(jobs, owners, prepared, solutions, context)
-        else:
-            states = {}
-            for job in jobs:
-                family = family_of(job.solver)
-                if job.name in solutions:
-                    states[job.name] = family.assemble(prepared[job.name], solutions[job.name], context)
-                else:
-                    states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
-            watch.lap("solve", [job.name for job in jobs])
+        # every rank holds every state under "inverse", and the states that change at each step (Adam's moments)
+        # under either strategy: each rank advances its own copy (docs/distributed.md, "Strategies")
+        shared = [
+            job
+            for job in jobs
+            if self.comm.world_size > 1 and (strategy == "inverse" or family_of(job.solver).state_type.advances)
+        ]
+        states = self._share(shared, owners, prepared, solutions, context) if shared else {}
+        local = [job for job in jobs if job.name not in states]
+        for job in local:
+            family = family_of(job.solver)
+            if job.name in solutions:
+                states[job.name] = family.assemble(prepared[job.name], solutions[job.name], context)
+            else:
+                states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
+        if local:
+            watch.lap("solve", [job.name for job in local])
         rejected = self._rejected(jobs, states, strategy)
         watch.lap("check")
         return UpdateResult(states, owners, rejected)
@@ -187,9 +193,10 @@ class UpdateStage:
         norms: dict[str, Tensor],
         strategy: Strategy,
         watch: Clock,
-    ) -> dict[str, Tensor]:
-        """V̂ of every (layer, state, owner, ∇W) item, by layer; owners broadcast under "gradient", having checked
-        their results against each layer's ‖∇W‖ in ``norms`` (float64).
+    ) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
+        """V̂ of every (layer, state, owner, ∇W) item, by layer, and the successors of the states that
+        :attr:`~hylo.solvers.base.LayerState.advances` (not yet stored); owners broadcast under "gradient", having
+        checked their results against each layer's ‖∇W‖ in ``norms`` (float64).
 
         Every rank must pass the same layers in the same order (the preconditioner agrees on them).
         """
@@ -197,16 +204,19 @@ class UpdateStage:
             held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
             return sharding.precondition(self.comm, held, watch)
         results: dict[str, Tensor] = {}
+        successors: dict[str, LayerState] = {}
         for name, state, _, grad in items:
             if isinstance(state, LayerState):
-                results[name] = state.precondition(grad)
+                results[name], successor = state.advance(grad)
+                if successor is not state:
+                    successors[name] = successor
                 watch.lap("precondition", name)
         if strategy == "gradient" and self.comm.world_size > 1:
             # the owner checks its results before sending them (docs/reliability.md, "Fallbacks"): every rank
             # then applies the same result, and a rank that holds no state for the layer checks finiteness only
             checked = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
             if checked:
-                dampings = [state.damping for _, state, _ in checked]
+                dampings = [state.bound for _, state, _ in checked]
                 terms = torch.stack(
                     [
                         result_terms(grad, results[name], norms[name], damping)
@@ -218,8 +228,8 @@ class UpdateStage:
                 sound = sound_results(terms, mine, dampings, dtypes)
                 for i, (name, _, grad) in enumerate(checked):
                     results[name] = grad.fill_where_not(sound[i], results[name])
-            for src in range(self.comm.world_size):
-                owned = [(name, grad) for name, _, owner, grad in items if owner == src]
+            for src in range(self.comm.world_size):  # (every rank computed an advancing state's result itself)
+                owned = [(name, grad) for name, _, owner, grad in items if owner == src and name not in successors]
                 payload = Payload(
                     {
                         (name, "grad"): results.get(name, torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
@@ -230,7 +240,7 @@ class UpdateStage:
                 results.update((name, received[(name, "grad")]) for name, _ in owned)
                 names = [name for name, _ in owned]
                 watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
-        return results
+        return results, successors
 
 
 def _payload_bytes(payload: Payload, layers: Sequence[str]) -> list[int]:

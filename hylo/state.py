@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hylo.config import HyLoConfig
 from hylo.layers.capture import LayerCapture
@@ -59,3 +61,18 @@ def registered_layers(found: Registration, config: HyLoConfig) -> list[Registere
         found.remove()
         raise
     return layers
+
+
+def layer_parameters(layers: Sequence[RegisteredLayer]) -> list[nn.Parameter]:
+    """The parameters holding the layers' weights and biases, each once, in layer order: a weight that is a view
+    (MultiheadAttention's projections slice ``in_proj_weight``; a transposed weight) counts as its base."""
+    found: dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for tensor in (layer.math.weight, layer.math.bias):
+            if tensor is None:
+                continue
+            base = tensor if isinstance(tensor, nn.Parameter) else tensor._base
+            if not isinstance(base, nn.Parameter):
+                raise ValueError(f"layer {layer.name!r}: its weight or bias is not (a view of) a parameter")
+            found.setdefault(id(base), base)
+    return list(found.values())

@@ -59,6 +59,7 @@ class StepValues:
             seed=seed,
             kis_estimator=config.lowrank.kis_estimator,
             kfac_method=config.kfac.kfac_method,
+            kfac_adam=config.kfac_adam,
             watch=watch,
         )
 
@@ -154,7 +155,8 @@ def precondition(
         if (state := outcome.state_of(layer)) is not None
     ]
     norm_of = {layer.name: norm for (layer, _), norm in zip(ready, norms, strict=True)}
-    results = stage.precondition(items, norm_of, config.distributed.strategy, watch)
+    results, successors = stage.precondition(items, norm_of, config.distributed.strategy, watch)
+    outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
     clip = None
     if values.kl_clip is not None:
         assert values.lr is not None
@@ -166,7 +168,7 @@ def precondition(
     # so that every rank computes the same ⟨∇W, V̂⟩ for kl_clip and the ranks' weights stay equal bit for bit
     shared = config.distributed.strategy == "gradient" and stage.comm.world_size > 1
     dampings = [
-        state.damping if not shared and isinstance(state := outcome.state_of(layer), LayerState) else None
+        state.bound if not shared and isinstance(state := outcome.state_of(layer), LayerState) else None
         for layer, _ in ready
     ]
     if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # --------------------------------------------------------------------------- exact solvers
 @pytest.mark.parametrize("save_at", [3, 4], ids=["before-update-step", "between-updates"])
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac_adam"])
 def test_state_dict_round_trip_is_bit_exact(solver: str, save_at: int) -> None:
     options = {"solver": solver, "update_freq": 3, "damping": 0.1, "factor_decay": 0.8}
 

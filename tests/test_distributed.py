@@ -44,6 +44,16 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
+#: Test cases that are a solver with options: K-FAC's inverse method; kfac_adam with ε 1e-3, which bounds Adam's
+#: amplification of round-off, and (compared with one process) without fc1, whose A is rank-deficient (d_a 28 > 8
+#: rows a step): see tests/test_fsdp.py's options().
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "kfac-inverse": ("kfac", {"kfac_method": "inverse"}),
+    "kfac_adam": ("kfac_adam", {"adam_eps": 1e-3}),
+    "kfac_adam-full-rank": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",)}),
+}
+
+
 def make_model(dtype: torch.dtype) -> Net:
     torch.manual_seed(0)
     return Net().to(dtype)
@@ -82,9 +92,8 @@ def train(
     if world_size > 1 and dist.is_initialized():
         net = nn.parallel.DistributedDataParallel(model)
     options: dict[str, Any] = {"strategy": strategy} if strategy != "inverse" else {}
-    solver, _, method = solver.partition("-")  # "kfac-inverse": kfac_method="inverse"
-    if method:
-        options["kfac_method"] = method
+    solver, extra = CASES.get(solver, (solver, {}))
+    options.update(extra)
     pre = hylo.HyLoPreconditioner(
         net, solver=solver, update_freq=update_freq, damping=DAMPING, factor_decay=0.5, **options
     )
@@ -122,7 +131,7 @@ def assert_rel_close(actual: dict[str, Tensor], expected: dict[str, Tensor], tol
 
 # ============================================================================ 1. DDP smoke test
 @pytest.mark.parametrize("strategy", ["inverse", "gradient"])
-@pytest.mark.parametrize("solver", ["kfac", "sngd"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac_adam"])
 def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
     """Two ranks, different data each, update every other step: identical gradients and parameters.
 
@@ -154,13 +163,14 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
     [(2, "inverse"), (4, "inverse"), (4, "gradient")],
     ids=["2-inverse", "4-inverse", "4-gradient"],
 )
-@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse", "kfac_adam-full-rank"])
 def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
     """docs/distributed.md, "Distribution invariant": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
     broadcast preconditioned gradients instead of solved states; ``kfac-inverse`` is K-FAC with
-    ``kfac_method="inverse"`` (its owners broadcast the damped inverses).
+    ``kfac_method="inverse"`` (its owners broadcast the damped inverses); ``kfac_adam``'s moments advance on
+    every rank, under either strategy.
     """
     steps, batch = 3, 8
     xs, ys = make_data(steps, batch, torch.float64)

@@ -31,7 +31,9 @@ from tests.kit.checks import rel_err
 from tests.kit.harness import run_distributed
 from tests.test_distributed import DAMPING, LAYERS, NORM_FLOOR, Net, assert_rel_close, make_data, make_model
 
-SOLVERS = ("kfac", "sngd", "kid", "kis")
+SOLVERS = ("kfac", "sngd", "kid", "kis", "kfac_adam")
+#: The decoder's solvers: kfac_adam is left out, its embeddings' A are rank-deficient (unseen tokens; see options()).
+LM_SOLVERS = ("kfac", "sngd", "kid", "kis")
 #: Relative error allowed between FSDP2 and one process (float64; the sums run in another order).
 TOL = 1e-6
 
@@ -51,7 +53,12 @@ def full(tensor: Tensor) -> Tensor:
 
 
 def options(solver: str) -> dict[str, Any]:
-    return {"solver": solver, "damping": DAMPING, "factor_decay": 0.5, "rank_ratio": 1.0, "update_freq": 2}
+    # kfac_adam: ε 1e-3 bounds Adam's amplification of round-off (|∂(r/(|r|+ε))/∂r| ≤ 1/ε), so that the float64
+    # comparison of P ranks with one process stays meaningful over several steps; fc1 (d_a 28 > 8 rows a step) is
+    # left out: its A is rank-deficient, and eigh's choice of vectors in its null space (which round-off decides)
+    # changes the Adam scaling of those directions (docs/solvers.md, "Adam in the K-FAC eigenbasis")
+    eps = {"adam_eps": 1e-3, "skip_layers": ("fc1",)} if solver == "kfac_adam" else {}
+    return {"solver": solver, "damping": DAMPING, "factor_decay": 0.5, "rank_ratio": 1.0, "update_freq": 2, **eps}
 
 
 def record_steps(
@@ -229,7 +236,7 @@ def train_lm(rank: int, world_size: int, solvers: tuple[str, ...], tokens: Tenso
     return out
 
 
-@pytest.mark.parametrize(("world_size", "solvers"), [(2, SOLVERS), (4, ("kfac",))])
+@pytest.mark.parametrize(("world_size", "solvers"), [(2, LM_SOLVERS), (4, ("kfac",))])
 def test_fsdp2_decoder_lm_matches_single_process(world_size: int, solvers: tuple[str, ...]) -> None:
     """docs/distributed.md, "FSDP2": a transformer LM (token embedding, packed attention projections, MLP, head)
     sharded per block and root equals one process on the whole batch, over update and in-between steps; at

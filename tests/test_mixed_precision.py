@@ -12,6 +12,8 @@ the result (its scale is divided out of the captured output gradients).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,11 +51,13 @@ def _data(step: int) -> tuple[Tensor, Tensor]:
 
 
 def _run(
-    solver: str, autocast: bool, scaler: torch.amp.GradScaler | None = None, steps: int = 2
+    solver: str, autocast: bool, scaler: torch.amp.GradScaler | None = None, steps: int = 2, **options: Any
 ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]], HyLoPreconditioner]:
     """Raw and preconditioned gradients of each step (no optimizer step: the weights stay put)."""
     model = TinyTransformer()
-    pre = HyLoPreconditioner(model, solver=solver, damping=0.1, update_freq=1, rank_ratio=1.0, grad_scaler=scaler)
+    pre = HyLoPreconditioner(
+        model, solver=solver, damping=0.1, update_freq=1, rank_ratio=1.0, grad_scaler=scaler, **options
+    )
     raws, results = [], []
     for step in range(steps):
         model.zero_grad()

@@ -69,7 +69,10 @@ TIMING_COLUMNS = [
 STEPS_COLUMNS = ["step", "kind", "step_ms", *SLOTS_MS, *PHASES_MS, "bytes_sent", "hook_ms"]
 GRAD_NORM_COLUMNS = ["step", "layer", "norm", "ema", "trend", "critical", "norm_after"]
 GRAD_ERROR_COLUMNS = ["step", "layer", "method", "rank_ratio", "rel_error", "reference"]
-DECISION_COLUMNS = ["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"]
+DECISION_COLUMNS = [
+    *["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"],
+    "cost_kfac_adam",  # the registered kfac_adam family (docs/profiling.md, "Files")
+]
 STUDIES = ("grad_norm", "rank", "grad_error")
 #: The options of the runs whose files are checked: updates every 2nd step, fc2 on K-FAC, all studies.
 STUDY_RUN: dict[str, Any] = {

@@ -24,7 +24,8 @@ from hylo.distributed.payload import Payload
 from hylo.integrity import seal
 from hylo.layers import EmbeddingMath
 from hylo.layers.rows import FactoredRows, OneHotRows, rows_from_fields
-from hylo.policy import MB, kfac_state_bytes
+from hylo.policy import MB
+from hylo.solvers.kfac import kfac_state_bytes
 from tests.kit.cluster import ThreadCluster
 
 pytestmark = pytest.mark.usefixtures("single_thread")

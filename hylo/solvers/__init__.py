@@ -4,7 +4,8 @@
 - :mod:`~hylo.solvers.kfac`: the K-FAC family; :mod:`~hylo.solvers.lowrank`: the low-rank family
   and its variants (:class:`RowReduction`), with :mod:`~hylo.solvers.reduce` (KIS sampling, the
   KID skeleton) and :mod:`~hylo.solvers.smw` (the Sherman–Morrison–Woodbury solve);
-- :mod:`~hylo.solvers.registry`: solver names → families, and :func:`register_variant`.
+- :mod:`~hylo.solvers.kfac_adam`: Adam's moments in the K-FAC eigenbasis, registered as a family;
+- :mod:`~hylo.solvers.registry`: solver names → families, :func:`register_family` and :func:`register_variant`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from hylo.solvers.registry import (
     FAMILIES,
     HYBRID,
     LAYER_SOLVERS,
+    FamilyHandle,
     VariantHandle,
     family_of,
+    register_family,
     register_variant,
     solver_names,
     variant_names,
@@ -34,8 +37,10 @@ __all__ = [
     "RowReduction",
     "SolverFamily",
     "UpdateContext",
+    "FamilyHandle",
     "VariantHandle",
     "family_of",
+    "register_family",
     "register_variant",
     "solver_names",
     "variant_names",

@@ -45,11 +45,27 @@ class LayerState(ABC):
 
     #: Name of the family that builds this state.
     family: ClassVar[str]
+    #: Whether applying the state changes it (Adam's moments): :meth:`advance` then returns its successor, which
+    #: the step stores only once it succeeds (docs/reliability.md, "Transactional steps").
+    advances: ClassVar[bool] = False
+    #: Keys :meth:`to_dict` adds to a checkpoint entry beyond ``damping`` and ``tensors``.
+    entry_keys: ClassVar[frozenset[str]] = frozenset()
     damping: float
 
     @abstractmethod
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
         """The preconditioned (d_g, d_a) gradient, from ∇W whole or as its weight and bias parts."""
+
+    def advance(self, grad: Tensor | GradMatrix) -> tuple[Tensor, LayerState]:
+        """The preconditioned gradient and the state the next step applies (this one, unless it :attr:`advances`)."""
+        return self.precondition(grad), self
+
+    @property
+    def bound(self) -> float | None:
+        """λ of the guarantee a result is checked against, a descent direction no longer than ‖∇W‖/λ (what
+        (F̃ + λI)⁻¹ with F̃ PSD gives); None where the state gives none and only finiteness is checked
+        (docs/reliability.md, "Fallbacks")."""
+        return self.damping
 
     @abstractmethod
     def tensors(self) -> dict[str, Tensor]:
@@ -73,6 +89,10 @@ class LayerState(ABC):
         if shard.axis == 0:
             return self.precondition(received)[shard.start : shard.stop]
         return self.precondition(received.mT)[:, shard.start : shard.stop]
+
+    def shard_advance(self, grad: GradMatrix, received: Tensor) -> tuple[Tensor, LayerState]:
+        """:meth:`shard_finish` and the state the next step applies (this one, unless it :attr:`advances`)."""
+        return self.shard_finish(grad, received), self
 
     def carried(self) -> dict[str, Tensor]:
         """Tensors the next update of the same family builds on (K-FAC's running factors)."""
@@ -245,6 +265,8 @@ class UpdateContext:
     kis_estimator: str = "unbiased"
     #: How K-FAC layers are solved: ``"eigen"`` or ``"inverse"`` (docs/solvers.md, "The inverse method").
     kfac_method: str = "eigen"
+    #: The kfac_adam family's options (:class:`hylo.solvers.kfac_adam.KFACAdamConfig`; None: its defaults).
+    kfac_adam: Any = None
 
 
 PreparedT = TypeVar("PreparedT")
@@ -304,6 +326,11 @@ class SolverFamily(ABC, Generic[PreparedT]):
     @abstractmethod
     def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
         """What a rank that does not own the layer keeps for the next update."""
+
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
+        """Bytes of a (d_g, d_a) layer's state held on every rank, known before any update, when
+        ``kfac_max_state_mb`` bounds it; None: not bounded (the low-rank states grow with the batch)."""
+        return None
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:
         """Rows of ``batch`` this rank keeps for ``solver``'s update (all of them unless the family reduces)."""

@@ -21,9 +21,11 @@ from torch import Tensor
 
 from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerShape
+from hylo.layers.conv import DEFAULT_KFC_EXPONENT
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
 from hylo.numerics import eigh_many, spd_inverse_many
+from hylo.rules import COUNT, DECAY, Hyper, IntHyper, Rule, Section, is_real, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -45,6 +47,74 @@ EIGH_COST = 4.0
 INVERSE_COST = 1.0
 #: How a K-FAC layer is solved and applied (docs/solvers.md, "The inverse method").
 KFAC_METHODS = ("eigen", "inverse")
+
+
+@dataclass(frozen=True)
+class KFACConfig(Section):
+    """The K-FAC family's options (docs/solvers.md, "K-FAC", "K-FAC conventions")."""
+
+    section_name: ClassVar[str | None] = "kfac"
+
+    factor_decay: Hyper = option(
+        0.95,
+        doc="running-average decay β of the K-FAC factors (the first update takes the batch factors as they are)",
+        rule=DECAY,
+        schedule=True,
+    )
+    factor_update_freq: IntHyper | None = option(
+        None,
+        doc="KAISA's factor cadence: K-FAC layers also refresh their running factors every this many steps "
+        "between updates (one all-reduce, no decomposition); None: only at update steps",
+        rule=COUNT,
+        schedule=True,
+    )
+    kfac_method: str = option(
+        "eigen",
+        doc="'eigen': (A ⊗ G + λI)⁻¹ exactly, through eigendecompositions, four products a step; 'inverse': "
+        "(A + δ_a I)⁻¹ ⊗ (G + δ_g I)⁻¹ with δ_a δ_g = λ (factored damping, a little more than λ's), through "
+        "Cholesky inverses about 4× cheaper at an update and two products a step; takes effect at the next update",
+        rule=Rule(lambda x: x in KFAC_METHODS, f"one of {KFAC_METHODS}"),
+    )
+    kfc_exponent: float = option(
+        DEFAULT_KFC_EXPONENT,
+        doc="e ∈ [0, 4] of a convolution's K-FAC factors, F ≈ L^e·E_p[aaᵀ] ⊗ E_p[ggᵀ] over its L output "
+        "positions: 1 is Grosse & Martens' KFC, 2 fully correlated positions, 0 a position per sample",
+        rule=Rule(lambda x: is_real(x) and 0.0 <= x <= 4.0, "a number in [0, 4]"),
+        fixed=True,
+    )
+    kfac_max_state_mb: float | None = option(
+        2048.0,
+        doc="the most MB of one layer's K-FAC state (A, G, their eigenvectors and eigenvalues: 2(d_a² + d_g²) + "
+        "d_a + d_g numbers in the working dtype, held on every rank), known at construction: over it "
+        "solver='kfac' (or a layer_solvers entry) refuses the layer, naming it, and hybrid never gives it K-FAC. "
+        "2048 (MB of 2²⁰ bytes, an eighth of a 16 GB GPU) keeps K-FAC for layers up to 11,585 wide (a 4096×11008 "
+        "MLP: 1,053 MB) and refuses vocabulary-sized ones (V = 32,000: 7,813 MB); inf or None: no limit",
+        rule=Rule(lambda x: is_real(x) and x > 0, "a number > 0 (inf or None: no limit)"),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._set("kfc_exponent", float(self.kfc_exponent))
+
+
+def eigen_shapes(d_a: int, d_g: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a (d_g, d_a) layer's running factors and their eigendecompositions, by field name (what
+    :class:`KFACState` holds, and the K-FAC part of :class:`~hylo.solvers.kfac_adam.KFACAdamState`)."""
+    return {
+        "factor_a": (d_a, d_a),
+        "factor_g": (d_g, d_g),
+        "evals_a": (d_a,),
+        "evecs_a": (d_a, d_a),
+        "evals_g": (d_g,),
+        "evecs_g": (d_g, d_g),
+    }
+
+
+def kfac_state_bytes(d_a: int, d_g: int, itemsize: int) -> int:
+    """Bytes of one layer's K-FAC state as :class:`KFACState` holds it: the running A (d_a×d_a, dense also for an
+    embedding's diagonal one) and G (d_g×d_g), their eigenvectors (the same sizes) and eigenvalues (d_a + d_g), in
+    the working dtype."""
+    return (2 * (d_a * d_a + d_g * d_g) + d_a + d_g) * itemsize
 
 
 def _eigh_work(d_a: int, d_g: int) -> float:
@@ -98,14 +168,7 @@ class KFACState(LayerState):
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and eigendecompositions by name."""
-        return {
-            "factor_a": self.factor_a,
-            "factor_g": self.factor_g,
-            "evals_a": self.evals_a,
-            "evecs_a": self.evecs_a,
-            "evals_g": self.evals_g,
-            "evecs_g": self.evecs_g,
-        }
+        return {name: getattr(self, name) for name in eigen_shapes(0, 0)}
 
     def carried(self) -> dict[str, Tensor]:
         """The running factors, which the next update blends with its batch factors."""
@@ -122,14 +185,7 @@ class KFACState(LayerState):
         if "divisor" in entry:
             raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
         damping = positive_number(entry, "damping")
-        shapes = {
-            "factor_a": (d_a, d_a),
-            "factor_g": (d_g, d_g),
-            "evals_a": (d_a,),
-            "evecs_a": (d_a, d_a),
-            "evals_g": (d_g,),
-            "evecs_g": (d_g, d_g),
-        }
+        shapes = eigen_shapes(d_a, d_g)
         tensors = entry.get("tensors")
         if isinstance(tensors, Mapping) and "inverse_a" in tensors:
             return KFACInverseState.from_dict(entry, d_a, d_g, dtype, device)
@@ -363,6 +419,10 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def carried(self, prepared: KFACFactors) -> dict[str, Tensor]:
         """Every rank keeps the running factors (the next update blends with them)."""
         return {"factor_a": prepared.factor_a, "factor_g": prepared.factor_g}
+
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
+        """:func:`kfac_state_bytes` (the eigen method's, the larger)."""
+        return kfac_state_bytes(d_a, d_g, itemsize)
 
     refreshes = True
 

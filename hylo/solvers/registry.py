@@ -1,26 +1,29 @@
-"""Solver names and the families that run them; public registration of low-rank variants.
+"""Solver names and the families that run them; public registration of families and low-rank variants.
 
 docs/design.md, "Solver families". The update stage groups layers by family and calls the
 family interface (:class:`~hylo.solvers.base.SolverFamily`); nothing outside this package, the
 configuration and the hybrid policy tests a solver's or a family's name. The built-in solvers are
 ``kfac`` (the K-FAC family) and the low-rank family's variants ``sngd``, ``kid`` and ``kis``;
-:func:`register_variant` adds a low-rank variant from user code (docs/extending.md).
+:func:`register_family` adds a family (``kfac_adam``, Adam in the K-FAC eigenbasis, is registered
+through it) and :func:`register_variant` a low-rank variant, from user code (docs/extending.md).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from hylo.rules import Rule
 from hylo.solvers.base import SolverFamily
 from hylo.solvers.kfac import KFACFamily
+from hylo.solvers.kfac_adam import KFACAdamFamily
 from hylo.solvers.lowrank import ExactRows, LowRankFamily, RowReduction, SampledRows, SkeletonRows
 
 #: The low-rank family: its variants are the registered row reductions.
 LOWRANK = LowRankFamily()
 #: The families, in the order the stage launches their collectives (K-FAC's all-reduce first,
-#: so that it overlaps the low-rank local reductions).
-FAMILIES: tuple[SolverFamily, ...] = (KFACFamily(), LOWRANK)
+#: so that it overlaps the low-rank local reductions), then those :func:`register_family` added.
+FAMILIES: list[SolverFamily[Any]] = [KFACFamily(), LOWRANK]
 #: What ``solver="hybrid"`` asks for: a solver per layer and update, chosen by the policy.
 HYBRID = "hybrid"
 #: The built-in solvers, in their fixed order (the first entries of :func:`solver_names`).
@@ -92,3 +95,46 @@ def register_variant(name: str, reduction: RowReduction) -> VariantHandle:
         raise ValueError(f"register_variant needs a hylo.solvers.RowReduction instance, got {type(reduction).__name__}")
     LOWRANK.variants[name] = reduction
     return VariantHandle(name)
+
+
+class FamilyHandle:
+    """Returned by :func:`register_family`: ``remove()`` unregisters the family."""
+
+    def __init__(self, family: SolverFamily[Any]) -> None:
+        self.family = family
+
+    def remove(self) -> None:
+        """Unregister the family (idempotent); preconditioners still using its solvers fail at their next update."""
+        if self.family in FAMILIES:
+            FAMILIES.remove(self.family)
+
+
+def register_family(family: SolverFamily[Any]) -> FamilyHandle:
+    """Add a solver family: its solvers become names for ``solver``, ``layer_solvers``, ``solver_fn``, the policy's
+    ``kfac_solver`` and the studies, with the stage, checkpoints, FSDP2 and the cost model going through its
+    interface (:class:`~hylo.solvers.base.SolverFamily`; docs/extending.md, "Solver families").
+
+    ``ValueError`` unless ``family`` is a ``SolverFamily`` instance whose name is new, whose solver names are
+    lowercase letters, digits and '_' and not taken, and whose ``statistic`` is one the built-in families capture
+    (K-FAC's factors or the per-sample rows). Register it on every rank, before making a config that names it.
+    """
+    if not isinstance(family, SolverFamily):
+        raise ValueError(f"register_family needs a hylo.solvers.SolverFamily instance, got {type(family).__name__}")
+    if any(other.name == family.name for other in FAMILIES):
+        raise ValueError(f"a solver family named {family.name!r} is registered already")
+    statistics = [other.statistic for other in FAMILIES[:2]]
+    if family.statistic not in statistics:
+        raise ValueError(f"family {family.name!r} reads statistic {family.statistic!r}; expected one of {statistics}")
+    taken = solver_names()
+    for name in family.solvers:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(
+                f"a solver's name is lowercase letters, digits and '_', starting with a letter; got {name!r}"
+            )
+        if name == HYBRID or name in taken:
+            raise ValueError(f"solver name {name!r} is taken (registered: {taken}, and {HYBRID!r})")
+    FAMILIES.append(family)
+    return FamilyHandle(family)
+
+
+register_family(KFACAdamFamily())

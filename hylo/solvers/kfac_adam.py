@@ -1,0 +1,395 @@
+"""The adaptive family: Adam's moments of the gradient in a layer's K-FAC eigenbasis (``solver="kfac_adam"``).
+
+docs/solvers.md, "Adam in the K-FAC eigenbasis". The family shares K-FAC's statistics (batch
+factors A, G averaged over ranks and blended into running factors) and eigendecomposes the
+running factors at each update: Q_a, Q_g. At every step the state rotates ∇W into that basis,
+R = Q_gᵀ ∇W Q_a, keeps Adam's moments of R (m, v: β₁, β₂, bias correction) and returns
+V̂ = Q_g [m̂ / (v̂^p + ε)] Q_aᵀ: SOAP's step with K-FAC's factors in place of SOAP's gradient
+statistics. The state changes at every step it is applied (:attr:`LayerState.advances`); at an
+update the moments are carried into the new basis (m exactly, v by ``moment_carry``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from hylo.distributed.payload import Payload
+from hylo.layers.batch import LayerShape
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.statistics import FACTORS
+from hylo.numerics import eigh_many
+from hylo.rules import Rule, Section, is_real, option
+from hylo.solvers.base import (
+    Contribution,
+    CostEstimate,
+    HeldState,
+    LayerState,
+    RemoteState,
+    SolverFamily,
+    UpdateContext,
+    UpdateJob,
+    carried_from,
+    checked_tensors,
+    positive_number,
+)
+from hylo.solvers.kfac import EIGH_COST, KFACFamily, KFACState, blend_factors, eigen_shapes
+
+#: Elementwise operations of one step on every entry of R (moments, bias correction, the division).
+ELEMENTWISE_COST = 8.0
+#: Where the second moment v̂ comes from (see :class:`KFACAdamConfig`).
+SecondMoment = Literal["gradient", "factors"]
+#: What becomes of v when the basis changes at an update (see :class:`KFACAdamConfig`).
+MomentCarry = Literal["keep", "project"]
+#: The basis the moments live in (see :class:`KFACAdamConfig`).
+Basis = Literal["kfac", "identity"]
+
+
+def _betas(value: object) -> bool:
+    return (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(is_real(b) for b in value)
+        and 0.0 <= value[0] < 1.0
+        and 0.0 <= value[1] < 1.0
+    )
+
+
+@dataclass(frozen=True)
+class KFACAdamConfig(Section):
+    """The adaptive family's options (docs/solvers.md, "Adam in the K-FAC eigenbasis"); read at each update."""
+
+    section_name: ClassVar[str | None] = "kfac_adam"
+
+    adam_betas: tuple[float, float] = option(
+        (0.9, 0.999),
+        doc="(β₁, β₂) of the moments of the rotated gradient R: β₁ 0 keeps no momentum (the step of this "
+        "gradient alone); takes effect at the next update",
+        rule=Rule(_betas, "a pair (β₁, β₂) of numbers in [0, 1)"),
+    )
+    adam_eps: float = option(
+        1e-8, doc="ε of m̂ / (v̂^p + ε)", rule=Rule(lambda x: is_real(x) and 0 < x < float("inf"), "a finite number > 0")
+    )
+    adam_exponent: float = option(
+        0.5,
+        doc="p of m̂ / (v̂^p + ε): 0.5 is Adam's scaling; 1 with second_moment='factors', β₁ 0 and ε = λ is K-FAC",
+        rule=Rule(lambda x: is_real(x) and 0 < x <= 1, "a number in (0, 1]"),
+    )
+    second_moment: SecondMoment = option(
+        "gradient",
+        doc="'gradient': v is the running mean of R² (Adam's, SOAP's estimate); 'factors': v̂ = e_g e_aᵀ, the "
+        "products of the running factors' eigenvalues (K-FAC's own estimate; no v is kept)",
+    )
+    moment_carry: MomentCarry = option(
+        "keep",
+        doc="v when the basis changes at an update: 'keep' each entry with its eigenvector pair (SOAP's choice), "
+        "'project' through the squared basis change, (P_g∘P_g)ᵀ v (P_a∘P_a) with P = Q_oldᵀ Q_new; m is always "
+        "re-projected exactly",
+    )
+    adam_basis: Basis = option(
+        "kfac",
+        doc="'kfac': the running factors' eigenvectors; 'identity': no rotation (Adam on the layer's matrix, "
+        "the ablation that shows what the basis buys)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._set("adam_betas", (float(self.adam_betas[0]), float(self.adam_betas[1])))
+
+
+@dataclass(frozen=True)
+class AdamRule:
+    """The per-step hyperparameters a state was assembled with (from :class:`KFACAdamConfig`)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    exponent: float
+    second_moment: str
+
+    @classmethod
+    def of(cls, config: KFACAdamConfig) -> AdamRule:
+        """The rule of ``config``."""
+        beta1, beta2 = config.adam_betas
+        return cls(beta1, beta2, config.adam_eps, config.adam_exponent, config.second_moment)
+
+
+def adapted(
+    rotated: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, steps: int, rule: AdamRule, evals: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of the moments of the rotated gradient R: (m̂ / (v̂^p + ε), m, v), new tensors.
+
+    m = β₁ m + (1 − β₁) R and, with ``second_moment="gradient"``, v = β₂ v + (1 − β₂) R² (R² clamped at the dtype's
+    largest finite value, so that v stays finite); ``steps`` counts this step (≥ 1) for the bias corrections
+    1 − β^steps. With ``"factors"`` v̂ = e_g e_aᵀ (``evals``) and v is kept."""
+    m = torch.lerp(rotated, exp_avg, rule.beta1)
+    if rule.second_moment == "factors":
+        v = exp_avg_sq
+        v_hat = torch.outer(evals[0], evals[1])
+    else:
+        v = torch.lerp(rotated.square().clamp_(max=torch.finfo(rotated.dtype).max), exp_avg_sq, rule.beta2)
+        v_hat = v / (1.0 - rule.beta2**steps)
+    denominator = v_hat.sqrt_() if rule.exponent == 0.5 else v_hat.pow_(rule.exponent)
+    return torch.div(m, denominator.add_(rule.eps)).mul_(1.0 / (1.0 - rule.beta1**steps)), m, v
+
+
+@dataclass
+class KFACAdamState(LayerState):
+    """Running factors, their eigenbases and Adam's moments of the rotated gradient (d_g × d_a each).
+
+    ``advance`` computes V̂ = Q_g [m̂ / (v̂^p + ε)] Q_aᵀ with the moments updated by this step's ∇W and returns the
+    state with them; ``precondition`` is the same V̂ without keeping them. The moments stay finite for a finite ∇W
+    (|R| ≤ ‖∇W‖, R² clamped), which the step checks before any state is applied."""
+
+    family: ClassVar[str] = "kfac_adam"
+    advances: ClassVar[bool] = True
+    entry_keys: ClassVar[frozenset[str]] = frozenset(("steps", "rule"))
+
+    factor_a: Tensor
+    factor_g: Tensor
+    evals_a: Tensor
+    evecs_a: Tensor
+    evals_g: Tensor
+    evecs_g: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    steps: int
+    damping: float
+    rule: AdamRule
+
+    @property
+    def bound(self) -> float | None:
+        """None: an Adam step (with momentum) need not be a descent direction of this ∇W nor shorter than
+        ‖∇W‖/λ, so only its finiteness is checked (docs/reliability.md, "Fallbacks")."""
+        return None
+
+    def advance(self, grad: Tensor | GradMatrix) -> tuple[Tensor, KFACAdamState]:
+        """V̂ and the state with this step's moments."""
+        parts = GradMatrix.of(grad)
+        dtype = self.evecs_a.dtype
+        rotated = self.evecs_g.mT @ parts.to(dtype).times(self.evecs_a)
+        step, m, v = adapted(
+            rotated, self.exp_avg, self.exp_avg_sq, self.steps + 1, self.rule, (self.evals_g, self.evals_a)
+        )
+        result = (self.evecs_g @ step @ self.evecs_a.mT).to(parts.dtype)
+        return result, dataclasses.replace(self, exp_avg=m, exp_avg_sq=v, steps=self.steps + 1)
+
+    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
+        """V̂ of :meth:`advance`, the state left as it is (the studies' use)."""
+        return self.advance(grad)[0]
+
+    def shard_advance(self, grad: GradMatrix, received: Tensor) -> tuple[Tensor, LayerState]:
+        """This rank's rows (or columns) of V̂ from the gathered ∇W (:meth:`shard_partial`'s default), and the
+        state advanced on the whole ∇W: every rank holds the same moments."""
+        shard = grad.shard
+        assert shard is not None
+        whole = received if shard.axis == 0 else received.mT
+        result, state = self.advance(whole)
+        part = result[shard.start : shard.stop] if shard.axis == 0 else result[:, shard.start : shard.stop]
+        return part, state
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Factors, eigendecompositions and moments by name."""
+        return {name: getattr(self, name) for name in (*eigen_shapes(0, 0), "exp_avg", "exp_avg_sq")}
+
+    def carried(self) -> dict[str, Tensor]:
+        """The running factors, which the next update blends with its batch factors."""
+        return {"factor_a": self.factor_a, "factor_g": self.factor_g}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``state_dict``: the tensors, λ, the step count and the rule."""
+        return {**super().to_dict(), "steps": self.steps, "rule": dataclasses.asdict(self.rule)}
+
+    @classmethod
+    def from_dict(
+        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> KFACAdamState:
+        """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
+        ``dtype``, the eigenvalues and v are ≥ 0, λ is a finite number > 0, the step count an int ≥ 0 and the rule
+        one :class:`KFACAdamConfig` accepts (docs/reliability.md, "Validation")."""
+        if "divisor" in entry:
+            raise ValueError("state_dict entry holds a divisor, which a kfac_adam state has none of")
+        damping = positive_number(entry, "damping")
+        shapes = {**eigen_shapes(d_a, d_g), "exp_avg": (d_g, d_a), "exp_avg_sq": (d_g, d_a)}
+        t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
+        for key in ("evals_a", "evals_g", "exp_avg_sq"):
+            if bool((t[key] < 0).any()):
+                raise ValueError(f"{key} holds negative values (they are eigenvalues or means of squares)")
+        steps = entry.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        saved = entry.get("rule")
+        names = [f.name for f in dataclasses.fields(AdamRule)]
+        if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
+            raise ValueError(f"rule must be a mapping with exactly {names}, got {saved!r}")
+        try:
+            config = KFACAdamConfig(
+                adam_betas=(saved["beta1"], saved["beta2"]),
+                adam_eps=saved["eps"],
+                adam_exponent=saved["exponent"],
+                second_moment=saved["second_moment"],
+            )
+        except ValueError as err:
+            raise ValueError(f"rule: {err}") from None
+        return cls(
+            t["factor_a"],
+            t["factor_g"],
+            t["evals_a"],
+            t["evecs_a"],
+            t["evals_g"],
+            t["evecs_g"],
+            t["exp_avg"],
+            t["exp_avg_sq"],
+            steps,
+            damping,
+            AdamRule.of(config),
+        )
+
+    @classmethod
+    def carried_from_dict(
+        cls, carried: object, d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, Tensor]:
+        """K-FAC's: the running factors A (d_a × d_a) and G (d_g × d_g) in ``dtype``, else ``ValueError``."""
+        return KFACState.carried_from_dict(carried, d_a, d_g, dtype, device)
+
+
+@dataclass
+class KFACAdamInputs:
+    """A layer's running factors after this update's blend, what it held before, and the options to apply."""
+
+    factor_a: Tensor
+    factor_g: Tensor
+    previous: KFACAdamState | None
+    options: KFACAdamConfig
+
+
+def carried_moments(
+    previous: KFACAdamState | None, evecs_a: Tensor, evecs_g: Tensor, carry: str
+) -> tuple[Tensor, Tensor, int]:
+    """Moments (m, v) in the new basis and the step count: zeros and 0 without a previous state; else m exactly
+    re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v kept or projected by ``carry``."""
+    d_g, d_a = evecs_g.shape[0], evecs_a.shape[0]
+    if previous is None:
+        zeros = evecs_a.new_zeros(d_g, d_a)
+        return zeros, zeros.clone(), 0
+    p_a = previous.evecs_a.mT @ evecs_a
+    p_g = previous.evecs_g.mT @ evecs_g
+    m = p_g.mT @ previous.exp_avg @ p_a
+    v = previous.exp_avg_sq if carry == "keep" else p_g.square().mT @ previous.exp_avg_sq @ p_a.square()
+    return m, v, previous.steps
+
+
+class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
+    """Adam in the K-FAC eigenbasis: K-FAC's factors and exchange, an eigendecomposition at each update, per-step
+    moments in the state. Registered with :func:`hylo.solvers.register_family` (docs/extending.md)."""
+
+    name = "kfac_adam"
+    state_type = KFACAdamState
+    statistic = FACTORS
+    refreshes = True
+    #: K-FAC's family, whose batch factors, exchange and cost this family shares.
+    kfac: ClassVar[KFACFamily] = KFACFamily()
+
+    @property
+    def solvers(self) -> tuple[str, ...]:
+        """``"kfac_adam"``."""
+        return ("kfac_adam",)
+
+    def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
+        """K-FAC's: each layer's batch factors, weighted by its sample count in the mean over ranks."""
+        return self.kfac.contribute(jobs, context)
+
+    def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACAdamInputs]:
+        """Each layer's batch factors blended into its running factors, with the state it held (moments to
+        carry) and the options to apply (``context.kfac_adam``)."""
+        options = context.kfac_adam if isinstance(context.kfac_adam, KFACAdamConfig) else KFACAdamConfig()
+        prepared = []
+        for job in jobs:
+            carried = carried_from(job.previous, self.name)
+            previous = (carried["factor_a"], carried["factor_g"]) if carried else None
+            batch = (received[(job.name, "factor_a")], received[(job.name, "factor_g")])
+            held = job.previous if isinstance(job.previous, KFACAdamState) else None
+            prepared.append(KFACAdamInputs(*blend_factors(previous, batch, context.factor_decay), held, options))
+        return prepared
+
+    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
+        """K-FAC's estimate (eigen method) plus the moments' elementwise work on the d_g·d_a entries a step."""
+        kfac = self.kfac.cost(shape, "kfac")
+        return dataclasses.replace(kfac, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
+
+    def solve_cost(self, prepared: KFACAdamInputs) -> float:
+        """The eigendecompositions' cost (none for the identity basis)."""
+        if prepared.options.adam_basis == "identity":
+            return 0.0
+        return EIGH_COST * (float(prepared.factor_a.shape[0]) ** 3 + float(prepared.factor_g.shape[0]) ** 3)
+
+    def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
+        """Eigendecompositions of every A and G batched by shape (identity bases and unit eigenvalues for
+        ``adam_basis="identity"``)."""
+        out: list[dict[str, Tensor]] = []
+        rotated = [p for p in prepared if p.options.adam_basis == "kfac"]
+        decompositions = iter(eigh_many([m for p in rotated for m in (p.factor_a, p.factor_g)]))
+        for p in prepared:
+            if p.options.adam_basis == "kfac":
+                (ea, qa), (eg, qg) = next(decompositions), next(decompositions)
+            else:
+                fa, fg = p.factor_a, p.factor_g
+                ea, eg = fa.new_ones(fa.shape[0]), fg.new_ones(fg.shape[0])
+                qa = torch.eye(fa.shape[0], dtype=fa.dtype, device=fa.device)
+                qg = torch.eye(fg.shape[0], dtype=fg.dtype, device=fg.device)
+            out.append({"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg})
+        return out
+
+    def solution_template(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
+        """Buffers for another rank's eigendecompositions."""
+        fa, fg = prepared.factor_a, prepared.factor_g
+        return {
+            "evals_a": fa.new_empty(fa.shape[0]),
+            "evecs_a": torch.empty_like(fa),
+            "evals_g": fg.new_empty(fg.shape[0]),
+            "evecs_g": torch.empty_like(fg),
+        }
+
+    def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
+        """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
+        s = solution
+        options = prepared.options
+        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry)
+        return KFACAdamState(
+            prepared.factor_a,
+            prepared.factor_g,
+            s["evals_a"],
+            s["evecs_a"],
+            s["evals_g"],
+            s["evecs_g"],
+            m,
+            v,
+            steps,
+            context.damping,
+            AdamRule.of(options),
+        )
+
+    def carried(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
+        """The running factors (the next update blends with them)."""
+        return {"factor_a": prepared.factor_a, "factor_g": prepared.factor_g}
+
+    def refresh(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[HeldState]:
+        """The running factors blended with this step's batch factors; the bases and moments kept."""
+        refreshed: list[HeldState] = []
+        for job, inputs in zip(jobs, self.prepare(jobs, received, context), strict=True):
+            if isinstance(job.previous, KFACAdamState):
+                refreshed.append(dataclasses.replace(job.previous, factor_a=inputs.factor_a, factor_g=inputs.factor_g))
+            else:
+                refreshed.append(RemoteState(self.name, self.carried(inputs)))
+        return refreshed
+
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
+        """K-FAC's state and the two moments (d_g·d_a numbers each)."""
+        kfac = self.kfac.state_bytes(d_a, d_g, itemsize)
+        assert kfac is not None
+        return kfac + 2 * d_a * d_g * itemsize
