@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
-import torch
 
 import hylo
 from hylo_scripts import train, train_lm, train_segmentation
@@ -110,7 +109,7 @@ def test_each_generated_flag_reaches_the_preconditioner(
 ) -> None:
     cfg = _run(*argv, "--log-dir", str(tmp_path))
     assert {name: cfg.hylo[name] for name in expected} == expected
-    pre = make_preconditioner(build_model("cnn"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
+    pre = make_preconditioner(build_model("cnn"), cfg, lambda _step: 0.1, 8)
     assert pre is not None
     try:
         for name, value in cfg.hylo.items():
@@ -121,13 +120,12 @@ def test_each_generated_flag_reaches_the_preconditioner(
 
 def test_the_engine_sets_its_options(tmp_path: Path) -> None:
     cfg = RunConfig(solver="hybrid", seed=7, log_dir=str(tmp_path), profiling=True, hylo={"adaptive": (1, 2, 3)})
-    optimizer = torch.optim.SGD([torch.zeros(1)], lr=0.25)
-    pre = make_preconditioner(build_model("cnn"), cfg, optimizer, 8, profile_append=True)
+    pre = make_preconditioner(build_model("cnn"), cfg, lambda _step: 0.25, 8, profile_append=True)
     assert pre is not None
     try:
         c = pre.config
         assert (c.value("seed"), c.value("iters_per_epoch"), c.value("profile_append")) == (7, 8, True)
-        assert str(c.value("profile_dir")) == str(tmp_path) and c.value("lr")(0) == 0.25  # the optimizer's lr
+        assert str(c.value("profile_dir")) == str(tmp_path) and c.value("lr")(0) == 0.25  # the scheduled lr
         assert c.value("solver_fn") is None
     finally:
         pre.remove()

@@ -175,7 +175,7 @@ def test_study_flags_become_run_config_fields(tmp_path: Path) -> None:
         + ["--study-every", "3", "--grad-error-ratios", "0.05", "0.2"]
     )
     assert cfg.value("studies") == ("rank", "grad_error") and cfg.value("grad_error_methods") == ("kis", "kfac")
-    pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
+    pre = make_preconditioner(build_model("mlp"), cfg, lambda _step: 0.1, 8)
     assert pre is not None
     try:
         c = pre.config.telemetry
@@ -241,7 +241,7 @@ def test_bench_overhead_times_a_language_model_of_a_given_vocabulary() -> None:
 def test_kfac_convention_flags_reach_the_preconditioner() -> None:
     cfg = _parse(["--solver", "kfac", "--kfc-exponent", "2", "--damping-convention", "kaisa"])
     assert (cfg.value("kfc_exponent"), cfg.value("damping_convention")) == (2.0, "kaisa")
-    pre = make_preconditioner(build_model("cnn"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), 8)
+    pre = make_preconditioner(build_model("cnn"), cfg, lambda _step: 0.1, 8)
     assert pre is not None
     try:
         assert (pre.config.kfac.kfc_exponent, pre.config.damping_convention) == (2.0, "kaisa")

@@ -155,7 +155,7 @@ def test_target_damping_becomes_hylos_damping_schedule() -> None:
     cfg = RunConfig(
         model="mlp", solver="kfac", hylo={"damping": 2.0}, target_damping=0.5, damping_decay_epochs=1, warmup_epochs=0
     )
-    pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
+    pre = make_preconditioner(build_model("mlp"), cfg, lambda _step: 0.1, steps_per_epoch=4)
     assert pre is not None
     try:
         damping = pre.config.damping
@@ -166,7 +166,7 @@ def test_target_damping_becomes_hylos_damping_schedule() -> None:
 
 def test_trend_window_reaches_hylo() -> None:
     cfg = RunConfig(model="mlp", solver="hybrid", hylo={"trend_window": 7})
-    pre = make_preconditioner(build_model("mlp"), cfg, torch.optim.SGD([torch.zeros(1)], lr=0.1), steps_per_epoch=4)
+    pre = make_preconditioner(build_model("mlp"), cfg, lambda _step: 0.1, steps_per_epoch=4)
     assert pre is not None
     try:
         assert pre.config.policy.trend_window == 7

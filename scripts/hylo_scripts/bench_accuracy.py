@@ -56,7 +56,7 @@ import torch
 from hylo_scripts import argtypes, timing
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
 from hylo_scripts.devices import describe
-from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
@@ -87,6 +87,12 @@ DAMPING = 0.3
 #: which sets the step's length, K-FAC at 0.3 barely turns the decoder's gradients; at 1e-3 it beats KAISA
 #: (docs/benchmarks.md, "KAISA and hylo's K-FAC on the language model").
 LM_DAMPING = {"kfac": 1e-3, "hybrid": 1e-3}  # hybrid: K-FAC on every matrix of the decoder (its cost model)
+#: hylo's update_freq in the benchmark's runs, unless :data:`LM_UPDATE_FREQ` or ``--freq`` says otherwise.
+UPDATE_FREQ = 10
+#: The lm bench's update_freq of a solver when ``--freq`` is not given (the others: :data:`UPDATE_FREQ`). kfac_adam's basis goes
+#: stale fast early in training: on the LM bench its final loss went 1.68 / 1.57 / 1.45 / 1.41 at updates every
+#: 20 / 10 / 5 / 3 steps (seed 0, lr 4e-3; docs/benchmarks.md, "Peers").
+LM_UPDATE_FREQ = {"kfac_adam": 5}
 #: Each task's defaults of the flags left unset (lm: the bench size; ``lr`` None: AdamW's best).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "classification": {
@@ -165,7 +171,10 @@ def _hylo_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any
     if solver is None:
         return {}
     damping = LM_DAMPING.get(solver, DAMPING) if args.damping is None else args.damping
-    options = {"damping": damping, "update_freq": args.freq, "kl_clip": args.kl_clip, "rank_ratio": args.rank_ratio}
+    # kl_clip bounds a natural-gradient step; kfac_adam's step is normalised already (and its lr is Adam's): off
+    kl_clip = None if solver in ADAPTIVE else args.kl_clip
+    freq = UPDATE_FREQ if args.freq is None else args.freq
+    options = {"damping": damping, "update_freq": freq, "kl_clip": kl_clip, "rank_ratio": args.rank_ratio}
     return options | {"kfac_method": args.kfac_method}
 
 
@@ -235,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lr", type=float, help="peak lr of the hylo runs (default 0.1; lm: AdamW's best)")
     parser.add_argument("--damping", type=float, help="hylo damping (default 0.3; lm: kfac 1e-3, others 0.3)")
-    parser.add_argument("--freq", type=int, default=10, help="hylo update_freq")
+    parser.add_argument("--freq", type=int, default=None, help="hylo update_freq (default 10; lm: LM_UPDATE_FREQ's)")
     parser.add_argument("--kl-clip", type=float, help="hylo kl_clip (default 1e-2)")
     parser.add_argument(
         "--kfac-method", choices=("eigen", "inverse"), help="hylo's kfac_method (default eigen; lm: inverse)"
@@ -346,6 +355,13 @@ class LMCurve:
         return next(((step, seconds) for step, seconds, loss in self.points if loss <= target), None)
 
 
+def _lm_freq(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
+    """The lm bench's update_freq of ``solver`` (:data:`LM_UPDATE_FREQ`) unless ``--freq`` was given."""
+    if solver is None or solver not in LM_UPDATE_FREQ or args.freq is not None:
+        return {}
+    return {"update_freq": LM_UPDATE_FREQ[solver]}
+
+
 def lm_config(args: argparse.Namespace, solver: str | None, lr: float, seed: int) -> RunConfig:
     """One run of the lm benchmark: ``--steps`` in intervals of ``--eval-every``, AdamW, cosine lr."""
     return RunConfig(
@@ -365,7 +381,7 @@ def lm_config(args: argparse.Namespace, solver: str | None, lr: float, seed: int
         lr_schedule="cosine",
         warmup_epochs=args.warmup_intervals,
         weight_decay=args.weight_decay,
-        hylo=_hylo_options(args, solver),
+        hylo=_hylo_options(args, solver) | _lm_freq(args, solver),
         seed=seed,
     )
 

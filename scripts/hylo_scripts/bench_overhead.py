@@ -49,7 +49,9 @@ import torch
 import hylo
 from hylo_scripts.argtypes import default_device, hylo_option
 from hylo_scripts.argtypes import device as device_type
+from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.models import MODELS, build_model, model_names
+from hylo_scripts.optimizers import CombinedOptimizer
 from hylo_scripts.timing import now
 
 #: ``--model llama``: the Hugging Face decoder of :func:`hylo_scripts.bench_compile.build` (vocabulary, context).
@@ -113,11 +115,12 @@ def iteration_time(
     model, x, y = model.to(device), x.to(device), y.to(device)
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-    opt: torch.optim.Optimizer = (
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if optimizer == "sgd"
-        else torch.optim.AdamW(model.parameters(), lr=1e-3)
-    )
+
+    def base(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-3)
+
     pre = None
     if solver is not None:
         pre = hylo.HyLoPreconditioner(
@@ -130,6 +133,12 @@ def iteration_time(
                 **(options or {}),
             },
         )
+    opt: torch.optim.Optimizer = base(list(model.parameters()))
+    if pre is not None and solver in ADAPTIVE:  # its layers take SGD without momentum (docs/usage.md)
+        adapted = pre.parameters()
+        rest = [p for p in model.parameters() if all(p is not q for q in adapted)]
+        parts = [torch.optim.SGD(adapted, lr=1e-3), *([base(rest)] if rest else [])]
+        opt = parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
     timed = [] if times is None else times
     kinds = [] if updates is None else updates
     try:

@@ -45,7 +45,7 @@ from hylo_scripts.argtypes import default_device, hylo_option, positive_int
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.bench_accuracy import LMCurve, median_range
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
-from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
@@ -80,6 +80,10 @@ COLUMNS = (
     "step_ratio",
     "time_ratio",
     "ms_per_step",
+    "best",
+    "goal",
+    "steps_to_goal",
+    "seconds_to_goal",
 )
 
 
@@ -164,6 +168,21 @@ def reach(run: Run, goals: dict[int, tuple[float, int, float]]) -> dict[str, Any
     }
 
 
+def goal_reach(run: Run, task: str, goal: float | None) -> dict[str, Any]:
+    """The run's best metric over its evaluations and, on classification, its steps and seconds to ``goal`` % test
+    accuracy (None: never, or no goal)."""
+    best = metric_of(task, min(value for _, _, value in run.curve.points))
+    if task == "lm" or goal is None:
+        return {"best": best, "goal": None, "steps_to_goal": None, "seconds_to_goal": None}
+    hit = run.curve.first_below(1.0 - goal / 100.0)
+    return {
+        "best": best,
+        "goal": goal,
+        "steps_to_goal": None if hit is None else hit[0],
+        "seconds_to_goal": None if hit is None else round(hit[1], 4),
+    }
+
+
 def metric_of(task: str, value: float) -> float:
     """The reported metric of a curve value: accuracy in % (classification) or the validation loss (lm)."""
     return value if task == "lm" else 100.0 * (1.0 - value)
@@ -176,6 +195,9 @@ def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -
         f"{'method':<13} {'best lr':>8} {metric:>22} {'steps to target':>20} {'s to target':>20} "
         f"{'step ratio':>20} {'time ratio':>20} {'ms/step':>8}"
     )
+    goal = next((r["goal"] for r in rows if r.get("goal") is not None), None)
+    if goal is not None:
+        header += f" {'best acc %':>18} {f'steps to {goal:g}%':>18} {f's to {goal:g}%':>18}"
     lines = [f"task {task}: target = the baseline's final metric at its best lr, per seed", header, "-" * len(header)]
     for method in dict.fromkeys(r["method"] for r in rows if r["status"] != "skipped"):
         runs = [r for r in rows if r["method"] == method and r["best_lr"] and r["status"] != "failed"]
@@ -195,6 +217,7 @@ def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -
             f"{median_range([r['step_ratio'] for r in hits], '.2f') + count:>20} "
             f"{median_range([r['time_ratio'] for r in hits], '.2f') + count:>20} "
             f"{statistics.median(r['ms_per_step'] for r in runs):>8.1f}"
+            + (_goal_columns(runs) if goal is not None else "")
         )
     lines.append("median [range] over seeds at each method's best lr; (k/n): only k of n seeds reached the target;")
     lines.append("* the best lr is at an end of the method's grid (widen it with --lrs)")
@@ -202,9 +225,20 @@ def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -
     return "\n".join(lines)
 
 
+def _goal_columns(runs: Sequence[dict[str, Any]]) -> str:
+    """Best accuracy, and steps and seconds to the accuracy goal, median [range] over the runs (k/n: reached)."""
+    hits = [r for r in runs if r["steps_to_goal"] is not None]
+    count = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)})"
+    return (
+        f" {median_range([r['best'] for r in runs], '.1f'):>18}"
+        f" {median_range([r['steps_to_goal'] for r in hits], '.0f') + count:>18}"
+        f" {median_range([r['seconds_to_goal'] for r in hits], '.1f') + count:>18}"
+    )
+
+
 def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
     """``bench_accuracy``'s options for ``task``: its defaults, ``--quick``'s sizes, then this run's flags."""
-    values = dict(bench_accuracy.DEFAULTS[task]) | {"freq": 10, "rank_ratio": 0.1}
+    values = dict(bench_accuracy.DEFAULTS[task]) | {"freq": None, "rank_ratio": 0.1}
     if task == "classification":
         values |= {"batch_sizes": [500], "iterations": [120]}
     if args.quick:
@@ -217,14 +251,22 @@ def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
 
 
 def run_config(
-    options: argparse.Namespace, task: str, method: peers.Method, lr: float, seed: int, hylo: Mapping[str, Any]
+    options: argparse.Namespace,
+    task: str,
+    method: peers.Method,
+    lr: float,
+    seed: int,
+    hylo: Mapping[str, Any],
+    rest_lr: float = math.nan,
 ) -> RunConfig:
     """One run's config: ``bench_accuracy``'s of the task, with hylo's solver and the ``--set`` options ``hylo``
-    for a hylo method."""
+    for a hylo method; an adaptive solver's other parameters train at the baseline's tuned ``rest_lr``."""
     if task == "lm":
         cfg = bench_accuracy.lm_config(options, method.solver, lr, seed)
     else:
         cfg = bench_accuracy.run_config(options, options.batch_sizes[0], method.solver, lr, seed)
+    if method.solver in ADAPTIVE and math.isfinite(rest_lr):
+        cfg = dataclasses.replace(cfg, rest_lr=rest_lr)
     if method.solver is None or not hylo:
         return cfg
     return dataclasses.replace(cfg, hylo={**cfg.hylo, **hylo})
@@ -266,7 +308,7 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
             grid = (grid[len(grid) // 2],)
         for lr in grid:
             for seed in args.seeds:
-                cfg = run_config(options, task, method, lr, seed, dict(args.set))
+                cfg = run_config(options, task, method, lr, seed, dict(args.set), rest_lr)
                 factory = None if method.optimizer is None else method.optimizer(lr, rest_lr)
                 began = time.perf_counter()
                 try:
@@ -307,6 +349,7 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
             | {"final": metric_of(task, run.curve.final_loss), "best_lr": run.curve.lr == best[run.method]}
             | reach(run, goals)
             | {"ms_per_step": round(run.ms_per_step, 3)}
+            | goal_reach(run, task, args.accuracy)
             | {"lr_at_edge": len(grid) > 1 and best[run.method] in (grid[0], grid[-1])}
         )
     order = [m.name for m in methods]
@@ -365,6 +408,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
     parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")
+    parser.add_argument(
+        "--accuracy",
+        type=float,
+        default=96.0,
+        help="classification: the test accuracy (%%) whose steps and seconds the table reports (default 96)",
+    )
     parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda (default)")
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--out", type=Path, default=Path("peers.csv"), help="CSV of every run (default peers.csv)")

@@ -5,7 +5,8 @@ fixed seed and split into 4,000 training and 1,000 test images. A small CNN (two
 layers and two linear layers) is trained for the same number of steps with the same
 momentum SGD, weight decay, batches and learning-rate schedule (warm-up, then cosine) in
 every run; the hylo runs only add ``HyLoPreconditioner.step()`` between ``backward()`` and
-``optimizer.step()``.
+``optimizer.step()`` — except ``kfac_adam``, whose result is the whole Adam-scaled step: its layers
+take SGD without momentum at ``--adaptive-lr`` (docs/usage.md, "Adaptive solvers").
 
 Plain SGD gets a learning-rate grid (``--sgd-lrs``) and the best run is reported; the hylo
 runs use ``--lr``. With the defaults, on 2 CPU cores, the whole demo takes about a minute.
@@ -25,11 +26,15 @@ import torch
 
 from hylo_scripts.data import DataOptions, load_dataset
 from hylo_scripts.hylo_flags import add_hylo_arguments, given_options
-from hylo_scripts.hylo_options import solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.options import add_run_arguments, run_fields
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
+
+#: kfac_adam's peak learning rate: Adam's scale, applied by SGD without momentum to the layers it adapts
+#: (docs/usage.md, "Adaptive solvers"); the CNN has no other parameters.
+ADAPTIVE_LR = 0.01
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,12 +43,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--solvers",
         nargs="+",
-        default=["sgd", "sngd", "kfac", "hybrid"],
+        default=["sgd", "sngd", "kfac", "hybrid", "kfac_adam"],
         choices=["sgd", *solver_choices()],
         help="runs to make: 'sgd' is plain SGD (over the --sgd-lrs grid), the rest are hylo solvers",
     )
     add_run_arguments(parser, epochs=15)
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the hylo runs")
+    parser.add_argument(
+        "--adaptive-lr",
+        type=float,
+        default=ADAPTIVE_LR,
+        help="peak learning rate of kfac_adam, whose step is Adam-scaled (default %(default)s)",
+    )
     parser.add_argument(
         "--sgd-lrs",
         type=float,
@@ -67,7 +78,8 @@ def run_configs(args: argparse.Namespace) -> list[RunConfig]:
     hylo = given_options(args)
     for solver in args.solvers:
         if solver != "sgd":
-            configs.append(RunConfig(**common, hylo=hylo, solver=solver, lr=args.lr))
+            lr = args.adaptive_lr if solver in ADAPTIVE else args.lr
+            configs.append(RunConfig(**common, hylo=hylo, solver=solver, lr=lr))
     return configs
 
 
@@ -76,13 +88,13 @@ def format_table(results: list[RunResult]) -> str:
     sgd = [r for r in results if r.config.solver is None]
     best_sgd = max(sgd, key=lambda r: r.test_accuracy) if sgd else None
     lines = [
-        f"{'run':<12} {'lr':>7} {'test acc':>9} {'test loss':>10} {'train loss':>11} {'time (s)':>9}",
-        "-" * 63,
+        f"{'run':<14} {'lr':>7} {'test acc':>9} {'test loss':>10} {'train loss':>11} {'time (s)':>9}",
+        "-" * 65,
     ]
     for r in results:
         mark = " *" if r is best_sgd and len(sgd) > 1 else ""
         lines.append(
-            f"{r.name:<12} {r.config.lr:>7g} {100 * r.test_accuracy:>8.2f}% {r.test_loss:>10.4f} "
+            f"{r.name:<14} {r.config.lr:>7g} {100 * r.test_accuracy:>8.2f}% {r.test_loss:>10.4f} "
             f"{r.train_loss:>11.4f} {r.seconds:>9.1f}{mark}"
         )
     if best_sgd is not None and len(sgd) > 1:
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, data)
         results.append(result)
         print(
-            f"  {result.name:<10} lr={cfg.lr:<6g} test acc {100 * result.test_accuracy:6.2f}%  "
+            f"  {result.name:<14} lr={cfg.lr:<6g} test acc {100 * result.test_accuracy:6.2f}%  "
             f"({result.seconds:.1f} s)",
             flush=True,
         )

@@ -55,6 +55,13 @@ SCRIPT_DEFAULTS: dict[str, Default] = {
 }
 
 
+#: hylo's solvers whose result is the whole update direction (their states keep per-step moments: ``kfac_adam``):
+#: trained by SGD without momentum (:func:`hylo_scripts.loop.make_optimizer`), ``kl_clip`` off by default.
+ADAPTIVE: tuple[str, ...] = tuple(
+    name for name in hylo.solvers.solver_names() if hylo.solvers.family_of(name).state_type.advances
+)
+
+
 def user_options() -> list[hylo.config.OptionSpec]:
     """The options a run gives in ``RunConfig.hylo`` (every option but the engine's and ``solver``), hylo's order."""
     return [spec for spec in hylo.config.options() if spec.name not in ENGINE_OPTIONS and spec.name != RUN_OPTION]
@@ -115,7 +122,10 @@ def run_options(given: Mapping[str, Any], solver: str | None) -> dict[str, Any]:
                 f"hylo options ({', '.join(given)}) need a solver; solver None trains with the plain optimizer"
             )
         return {}
-    return {name: _normal(spec, given[name] if name in given else default(spec)) for name, spec in specs.items()}
+    values = {name: _normal(spec, given[name] if name in given else default(spec)) for name, spec in specs.items()}
+    if solver in ADAPTIVE and "kl_clip" not in given:
+        values["kl_clip"] = None  # an adaptive step is normalised already: no trust region unless asked for
+    return values
 
 
 def preconditioner_options(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,8 +48,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 import hylo
 from hylo_scripts import checkpoint
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
-from hylo_scripts.hylo_options import preconditioner_options, run_defaults
+from hylo_scripts.hylo_options import ADAPTIVE, preconditioner_options, run_defaults
 from hylo_scripts.models import MODELS, build_model
+from hylo_scripts.optimizers import CombinedOptimizer
 from hylo_scripts.process import rank_and_world
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import append_metrics, model_summary, write_run_files
@@ -121,11 +122,35 @@ OptimizerFactory = Callable[[nn.Module, RunConfig], torch.optim.Optimizer]
 PreconditionerFactory = Callable[[nn.Module, torch.optim.Optimizer], Steppable]
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """The run's optimizer: momentum SGD or AdamW, with weight decay (its lr is set by the schedule)."""
+def _base_optimizer(params: Sequence[nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig, adapted: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """The run's optimizer: momentum SGD or AdamW, with weight decay (its lr is set by the schedule).
+
+    ``adapted``: parameters whose preconditioned gradient is already the whole update direction (hylo's
+    ``kfac_adam``, :func:`adapts`): SGD without momentum applies lr and weight decay to them (decoupled, as
+    AdamW's), the run's optimizer at ``cfg.rest_lr`` (None: ``lr``) trains the others (docs/training-scripts.md,
+    "Engine"; docs/usage.md, "Adaptive solvers").
+    """
+    if not adapted:
+        return _base_optimizer(list(model.parameters()), cfg, cfg.lr)
+    taken = {id(p) for p in adapted}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    parts: list[torch.optim.Optimizer] = [
+        torch.optim.SGD(list(adapted), lr=cfg.lr, momentum=0.0, weight_decay=cfg.weight_decay)
+    ]
+    if rest:
+        parts.append(_base_optimizer(rest, cfg, cfg.lr if cfg.rest_lr is None else cfg.rest_lr))
+    return parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
+
+
+def adapts(cfg: RunConfig) -> bool:
+    """Whether the run's hylo solver gives the whole update direction (:data:`~hylo_scripts.hylo_options.ADAPTIVE`)."""
+    return cfg.solver in ADAPTIVE
 
 
 def make_scheduler(
@@ -159,13 +184,13 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: Mapping
 def make_preconditioner(
     model: nn.Module,
     cfg: RunConfig,
-    optimizer: torch.optim.Optimizer,
+    lr: Callable[[int], float],
     steps_per_epoch: int,
     *,
     profile_append: bool = False,
     record: bool = True,
 ) -> hylo.HyLoPreconditioner | None:
-    """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the optimizer's scheduled lr.
+    """hylo with the run's options (``None`` for plain runs); ``kl_clip`` reads the scheduled ``lr`` of the step.
 
     The keyword arguments are :func:`hylo_scripts.hylo_options.preconditioner_options`: the run's
     ``hylo`` options and the engine's; ``record=False`` leaves ``profile_dir`` and the studies out
@@ -175,7 +200,7 @@ def make_preconditioner(
         return None
     options = preconditioner_options(
         cfg,
-        lr=lambda _step: optimizer.param_groups[0]["lr"],
+        lr=lr,
         steps_per_epoch=steps_per_epoch,
         profile_append=profile_append,
     )
@@ -353,11 +378,14 @@ def train(
     model: nn.Module = net
     if world > 1:
         model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = make_optimizer(model, cfg) if optimizer_factory is None else optimizer_factory(model, cfg)
-    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    built: list[torch.optim.Optimizer] = []  # the optimizer, made once hylo says which parameters it adapts
+
+    def scheduled_lr(_step: int) -> float:
+        return float(built[0].param_groups[0]["lr"])
+
     if start.hylo is not None:
         # hylo checks its state in a preconditioner that writes nothing, before anything is written
-        probe = make_preconditioner(model, cfg, optimizer, steps_per_epoch, record=False)
+        probe = make_preconditioner(model, cfg, scheduled_lr, steps_per_epoch, record=False)
         assert probe is not None
         try:
             probe.load_state_dict(start.hylo)
@@ -368,7 +396,13 @@ def train(
     checkpoint.prepare(cfg.log_dir, start, rank)
     if world > 1:
         dist.barrier()  # the run directory is ready before hylo opens its files in it
-    pre = make_preconditioner(model, cfg, optimizer, steps_per_epoch, profile_append=start.state is not None)
+    pre = make_preconditioner(model, cfg, scheduled_lr, steps_per_epoch, profile_append=start.state is not None)
+    if optimizer_factory is not None:
+        optimizer = optimizer_factory(model, cfg)
+    else:
+        optimizer = make_optimizer(model, cfg, pre.parameters() if pre is not None and adapts(cfg) else ())
+    built.append(optimizer)
+    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
     other = preconditioner_factory(model, optimizer) if preconditioner_factory is not None else None
     metrics_path = log_dir / "metrics.csv" if log_dir is not None else None
     if start.state is not None:

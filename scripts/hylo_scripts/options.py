@@ -65,6 +65,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, epochs: int, models: l
     )
     parser.add_argument("--momentum", type=float, default=run_default("momentum"), help="SGD momentum (default 0.9)")
     parser.add_argument(
+        "--rest-lr",
+        type=float,
+        default=run_default("rest_lr"),
+        help="with --solver kfac_adam: lr of the parameters hylo leaves to the optimizer (default: --lr)",
+    )
+    parser.add_argument(
         "--weight-decay", type=float, default=run_default("weight_decay"), help="weight decay (default %(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
@@ -79,6 +85,7 @@ def run_fields(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "warmup_epochs": args.warmup_epochs,
         "momentum": args.momentum,
+        "rest_lr": args.rest_lr,
         "weight_decay": args.weight_decay,
         "seed": args.seed,
         "data_seed": args.data_seed,

@@ -20,64 +20,17 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.loop import OptimizerFactory, PreconditionerFactory, Steppable
+from hylo_scripts.optimizers import CombinedOptimizer
 from hylo_scripts.runconfig import RunConfig
 
 #: The benchmark's tasks and each one's baseline method (the per-seed target comes from it).
 BASELINES = {"classification": "sgd", "lm": "adamw"}
-
-
-class CombinedOptimizer(torch.optim.Optimizer):
-    """Several optimizers over disjoint parameters, stepped as one.
-
-    ``param_groups`` is the list of every optimizer's own group dicts (the same objects), so an lr
-    scheduler built on the combination (``LambdaLR``) records each group's own base lr and sets
-    each group's lr in the optimizer that owns it. ``step()`` and ``zero_grad()`` call every
-    optimizer's once, in order; the state dict is the list of theirs.
-    """
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        if not optimizers:
-            raise ValueError("CombinedOptimizer needs at least one optimizer")
-        seen: set[int] = set()
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if id(param) in seen:
-                        raise ValueError("CombinedOptimizer: a parameter is in two of the optimizers")
-                    seen.add(id(param))
-        self.optimizers = list(optimizers)
-        # The base class checks and registers the groups as given (the dicts themselves, with no defaults added).
-        super().__init__([group for optimizer in self.optimizers for group in optimizer.param_groups], {})
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """Step every optimizer once (no closure: the loss is computed once, by the caller)."""
-        if closure is not None:
-            raise ValueError("CombinedOptimizer.step takes no closure")
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) every optimizer's gradients."""
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every optimizer's state dict, in order."""
-        return {"optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` of the same optimizers."""
-        states = state_dict.get("optimizers")
-        if not isinstance(states, list) or len(states) != len(self.optimizers):
-            raise ValueError(f"expected the state dicts of {len(self.optimizers)} optimizers")
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state)
 
 
 def baseline_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
@@ -290,8 +243,16 @@ METHODS: dict[str, Method] = {
 }
 
 
+#: Learning-rate grids of hylo's adaptive solvers (``kfac_adam``: Adam's scale, applied by SGD without momentum).
+_ADAPTIVE = {"classification": (3e-3, 1e-2, 3e-2), "lm": (2e-3, 4e-3, 8e-3)}
+
+
 def hylo_method(solver: str) -> Method:
-    """hylo with ``solver`` on the task's baseline optimizer (damping 0.3, ``kl_clip`` 0.01, updates every 10 steps)."""
+    """hylo with ``solver`` on the task's baseline optimizer (damping 0.3, ``kl_clip`` 0.01, updates every 10 steps);
+    an adaptive solver (``kfac_adam``) on SGD without momentum, the baseline at its tuned lr elsewhere, no kl_clip."""
+    if solver in ADAPTIVE:
+        description = f"hylo's {solver} + SGD (no momentum), the baseline at its tuned lr elsewhere"
+        return Method(f"hylo-{solver}", description, _ADAPTIVE, solver=solver)
     return Method(f"hylo-{solver}", f"hylo's {solver} + the baseline optimizer", _PRECONDITIONED, solver=solver)
 
 

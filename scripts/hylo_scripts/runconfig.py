@@ -35,7 +35,9 @@ class RunConfig:
     schedules count the shortened epochs). The lr warms up linearly over ``warmup_epochs``,
     then follows ``lr_schedule``: ``"step"`` (× ``lr_decay`` at each epoch of ``milestones``)
     or ``"cosine"`` (to 0 at the end of ``epochs``). ``label_smoothing`` applies to the
-    training loss of classification runs.
+    training loss of classification runs. With a hylo solver whose result is the whole update
+    direction (``kfac_adam``), the parameters hylo preconditions are trained by SGD without momentum
+    at ``lr`` and the others by ``optimizer`` at ``rest_lr`` (None: ``lr``; :func:`hylo_scripts.loop.make_optimizer`).
 
     hylo: ``solver`` is hylo's (None or ``"none"``: the plain optimizer). ``hylo`` holds the
     preconditioner's other options by their flat names (:func:`hylo.config.options`), those the
@@ -69,6 +71,7 @@ class RunConfig:
     max_steps: int | None = None
     batch_size: int = 500
     lr: float = 0.1
+    rest_lr: float | None = None
     lr_schedule: str = "step"
     lr_decay: float = 0.1
     milestones: tuple[int, ...] = ()
@@ -137,6 +140,8 @@ class RunConfig:
             raise ValueError("epochs, batch_size and max_steps must be at least 1")
         if self.workers < 0 or self.checkpoint_freq < 0 or self.warmup_epochs < 0:
             raise ValueError("workers, checkpoint_freq and warmup_epochs must be >= 0")
+        if self.rest_lr is not None and not self.rest_lr > 0:
+            raise ValueError(f"rest_lr must be > 0 (or None: lr), got {self.rest_lr}")
         if not self.lr > 0 or not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"need lr > 0 and 0 <= label_smoothing < 1, got {self.lr} and {self.label_smoothing}")
         if self.lr_schedule == "cosine" and self.milestones:
