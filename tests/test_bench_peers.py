@@ -274,3 +274,61 @@ def test_hylo_options_reach_every_hylo_run_and_bad_ones_stop_before_any(capsys: 
     with pytest.raises(SystemExit) as exit_info:
         bench_peers.parse_args(["--task", "lm", "--quick", "--set", "kfac_method=cholesky"])
     assert exit_info.value.code == 2 and "--set" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- adaptive solvers (kfac_adam)
+def test_an_adaptive_solvers_parameters_take_sgd_without_momentum_and_the_rest_the_runs_optimizer() -> None:
+    """docs/training-scripts.md, "Engine": kfac_adam's result is the whole step, so its parameters take SGD
+    without momentum at lr (decoupled weight decay) and the others (here the LayerNorms) the run's AdamW at
+    rest_lr."""
+    import hylo
+    from hylo_scripts.models import DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(vocab=256, context=16, layers=1, width=32, heads=2)
+    pre = hylo.HyLoPreconditioner(model, solver="kfac_adam")
+    cfg = RunConfig(**{**TINY.__dict__, "solver": "kfac_adam", "lr": 4e-3, "rest_lr": 2e-3, "hylo": {}})
+    assert loop.adapts(cfg) and not loop.adapts(RunConfig(**{**TINY.__dict__, "solver": "kfac", "hylo": {}}))
+    optimizer = make_optimizer(model, cfg, pre.parameters())
+    assert isinstance(optimizer, peers.CombinedOptimizer)
+    sgd, adamw = optimizer.optimizers
+    assert isinstance(sgd, torch.optim.SGD) and isinstance(adamw, torch.optim.AdamW)
+    assert sgd.defaults["momentum"] == 0.0 and sgd.defaults["lr"] == 4e-3 and sgd.defaults["weight_decay"] == 0.01
+    assert adamw.defaults["lr"] == 2e-3
+    adapted = {id(p) for p in sgd.param_groups[0]["params"]}
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    assert adapted == {id(p) for p in pre.parameters()} and adapted.isdisjoint(norms)
+    assert {id(p) for p in adamw.param_groups[0]["params"]} == norms
+    assert id(model.blocks[0].attn.in_proj_weight) in adapted  # attention's packed projection, once
+    pre.remove()
+
+
+def test_kl_clip_is_off_by_default_for_an_adaptive_solver_and_kept_when_given() -> None:
+    base = {**TINY.__dict__, "hylo": {}}
+    assert RunConfig(**{**base, "solver": "kfac_adam"}).hylo["kl_clip"] is None
+    assert RunConfig(**{**base, "solver": "kfac"}).hylo["kl_clip"] == 1e-3  # the scripts' default
+    assert RunConfig(**{**base, "solver": "kfac_adam", "hylo": {"kl_clip": 0.01}}).hylo["kl_clip"] == 0.01
+
+
+def test_the_lm_bench_updates_kfac_adams_basis_every_5_steps_unless_told_otherwise() -> None:
+    args = bench_peers.task_args(bench_peers.parse_args(["--task", "lm"]), "lm")
+    method = peers.hylo_method("kfac_adam")
+    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {}, 2e-3).hylo["update_freq"] == 5
+    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {}, 2e-3).rest_lr == 2e-3
+    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {"update_freq": 10}).hylo["update_freq"] == 10
+    assert bench_peers.run_config(args, "lm", peers.hylo_method("kfac"), 2e-3, 0, {}).hylo["update_freq"] == 10
+    classification = bench_peers.task_args(bench_peers.parse_args([]), "classification")
+    assert bench_peers.run_config(classification, "classification", method, 1e-2, 0, {}).hylo["update_freq"] == 10
+
+
+def test_classification_rows_carry_the_best_accuracy_and_the_steps_to_the_accuracy_goal() -> None:
+    run = _run("sgd", 0.03, 0, [(8, 1.0, 0.10), (16, 2.0, 0.03), (24, 3.0, 0.05)])  # errors: 90%, 97%, 95%
+    assert bench_peers.goal_reach(run, "classification", 96.0) == {
+        "best": pytest.approx(97.0),
+        "goal": 96.0,
+        "steps_to_goal": 16,
+        "seconds_to_goal": 2.0,
+    }
+    never = bench_peers.goal_reach(run, "classification", 98.0)
+    assert never["steps_to_goal"] is None and never["best"] == pytest.approx(97.0)
+    assert bench_peers.goal_reach(run, "lm", 96.0)["goal"] is None
