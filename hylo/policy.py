@@ -1,12 +1,13 @@
 """Per-layer solver choice: fixed, overridden, user-defined, or HyLo's hybrid policy (docs/hybrid-policy.md).
 
 At every update step and per layer, in order of precedence: a ``layer_solvers`` override, a
-user ``solver_fn``, a fixed ``solver``, else the hybrid rule — exact ``sngd`` (else ``kfac``) where
-that fits the fidelity budget, then ``kfac`` where it costs no more than the low-rank variant the
-layer's regime calls for (``critical_variant`` while the gradient-norm trend says the layer is
-critical, ``stable_variant`` otherwise, or HyLo's fixed epoch windows), else that variant. Costs
-come from each solver family's estimate (:meth:`~hylo.solvers.base.SolverFamily.cost`) per period
-of ``update_freq`` steps; the formulas are in docs/hybrid-policy.md, "Cost model".
+user ``solver_fn``, a fixed ``solver``, else the hybrid rule — exact ``sngd`` (else ``kfac``, or the
+policy's ``kfac_solver``) where that fits the fidelity budget, then that solver where it costs no more
+than the low-rank variant the layer's regime calls for (``critical_variant`` while the gradient-norm
+trend says the layer is critical, ``stable_variant`` otherwise, or HyLo's fixed epoch windows), else
+that variant. Costs come from each solver family's estimate
+(:meth:`~hylo.solvers.base.SolverFamily.cost`) per period of ``update_freq`` steps; the formulas are
+in docs/hybrid-policy.md, "Cost model".
 
 The policy holds the trend (state) and reads every option from the config passed to each call.
 This module, the solvers' registry and the config are the only places that name solvers.
