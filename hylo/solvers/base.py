@@ -32,7 +32,7 @@ from torch import Tensor
 
 from hylo.distributed.payload import Payload, PayloadKey
 from hylo.layers.batch import LayerBatch, LayerShape
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.statistics import CallStatistic
 
 
@@ -86,9 +86,7 @@ class LayerState(ABC):
         rank."""
         shard = grad.shard
         assert shard is not None
-        if shard.axis == 0:
-            return self.precondition(received)[shard.start : shard.stop]
-        return self.precondition(received.mT)[:, shard.start : shard.stop]
+        return own_part(self.precondition(received if shard.axis == 0 else received.mT), shard)
 
     def shard_advance(self, grad: GradMatrix, received: Tensor) -> tuple[Tensor, LayerState]:
         """:meth:`shard_finish` and the state the next step applies (this one, unless it :attr:`advances`)."""
@@ -121,6 +119,13 @@ class LayerState(ABC):
     ) -> LayerState:
         """A state saved by :meth:`to_dict`; ``ValueError`` naming the field unless it fits a (d_g, d_a) layer
         whose math runs in ``dtype`` (every tensor's name, shape and dtype; a finite damping > 0)."""
+
+
+def own_part(result: Tensor, shard: GradShard) -> Tensor:
+    """This rank's rows (or columns) of a whole (d_g, d_a) result under FSDP2."""
+    if shard.axis == 0:
+        return result[shard.start : shard.stop]
+    return result[:, shard.start : shard.stop]
 
 
 @dataclass

@@ -117,7 +117,8 @@ def kfac_state_bytes(d_a: int, d_g: int, itemsize: int) -> int:
     return (2 * (d_a * d_a + d_g * d_g) + d_a + d_g) * itemsize
 
 
-def _eigh_work(d_a: int, d_g: int) -> float:
+def eigh_work(d_a: int, d_g: int) -> float:
+    """Multiply-adds of eigendecomposing a (d_a × d_a) and a (d_g × d_g) factor."""
     return EIGH_COST * (float(d_a) ** 3 + float(d_g) ** 3)
 
 
@@ -313,6 +314,47 @@ def blend_factors(
     )
 
 
+def running_factors(
+    jobs: Sequence[UpdateJob], received: Payload, decay: float, family: str
+) -> list[tuple[Tensor, Tensor]]:
+    """Each job's rank-averaged batch factors blended into the running factors its held state of ``family``
+    carries (:func:`blend_factors`)."""
+    out = []
+    for job in jobs:
+        carried = carried_from(job.previous, family)
+        previous = (carried["factor_a"], carried["factor_g"]) if carried else None
+        out.append(blend_factors(previous, (received[(job.name, "factor_a")], received[(job.name, "factor_g")]), decay))
+    return out
+
+
+def eigen_template(factor_a: Tensor, factor_g: Tensor) -> dict[str, Tensor]:
+    """Buffers for another rank's eigendecompositions of ``factor_a`` and ``factor_g``."""
+    return {
+        "evals_a": factor_a.new_empty(factor_a.shape[0]),
+        "evecs_a": torch.empty_like(factor_a),
+        "evals_g": factor_g.new_empty(factor_g.shape[0]),
+        "evecs_g": torch.empty_like(factor_g),
+    }
+
+
+def refreshed_states(
+    jobs: Sequence[UpdateJob],
+    factors: Sequence[tuple[Tensor, Tensor]],
+    held: tuple[type[LayerState], ...],
+    family: str,
+) -> list[HeldState]:
+    """Each job's held state (of a type in ``held``) with its running ``factors`` replaced, its solve kept; a
+    :class:`RemoteState` of ``family`` carrying them where the rank holds no such state."""
+    refreshed: list[HeldState] = []
+    for job, (factor_a, factor_g) in zip(jobs, factors, strict=True):
+        previous = job.previous
+        if isinstance(previous, held):
+            refreshed.append(dataclasses.replace(previous, factor_a=factor_a, factor_g=factor_g))  # type: ignore[type-var]
+        else:
+            refreshed.append(RemoteState(family, {"factor_a": factor_a, "factor_g": factor_g}))
+    return refreshed
+
+
 class KFACFamily(SolverFamily[KFACFactors]):
     """K-FAC: batch factors averaged over ranks, blended, eigendecomposed by the owner."""
 
@@ -337,13 +379,8 @@ class KFACFamily(SolverFamily[KFACFactors]):
 
     def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACFactors]:
         """Blend the rank-averaged batch factors into each layer's running factors."""
-        prepared = []
-        for job in jobs:
-            carried = carried_from(job.previous, self.name)
-            previous = (carried["factor_a"], carried["factor_g"]) if carried else None
-            batch = (received[(job.name, "factor_a")], received[(job.name, "factor_g")])
-            prepared.append(KFACFactors(*blend_factors(previous, batch, context.factor_decay), context.kfac_method))
-        return prepared
+        factors = running_factors(jobs, received, context.factor_decay, self.name)
+        return [KFACFactors(factor_a, factor_g, context.kfac_method) for factor_a, factor_g in factors]
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """Factors n_k(d_a² + d_g²), eigendecompositions 4(d_a³ + d_g³), rotations 2 d_a d_g (d_a + d_g) a step.
@@ -355,7 +392,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
         return CostEstimate(
             build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=_eigh_work(d_a, d_g),
+            solve=eigh_work(d_a, d_g),
             apply=2.0 * d_a * d_g * (d_a + d_g),
             bytes=exchanged * shape.itemsize,
         )
@@ -365,7 +402,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         d_a, d_g = prepared.factor_a.shape[0], prepared.factor_g.shape[0]
         if prepared.method == "inverse":
             return INVERSE_COST * (float(d_a) ** 3 + float(d_g) ** 3)
-        return _eigh_work(d_a, d_g)
+        return eigh_work(d_a, d_g)
 
     def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G batched by shape (or, for the layers of the inverse method, their
@@ -390,12 +427,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         fa, fg = prepared.factor_a, prepared.factor_g
         if prepared.method == "inverse":
             return {"inverse_a": torch.empty_like(fa), "inverse_g": torch.empty_like(fg)}
-        return {
-            "evals_a": fa.new_empty(fa.shape[0]),
-            "evecs_a": torch.empty_like(fa),
-            "evals_g": fg.new_empty(fg.shape[0]),
-            "evecs_g": torch.empty_like(fg),
-        }
+        return eigen_template(fa, fg)
 
     def assemble(
         self, prepared: KFACFactors, solution: Mapping[str, Tensor], context: UpdateContext
@@ -429,12 +461,5 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def refresh(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[HeldState]:
         """The running factors blended with this step's batch factors; the eigendecompositions kept (KAISA's
         ``factor_update_freq``): they are redone from the running factors at the next update."""
-        refreshed: list[HeldState] = []
-        for job, factors in zip(jobs, self.prepare(jobs, received, context), strict=True):
-            if isinstance(job.previous, KFACState | KFACInverseState):
-                refreshed.append(
-                    dataclasses.replace(job.previous, factor_a=factors.factor_a, factor_g=factors.factor_g)
-                )
-            else:
-                refreshed.append(RemoteState(self.name, self.carried(factors)))
-        return refreshed
+        factors = running_factors(jobs, received, context.factor_decay, self.name)
+        return refreshed_states(jobs, factors, (KFACState, KFACInverseState), self.name)

@@ -30,15 +30,22 @@ from hylo.solvers.base import (
     CostEstimate,
     HeldState,
     LayerState,
-    RemoteState,
     SolverFamily,
     UpdateContext,
     UpdateJob,
-    carried_from,
     checked_tensors,
+    own_part,
     positive_number,
 )
-from hylo.solvers.kfac import EIGH_COST, KFACFamily, KFACState, blend_factors, eigen_shapes
+from hylo.solvers.kfac import (
+    KFACFamily,
+    KFACState,
+    eigen_shapes,
+    eigen_template,
+    eigh_work,
+    refreshed_states,
+    running_factors,
+)
 
 #: Elementwise operations of one step on every entry of R (moments, bias correction, the division).
 ELEMENTWISE_COST = 8.0
@@ -188,10 +195,8 @@ class KFACAdamState(LayerState):
         state advanced on the whole ∇W: every rank holds the same moments."""
         shard = grad.shard
         assert shard is not None
-        whole = received if shard.axis == 0 else received.mT
-        result, state = self.advance(whole)
-        part = result[shard.start : shard.stop] if shard.axis == 0 else result[:, shard.start : shard.stop]
-        return part, state
+        result, state = self.advance(received if shard.axis == 0 else received.mT)
+        return own_part(result, shard), state
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors, eigendecompositions and moments by name."""
@@ -308,14 +313,13 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """Each layer's batch factors blended into its running factors, with the state it held (moments to
         carry) and the options to apply (``context.kfac_adam``)."""
         options = context.kfac_adam if isinstance(context.kfac_adam, KFACAdamConfig) else KFACAdamConfig()
-        prepared = []
-        for job in jobs:
-            carried = carried_from(job.previous, self.name)
-            previous = (carried["factor_a"], carried["factor_g"]) if carried else None
-            batch = (received[(job.name, "factor_a")], received[(job.name, "factor_g")])
-            held = job.previous if isinstance(job.previous, KFACAdamState) else None
-            prepared.append(KFACAdamInputs(*blend_factors(previous, batch, context.factor_decay), held, options))
-        return prepared
+        factors = running_factors(jobs, received, context.factor_decay, self.name)
+        return [
+            KFACAdamInputs(
+                factor_a, factor_g, job.previous if isinstance(job.previous, KFACAdamState) else None, options
+            )
+            for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
+        ]
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
         """K-FAC's estimate (eigen method) plus the moments' elementwise work on the d_g·d_a entries a step."""
@@ -326,7 +330,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """The eigendecompositions' cost (none for the identity basis)."""
         if prepared.options.adam_basis == "identity":
             return 0.0
-        return EIGH_COST * (float(prepared.factor_a.shape[0]) ** 3 + float(prepared.factor_g.shape[0]) ** 3)
+        return eigh_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0])
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G batched by shape (identity bases and unit eigenvalues for
@@ -347,13 +351,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
 
     def solution_template(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
         """Buffers for another rank's eigendecompositions."""
-        fa, fg = prepared.factor_a, prepared.factor_g
-        return {
-            "evals_a": fa.new_empty(fa.shape[0]),
-            "evecs_a": torch.empty_like(fa),
-            "evals_g": fg.new_empty(fg.shape[0]),
-            "evecs_g": torch.empty_like(fg),
-        }
+        return eigen_template(prepared.factor_a, prepared.factor_g)
 
     def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
         """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
@@ -380,13 +378,8 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
 
     def refresh(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[HeldState]:
         """The running factors blended with this step's batch factors; the bases and moments kept."""
-        refreshed: list[HeldState] = []
-        for job, inputs in zip(jobs, self.prepare(jobs, received, context), strict=True):
-            if isinstance(job.previous, KFACAdamState):
-                refreshed.append(dataclasses.replace(job.previous, factor_a=inputs.factor_a, factor_g=inputs.factor_g))
-            else:
-                refreshed.append(RemoteState(self.name, self.carried(inputs)))
-        return refreshed
+        factors = running_factors(jobs, received, context.factor_decay, self.name)
+        return refreshed_states(jobs, factors, (KFACAdamState,), self.name)
 
     def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
         """K-FAC's state and the two moments (d_g·d_a numbers each)."""

@@ -51,7 +51,7 @@ from hylo_scripts.argtypes import default_device, hylo_option
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.models import MODELS, build_model, model_names
-from hylo_scripts.optimizers import CombinedOptimizer
+from hylo_scripts.optimizers import adapted_optimizer
 from hylo_scripts.timing import now
 
 #: ``--model llama``: the Hugging Face decoder of :func:`hylo_scripts.bench_compile.build` (vocabulary, context).
@@ -135,10 +135,7 @@ def iteration_time(
         )
     opt: torch.optim.Optimizer = base(list(model.parameters()))
     if pre is not None and solver in ADAPTIVE:  # its layers take SGD without momentum (docs/usage.md)
-        adapted = pre.parameters()
-        rest = [p for p in model.parameters() if all(p is not q for q in adapted)]
-        parts = [torch.optim.SGD(adapted, lr=1e-3), *([base(rest)] if rest else [])]
-        opt = parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
+        opt = adapted_optimizer(model, pre.parameters(), 1e-3, 0.0, base)
     timed = [] if times is None else times
     kinds = [] if updates is None else updates
     try:

@@ -50,7 +50,7 @@ from hylo_scripts import checkpoint
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
 from hylo_scripts.hylo_options import ADAPTIVE, preconditioner_options, run_defaults
 from hylo_scripts.models import MODELS, build_model
-from hylo_scripts.optimizers import CombinedOptimizer
+from hylo_scripts.optimizers import adapted_optimizer
 from hylo_scripts.process import rank_and_world
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import append_metrics, model_summary, write_run_files
@@ -138,14 +138,8 @@ def make_optimizer(model: nn.Module, cfg: RunConfig, adapted: Sequence[nn.Parame
     """
     if not adapted:
         return _base_optimizer(list(model.parameters()), cfg, cfg.lr)
-    taken = {id(p) for p in adapted}
-    rest = [p for p in model.parameters() if id(p) not in taken]
-    parts: list[torch.optim.Optimizer] = [
-        torch.optim.SGD(list(adapted), lr=cfg.lr, momentum=0.0, weight_decay=cfg.weight_decay)
-    ]
-    if rest:
-        parts.append(_base_optimizer(rest, cfg, cfg.lr if cfg.rest_lr is None else cfg.rest_lr))
-    return parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
+    rest_lr = cfg.lr if cfg.rest_lr is None else cfg.rest_lr
+    return adapted_optimizer(model, adapted, cfg.lr, cfg.weight_decay, lambda rest: _base_optimizer(rest, cfg, rest_lr))
 
 
 def adapts(cfg: RunConfig) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -59,3 +60,24 @@ class CombinedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"expected the state dicts of {len(self.optimizers)} optimizers")
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(state)
+
+
+def combine(parts: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """One optimizer, or a :class:`CombinedOptimizer` of several."""
+    return parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
+
+
+def adapted_optimizer(
+    model: nn.Module,
+    adapted: Sequence[nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    rest: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """SGD without momentum at ``lr`` (weight decay decoupled, as AdamW's) on the parameters whose preconditioned
+    gradient is the whole update direction (hylo's ``kfac_adam``: ``pre.parameters()``), and ``rest(params)`` on
+    the model's other parameters, if any (docs/usage.md, "Adaptive solvers")."""
+    taken = {id(p) for p in adapted}
+    others = [p for p in model.parameters() if id(p) not in taken]
+    sgd = torch.optim.SGD(list(adapted), lr=lr, momentum=0.0, weight_decay=weight_decay)
+    return combine([sgd, rest(others)] if others else [sgd])

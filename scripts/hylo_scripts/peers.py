@@ -10,7 +10,7 @@ baseline optimizer (:func:`hylo_scripts.loop.train`'s ``optimizer_factory`` and
 Parameters a method does not train itself — Muon's non-matrix parameters, SINGD's parameters
 outside ``Linear``/``Conv2d`` modules — are trained by the task's baseline optimizer (SGD with
 momentum on ``classification``, AdamW on ``lm``) at the baseline's tuned learning rate (``rest_lr``),
-through a :class:`CombinedOptimizer` whose param groups the run's one lr schedule scales, each
+through a :class:`~hylo_scripts.optimizers.CombinedOptimizer` whose param groups the run's one lr schedule scales, each
 group from its own base lr.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.loop import OptimizerFactory, PreconditionerFactory, Steppable
-from hylo_scripts.optimizers import CombinedOptimizer
+from hylo_scripts.optimizers import combine
 from hylo_scripts.runconfig import RunConfig
 
 #: The benchmark's tasks and each one's baseline method (the per-seed target comes from it).
@@ -38,11 +38,6 @@ def baseline_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig, lr: float
     if cfg.task == "lm":
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def _combine(parts: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-    """One optimizer, or a :class:`CombinedOptimizer` of several."""
-    return parts[0] if len(parts) == 1 else CombinedOptimizer(parts)
 
 
 def curvature_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -92,7 +87,7 @@ def _muon(lr: float, rest_lr: float) -> OptimizerFactory:
         rest = _rest(model, matrices)
         # Muon's documentation prescribes AdamW for the rest; on classification the tuned baseline is SGD, so
         # the rest keeps the baseline's optimizer and lr there (docs/benchmarks.md, "Peers").
-        return _combine([muon, baseline_optimizer(rest, cfg, rest_lr)] if rest else [muon])
+        return combine([muon, baseline_optimizer(rest, cfg, rest_lr)] if rest else [muon])
 
     return build
 
@@ -142,7 +137,7 @@ def _singd(lr: float, rest_lr: float) -> OptimizerFactory:
             warn_unsupported=False,
         )
         rest = _rest(model, mine)
-        return _combine([singd, baseline_optimizer(rest, cfg, rest_lr)] if rest else [singd])
+        return combine([singd, baseline_optimizer(rest, cfg, rest_lr)] if rest else [singd])
 
     return build
 
