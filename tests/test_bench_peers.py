@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from hylo_scripts import bench_peers, loop, optimizers, peers
+from hylo_scripts import bench_peers, loop, peers
 from hylo_scripts.bench_accuracy import LMCurve
 from hylo_scripts.loop import make_optimizer, train
+from hylo_scripts.optimizers import CombinedOptimizer
 from hylo_scripts.runconfig import RunConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -141,7 +142,7 @@ def test_combined_muon_and_adamw_step_every_parameter_once_at_each_groups_schedu
         rest = [p for p in net.parameters() if all(p is not q for q in mine)]
         return torch.optim.Muon(mine, lr=0.02), torch.optim.AdamW(rest, lr=2e-3, weight_decay=0.01)
 
-    combined = optimizers.CombinedOptimizer(split(model))
+    combined = CombinedOptimizer(split(model))
     by_hand = split(twin)
     factor = [0.5, 1.0, 0.25]
     schedule = torch.optim.lr_scheduler.LambdaLR(combined, lambda step: factor[min(step, 2)])
@@ -169,7 +170,7 @@ def test_combined_muon_and_adamw_step_every_parameter_once_at_each_groups_schedu
 def test_combined_optimizer_refuses_a_parameter_in_two_optimizers() -> None:
     weight = nn.Parameter(torch.ones(2, 2))
     with pytest.raises(ValueError, match="a parameter is in two of the optimizers"):
-        optimizers.CombinedOptimizer([torch.optim.SGD([weight], lr=0.1), torch.optim.AdamW([weight], lr=0.1)])
+        CombinedOptimizer([torch.optim.SGD([weight], lr=0.1), torch.optim.AdamW([weight], lr=0.1)])
 
 
 def test_kronecker_peers_leave_out_the_projections_attention_calls_functionally() -> None:
@@ -290,7 +291,7 @@ def test_an_adaptive_solvers_parameters_take_sgd_without_momentum_and_the_rest_t
     cfg = RunConfig(**{**TINY.__dict__, "solver": "kfac_adam", "lr": 4e-3, "rest_lr": 2e-3, "hylo": {}})
     assert loop.adapts(cfg) and not loop.adapts(RunConfig(**{**TINY.__dict__, "solver": "kfac", "hylo": {}}))
     optimizer = make_optimizer(model, cfg, pre.parameters())
-    assert isinstance(optimizer, optimizers.CombinedOptimizer)
+    assert isinstance(optimizer, CombinedOptimizer)
     sgd, adamw = optimizer.optimizers
     assert isinstance(sgd, torch.optim.SGD) and isinstance(adamw, torch.optim.AdamW)
     assert sgd.defaults["momentum"] == 0.0 and sgd.defaults["lr"] == 4e-3 and sgd.defaults["weight_decay"] == 0.01
