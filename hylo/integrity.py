@@ -74,7 +74,7 @@ def _feed(digest: Any, value: Any) -> None:
         data = data if not layout else data.to_dense()
         # a fresh row-major copy: contiguous() keeps a loaded tensor's odd strides where they do not matter (a
         # size-1 dimension), which the byte view refuses
-        packed = torch.empty(data.shape, dtype=data.dtype).copy_(data)
+        packed = torch.empty(data.shape, dtype=data.dtype, device="cpu").copy_(data)  # on the host whatever the default
         digest.update(f"T{layout}{data.dtype}{tuple(data.shape)}|".encode())
         digest.update(packed.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, Mapping):

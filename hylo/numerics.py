@@ -230,7 +230,8 @@ def sound_results(
         (float("nan") if damping is None else damping, 1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps))
         for damping, dtype in zip(dampings, dtypes, strict=True)
     ]
-    damping, slack = torch.tensor(limits, dtype=torch.float64, device=terms.device).unbind(dim=1)
+    # built on the host and copied without a stream synchronisation (docs/design.md, "Host synchronisation")
+    damping, slack = torch.tensor(limits, dtype=torch.float64).to(terms.device, non_blocking=True).unbind(dim=1)
     finite = torch.isfinite(terms).all(dim=1)
     descent = (terms[:, 0] > 0) | (norms == 0)
     bounded = terms[:, 1].sqrt() * damping <= norms * slack

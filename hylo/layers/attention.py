@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode, has_torch_function
+from torch._C import _disabled_torch_function_impl
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from hylo.layers.capture import LayerCapture, Record, watch_gradient
@@ -289,6 +290,14 @@ def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
+def _overrides_torch_function(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s class has a ``__torch_function__`` of its own (a tensor subclass); an active function mode
+    (``torch.set_default_device``, a profiler's) does not count: the core's calls go through it like torch's own."""
+    own = getattr(type(tensor), "__torch_function__", None)
+    plain = getattr(Tensor.__torch_function__, "__func__", None)  # the classmethod's function
+    return getattr(own, "__func__", own) not in (plain, _disabled_torch_function_impl)
+
+
 def _attention_core(args: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """The attention core of ``F.multi_head_attention_forward`` on projected q, k and v, before the output
     projection, or None when the call is outside the common path (docs/transformers.md, "Attention").
@@ -306,7 +315,7 @@ def _attention_core(args: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> Te
         return None
     masks = [m for m in (mask, padding) if m is not None]
     if (
-        has_torch_function((q, k, v, *masks))
+        any(_overrides_torch_function(t) for t in (q, k, v, *masks))
         or query.dim() not in (2, 3)
         or {q.dim(), k.dim(), v.dim()} != {query.dim()}
     ):
