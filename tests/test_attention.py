@@ -29,9 +29,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT
+from tests.kit.devices import OnDevice, chosen, on_device
 from tests.kit.harness import run_distributed
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 E, HEADS, L, S, N = 8, 2, 5, 6, 3
 SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
@@ -74,79 +75,85 @@ def _head_masks() -> Tensor:
     return mask
 
 
-VARIANTS = [
-    Variant(
-        "packed-batch-first-causal",
-        {"batch_first": True},
-        call={"attn_mask": _causal(L), "need_weights": False},
-        common=True,
-    ),
-    Variant("packed-seq-first-weights", {}, call={"attn_mask": _causal(L), "need_weights": True}),
-    Variant(
-        "no-bias-is-causal", {"bias": False, "batch_first": True}, call={"attn_mask": _causal(L), "is_causal": True}
-    ),
-    Variant(
-        "cross-kv-padding",
-        {"batch_first": True},
-        inputs="kv",
-        call={"key_padding_mask": _padding(), "need_weights": True, "average_attn_weights": False},
-    ),
-    Variant(
-        "three-inputs-float-mask",
-        {},
-        inputs="qkv",
-        call={"attn_mask": torch.linspace(-1.0, 0.5, L * S, dtype=DT).reshape(L, S), "need_weights": False},
-        common=True,
-    ),
-    Variant("separate-weights", {"kdim": 3, "vdim": 5, "batch_first": True}, inputs="qkv"),
-    Variant(
-        "bias-kv-zero-attn-padding",
-        {"add_bias_kv": True, "add_zero_attn": True},
-        inputs="kv",
-        call={"key_padding_mask": _padding()},
-    ),
-    Variant("unbatched", {"batch_first": True}, call={"attn_mask": _causal(L)}, batched=False),
-    Variant(  # outside the common path although need_weights=False: a float mask not of the query's dtype
-        "float32-mask",
-        {"batch_first": True},
-        call={"attn_mask": torch.linspace(-1.0, 0.5, L * L).reshape(L, L), "need_weights": False},
-    ),
-    # more of the common path (need_weights=False, no bias_k/bias_v/add_zero_attn): no identity products
-    Variant(
-        "direct-no-bias-is-causal",
-        {"bias": False, "batch_first": True},
-        call={"attn_mask": _causal(L), "is_causal": True, "need_weights": False},
-        common=True,
-    ),
-    Variant(
-        "direct-is-causal-with-padding",
-        {},
-        inputs="kv",
-        call={"attn_mask": _causal(S)[:L], "is_causal": True, "key_padding_mask": _padding(), "need_weights": False},
-        common=True,
-    ),
-    Variant(
-        "direct-cross-kv-float-padding",
-        {"batch_first": True},
-        inputs="kv",
-        call={"key_padding_mask": _float_padding(), "need_weights": False},
-        common=True,
-    ),
-    Variant(
-        "direct-separate-weights-3d-mask-padding",
-        {"kdim": 3, "vdim": 5},
-        inputs="qkv",
-        call={"attn_mask": _head_masks(), "key_padding_mask": _padding(), "need_weights": False},
-        common=True,
-    ),
-    Variant(
-        "direct-unbatched",
-        {"batch_first": True},
-        call={"attn_mask": _causal(L), "need_weights": False},
-        batched=False,
-        common=True,
-    ),
-]
+with on_device(chosen()):  # the tier's device (tests/kit/devices.py): the masks beside the model
+    VARIANTS = [
+        Variant(
+            "packed-batch-first-causal",
+            {"batch_first": True},
+            call={"attn_mask": _causal(L), "need_weights": False},
+            common=True,
+        ),
+        Variant("packed-seq-first-weights", {}, call={"attn_mask": _causal(L), "need_weights": True}),
+        Variant(
+            "no-bias-is-causal", {"bias": False, "batch_first": True}, call={"attn_mask": _causal(L), "is_causal": True}
+        ),
+        Variant(
+            "cross-kv-padding",
+            {"batch_first": True},
+            inputs="kv",
+            call={"key_padding_mask": _padding(), "need_weights": True, "average_attn_weights": False},
+        ),
+        Variant(
+            "three-inputs-float-mask",
+            {},
+            inputs="qkv",
+            call={"attn_mask": torch.linspace(-1.0, 0.5, L * S, dtype=DT).reshape(L, S), "need_weights": False},
+            common=True,
+        ),
+        Variant("separate-weights", {"kdim": 3, "vdim": 5, "batch_first": True}, inputs="qkv"),
+        Variant(
+            "bias-kv-zero-attn-padding",
+            {"add_bias_kv": True, "add_zero_attn": True},
+            inputs="kv",
+            call={"key_padding_mask": _padding()},
+        ),
+        Variant("unbatched", {"batch_first": True}, call={"attn_mask": _causal(L)}, batched=False),
+        Variant(  # outside the common path although need_weights=False: a float mask not of the query's dtype
+            "float32-mask",
+            {"batch_first": True},
+            call={"attn_mask": torch.linspace(-1.0, 0.5, L * L).reshape(L, L), "need_weights": False},
+        ),
+        # more of the common path (need_weights=False, no bias_k/bias_v/add_zero_attn): no identity products
+        Variant(
+            "direct-no-bias-is-causal",
+            {"bias": False, "batch_first": True},
+            call={"attn_mask": _causal(L), "is_causal": True, "need_weights": False},
+            common=True,
+        ),
+        Variant(
+            "direct-is-causal-with-padding",
+            {},
+            inputs="kv",
+            call={
+                "attn_mask": _causal(S)[:L],
+                "is_causal": True,
+                "key_padding_mask": _padding(),
+                "need_weights": False,
+            },
+            common=True,
+        ),
+        Variant(
+            "direct-cross-kv-float-padding",
+            {"batch_first": True},
+            inputs="kv",
+            call={"key_padding_mask": _float_padding(), "need_weights": False},
+            common=True,
+        ),
+        Variant(
+            "direct-separate-weights-3d-mask-padding",
+            {"kdim": 3, "vdim": 5},
+            inputs="qkv",
+            call={"attn_mask": _head_masks(), "key_padding_mask": _padding(), "need_weights": False},
+            common=True,
+        ),
+        Variant(
+            "direct-unbatched",
+            {"batch_first": True},
+            call={"attn_mask": _causal(L), "need_weights": False},
+            batched=False,
+            common=True,
+        ),
+    ]
 
 
 def _explicit_core(
@@ -366,6 +373,22 @@ def test_a_capture_step_multiplies_by_identities_only_outside_the_common_path(va
     assert captured == plain + identities
 
 
+def test_an_active_function_mode_keeps_the_common_path() -> None:
+    """A torch function mode (``torch.set_default_device``'s, here ``with torch.device(...)``) is not a tensor with a
+    ``__torch_function__`` of its own: the capture step still multiplies by no identities."""
+    variant = VARIANTS[0]
+    assert variant.common
+    stock, _ = _models(variant)
+    mha = stock.attn
+    inputs = _inputs(variant, mha, 0)
+    plain = _forward_flops(mha, *inputs, **variant.call)
+    pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
+    with torch.device(chosen()):
+        captured = _forward_flops(mha, *inputs, **variant.call)
+    assert all(layer.capture.records for layer in pre._layers if layer.name.startswith("attn."))
+    assert captured == plain
+
+
 @pytest.mark.parametrize(
     "call",
     (
@@ -385,7 +408,7 @@ def test_calls_outside_the_common_path_fail_as_torch_fails_them(call: dict[str, 
     with pytest.raises(RuntimeError) as got:
         mha(*inputs, **call)
     assert str(got.value) == str(expected.value)
-    assert not torch.overrides._get_current_function_mode_stack()
+    assert not [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, OnDevice)]
     assert all(not layer.capture.calls() for layer in pre._layers)
 
 
@@ -473,7 +496,7 @@ def test_a_forward_that_raises_leaves_no_mode_behind() -> None:
     query = _inputs(variant, mha, 0)[0]
     with pytest.raises((AssertionError, RuntimeError)):
         mha(query, query[:, :, :3], query)  # wrong key width
-    assert not torch.overrides._get_current_function_mode_stack()
+    assert not [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, OnDevice)]
     out, _ = mha(query, query, query)
     assert out.shape == query.shape
 
@@ -589,6 +612,7 @@ def _ddp_attention_run(
     return out
 
 
+@pytest.mark.explicit_device(reason="forks gloo ranks on the CPU (NCCL: tests/test_distributed.py)")
 @pytest.mark.parametrize("solver", ("kfac", "sngd"))
 def test_two_ranks_with_ddp_equal_one_process_on_the_whole_batch(solver: str) -> None:
     gen = torch.Generator().manual_seed(5)

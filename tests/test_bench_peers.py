@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from hylo_scripts import bench_peers, loop, peers
+from hylo_scripts import bench_accuracy, bench_peers, loop, peers
 from hylo_scripts.bench_accuracy import LMCurve
+from hylo_scripts.hylo_options import ADAPTIVE_LR
 from hylo_scripts.loop import make_optimizer, train
 from hylo_scripts.optimizers import CombinedOptimizer
 from hylo_scripts.runconfig import RunConfig
@@ -333,3 +334,12 @@ def test_classification_rows_carry_the_best_accuracy_and_the_steps_to_the_accura
     never = bench_peers.goal_reach(run, "classification", 98.0)
     assert never["steps_to_goal"] is None and never["best"] == pytest.approx(97.0)
     assert bench_peers.goal_reach(run, "lm", 96.0)["goal"] is None
+
+
+def test_bench_accuracy_runs_an_adaptive_solver_at_adams_scale_unless_told() -> None:
+    """The MNIST time-to-accuracy bench gives kfac_adam the adaptive lr (its step is Adam-scaled; at the natural
+    gradient's 0.1 it diverges) and the natural-gradient solvers 0.1; ``--lr`` sets every solver's."""
+    args = bench_accuracy.parse_args(["--solvers", "kfac", "kfac_adam"])
+    assert [bench_accuracy.classification_lr(args, s) for s in args.solvers] == [0.1, ADAPTIVE_LR]
+    args = bench_accuracy.parse_args(["--solvers", "kfac", "kfac_adam", "--lr", "0.05"])
+    assert [bench_accuracy.classification_lr(args, s) for s in args.solvers] == [0.05, 0.05]

@@ -30,7 +30,7 @@ from hylo.solvers.kfac import KFACState
 from tests.kit.checks import as_parts, grad_matrix
 from tests.kit.reference import dense_natural_gradient, per_sample_matrices
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 
 # --------------------------------------------------------------------------- duplicated rows vs the reference

@@ -1,4 +1,5 @@
-"""Distributed behaviour of HyLoPreconditioner (gloo, CPU, forked ranks of tests/kit/harness.py).
+"""Distributed behaviour of HyLoPreconditioner (gloo on CPU, forked ranks of tests/kit/harness.py; the DDP
+equalities also under NCCL, one GPU per rank, when the device tier runs on a machine with ≥ 2 GPUs).
 
 - DDP smoke test: every rank ends with the same preconditioned gradients and parameters.
 - docs/distributed.md ("Distribution invariant") invariant: P ranks with DDP on the global batch split across them give the
@@ -23,7 +24,7 @@ import hylo
 from hylo import integrity
 from hylo.solvers.smw import LowRankState
 from tests.kit.checks import rel_err
-from tests.kit.harness import run_distributed
+from tests.kit.harness import nccl_problem, rank_device, run_distributed
 
 DAMPING = 1e-2
 LAYERS = ("conv", "fc1", "fc2")
@@ -52,6 +53,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_adam": ("kfac_adam", {"adam_eps": 1e-3}),
     "kfac_adam-full-rank": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",)}),
 }
+
+
+def backends(world_size: int) -> list[Any]:
+    """gloo, and NCCL (skipped with the reason when this machine cannot run ``world_size`` NCCL ranks)."""
+    problem = nccl_problem(world_size)
+    return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(problem is not None, reason=problem or ""))]
 
 
 def make_model(dtype: torch.dtype) -> Net:
@@ -87,10 +94,12 @@ def train(
     Returns per step the gradients before and after ``preconditioner.step()``, the final
     parameters and the number of rows in each layer's low-rank state.
     """
-    model = make_model(xs.dtype)
+    device = rank_device(rank)
+    model = make_model(xs.dtype).to(device)
+    xs, ys = xs.to(device), ys.to(device)
     net: nn.Module = model
     if world_size > 1 and dist.is_initialized():
-        net = nn.parallel.DistributedDataParallel(model)
+        net = nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
     options: dict[str, Any] = {"strategy": strategy} if strategy != "inverse" else {}
     solver, extra = CASES.get(solver, (solver, {}))
     options.update(extra)
@@ -103,15 +112,15 @@ def train(
     for x, y in zip(xs, ys, strict=True):
         opt.zero_grad()
         F.cross_entropy(net(x[rows]), y[rows]).backward()
-        raw.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        raw.append({k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()})
         pre.step()
-        preconditioned.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        preconditioned.append({k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()})
         opt.step()
     state_rows = {layer.name: layer.state.rows.count for layer in pre._layers if isinstance(layer.state, LowRankState)}
     return {
         "raw": raw,
         "pre": preconditioned,
-        "params": {k: p.detach().clone() for k, p in model.named_parameters()},
+        "params": {k: p.detach().cpu().clone() for k, p in model.named_parameters()},
         "state_rows": state_rows,
         "world_size": pre.comm.world_size,
     }
@@ -130,9 +139,10 @@ def assert_rel_close(actual: dict[str, Tensor], expected: dict[str, Tensor], tol
 
 
 # ============================================================================ 1. DDP smoke test
+@pytest.mark.parametrize("backend", backends(2))
 @pytest.mark.parametrize("strategy", ["inverse", "gradient"])
 @pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac_adam"])
-def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
+def test_ddp_ranks_agree(solver: str, strategy: str, backend: str) -> None:
     """Two ranks, different data each, update every other step: identical gradients and parameters.
 
     Bit-identical, not merely close: both ranks solve from the same all-reduced/all-gathered data
@@ -140,7 +150,7 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
     """
     steps, batch = 3, 8
     xs, ys = make_data(steps, batch, torch.float32)
-    out = run_distributed(train, 2, solver, xs, ys, [4, 4], 2, strategy)
+    out = run_distributed(train, 2, solver, xs, ys, [4, 4], 2, strategy, backend=backend)
     r0, r1 = out
     assert r0["world_size"] == r1["world_size"] == 2
     for step in range(steps):
@@ -163,21 +173,24 @@ def test_ddp_ranks_agree(solver: str, strategy: str) -> None:
     [(2, "inverse"), (4, "inverse"), (4, "gradient")],
     ids=["2-inverse", "4-inverse", "4-gradient"],
 )
+@pytest.mark.parametrize("backend", backends(2))
 @pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse", "kfac_adam-full-rank"])
-def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str) -> None:
+def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str, backend: str) -> None:
     """docs/distributed.md, "Distribution invariant": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
     broadcast preconditioned gradients instead of solved states; ``kfac-inverse`` is K-FAC with
     ``kfac_method="inverse"`` (its owners broadcast the damped inverses); ``kfac_adam``'s moments advance on
-    every rank, under either strategy.
+    every rank, under either strategy. Under NCCL the ranks run on GPUs and the one process on the CPU.
     """
     steps, batch = 3, 8
     xs, ys = make_data(steps, batch, torch.float64)
     reference = train(0, 1, solver, xs, ys, [batch], 1)  # here, in the parent: no process group
     assert reference["world_size"] == 1
     counts = [batch // world_size] * world_size
-    out = run_distributed(train, world_size, solver, xs, ys, counts, 1, strategy)
+    if backend == "nccl" and (problem := nccl_problem(world_size)) is not None:
+        pytest.skip(problem)
+    out = run_distributed(train, world_size, solver, xs, ys, counts, 1, strategy, backend=backend)
     for step in range(steps):
         # not vacuous: the preconditioner is far from a multiple of the identity
         pre = torch.cat([g.flatten() for g in reference["pre"][step].values()])

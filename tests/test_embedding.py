@@ -45,7 +45,7 @@ from hylo.layers.rows import FactoredRows, rows_from_fields
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, rel_err
 from tests.kit.reference import dense_kfac, dense_natural_gradient
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 SOLVERS = ["kfac", "sngd", "kid", "kis", "hybrid"]
 V, D, T, B, C = 11, 5, 4, 6, 3

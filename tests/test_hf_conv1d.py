@@ -35,7 +35,7 @@ from hylo.layers import TransposedLinearMath, registry
 from tests.kit.checks import DT
 from tests.kit.reference import dense_natural_gradient
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"

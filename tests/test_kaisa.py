@@ -31,7 +31,7 @@ from hylo import HyLoPreconditioner
 from hylo.layers import DEFAULT_KFC_EXPONENT
 from tests.kit.checks import DT, assert_rel_close, assert_same_tensors, grad_matrix, rel_err, state_snapshot
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 
 def mlp() -> nn.Sequential:

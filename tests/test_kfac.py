@@ -22,7 +22,7 @@ from tests.kit.checks import DT, REPLAY_RTOL, RTOL, assert_rel_close, grad_matri
 from tests.kit.models import fixed_target, one_step
 from tests.kit.reference import CONV_CASES, conv_reference, dense_kfac, linear_rows, vec_cm
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 
 def test_reference_vec_convention() -> None:

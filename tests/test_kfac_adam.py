@@ -35,7 +35,7 @@ from tests.kit.models import fixed_target, one_step
 from tests.kit.reference import dense_kfac, linear_rows
 from tests.test_mixed_precision import _run
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 #: kfac_adam as K-FAC: K-FAC's eigenvalue products as v̂, exponent 1, no momentum, ε = λ.
 AS_KFAC: dict[str, Any] = {"adam_betas": (0.0, 0.999), "adam_exponent": 1.0, "second_moment": "factors"}

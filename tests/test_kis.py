@@ -28,7 +28,7 @@ from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
 from hylo.telemetry.profiling import DISABLED
 from tests.kit.checks import DT, rel_err
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 D_IN, D_OUT = 5, 3
 

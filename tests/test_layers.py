@@ -23,7 +23,7 @@ from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel
 from tests.kit.models import batch, mlp, one_step
 from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 
 # --------------------------------------------------------------------------- 2. 1×1 conv == Linear

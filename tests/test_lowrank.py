@@ -27,7 +27,7 @@ from tests.kit.checks import DT, assert_rel_close, grad_matrix, rel_err
 from tests.kit.models import classifier_convnet, classifier_inputs, classifier_mlp
 from tests.kit.reference import CONV_CASES, dense_natural_gradient, dense_sngd, per_sample_matrices, u_rows
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"linear": classifier_mlp, "conv": classifier_convnet}
 

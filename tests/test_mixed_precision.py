@@ -1,4 +1,4 @@
-"""Mixed precision: ``torch.autocast`` (bf16 on CPU) and ``torch.amp.GradScaler`` with hylo.
+"""Mixed precision: ``torch.autocast`` (bf16 on the device tier's device) and ``torch.amp.GradScaler`` with hylo.
 
 Under autocast the captured inputs and output gradients are bf16; every factor, kernel and
 solve must run in float32 (the working dtype of a float32 or bf16 weight), and the rewritten
@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import rel_err
+from tests.kit.devices import chosen
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
 
@@ -62,7 +63,7 @@ def _run(
     for step in range(steps):
         model.zero_grad()
         x, y = _data(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(chosen().type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         if scaler is None:
@@ -132,7 +133,7 @@ def test_bf16_weights_keep_bf16_gradients_and_float32_state(solver: str) -> None
 def test_grad_scaler_under_bf16_autocast_changes_nothing(solver: str) -> None:
     """``scaler.scale(loss).backward()`` → ``unscale_`` → ``pre.step()``: the result of the unscaled run."""
     _, plain, _ = _run(solver, autocast=True, steps=3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    scaler = torch.amp.GradScaler(chosen().type, init_scale=2.0**12, growth_interval=1)
     _, scaled, _ = _run(solver, autocast=True, scaler=scaler, steps=3)
     for a, b in zip(plain, scaled, strict=True):
         for name, exact in a.items():

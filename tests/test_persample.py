@@ -27,6 +27,7 @@ from hylo_scripts.persample import (
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel"),
+    pytest.mark.device_tier,
 ]
 
 DT = torch.float64

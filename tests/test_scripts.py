@@ -6,12 +6,15 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from hylo_scripts import bench_overhead
 from hylo_scripts import train as train_script
@@ -273,3 +276,51 @@ def test_bench_overhead_marks_update_steps_and_runs_the_llama_decoder(capsys: py
     assert "update" in out.splitlines()[1] and "other" in out.splitlines()[1]
     row = next(line for line in out.splitlines() if line.startswith("adamw+kfac"))
     assert len(row.split()) == 9  # name, then mean, median, update, other with their ratios
+
+
+def test_bench_overhead_times_kaisa_in_the_same_loop_and_the_forward_under_autocast(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kaisa`` among the solvers steps KAISA's preconditioner (built with the run's update_freq) between backward
+    and the optimizer; without kfac-pytorch its row says so; ``autocast`` runs the forward (and only it) in bf16."""
+    built: list[int] = []
+    steps: list[bool] = []
+
+    class FakeKaisa:
+        def step(self) -> None:
+            steps.append(all(p.grad is not None for p in model.parameters()))
+
+    def fake(net: torch.nn.Module, optimizer: torch.optim.Optimizer, update_freq: int) -> FakeKaisa:
+        nonlocal model
+        model = net
+        built.append(update_freq)
+        return FakeKaisa()
+
+    model: torch.nn.Module = torch.nn.Identity()
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_overhead, "kaisa_preconditioner", fake)
+        bench_overhead.iteration_time("mlp", bench_overhead.KAISA, 8, 3, 1, 2, None)
+    assert built == [2] and steps == [True] * 4
+    autocast: list[bool] = []
+
+    def watch(module: torch.nn.Module, args: Any, out: Tensor) -> None:
+        if isinstance(module, torch.nn.Linear):
+            autocast.append(torch.is_autocast_enabled("cpu") and out.dtype == torch.bfloat16)
+
+    seen = torch.nn.modules.module.register_module_forward_hook(watch)
+    try:
+        bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None, autocast=torch.bfloat16)
+        bench_overhead.iteration_time("mlp", None, 8, 1, 0, 1, None)
+    finally:
+        seen.remove()
+    assert autocast and autocast[: len(autocast) // 2] == [True] * (len(autocast) // 2)
+    assert autocast[len(autocast) // 2 :] == [False] * (len(autocast) // 2)
+    argv = ["bench_overhead.py", "--model", "mlp", "--batch-size", "8", "--steps", "1", "--warmup", "0"]
+    argv += ["--solvers", "kaisa", "--device", "cpu", "--autocast", "bf16"]
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.setitem(sys.modules, "kfac", None)  # kfac-pytorch not installed
+    monkeypatch.setitem(sys.modules, "kfac.preconditioner", None)
+    bench_overhead.main()
+    out = capsys.readouterr().out
+    assert "autocast bf16" in out.splitlines()[0] and "peak MB" not in out  # peak memory on CUDA only
+    assert re.search(r"^sgd\+kaisa +not installed", out, re.M)

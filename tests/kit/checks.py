@@ -12,13 +12,15 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from hylo.layers.gradmatrix import GradMatrix
+from tests.kit.devices import tolerances
 
 #: dtype of the models whose results are compared tightly.
 DT = torch.float64
-#: Relative (Frobenius) error allowed between a float64 preconditioned gradient and its dense oracle.
-RTOL = 1e-8
+#: Relative (Frobenius) error allowed between a float64 preconditioned gradient and its dense oracle (per device:
+#: :data:`tests.kit.devices.TOLERANCES`).
+RTOL = tolerances().rtol
 #: Relative error allowed between two float64 computations of the same quantity (no solve in between).
-REPLAY_RTOL = 1e-12
+REPLAY_RTOL = tolerances().replay_rtol
 
 
 def rel_err(actual: Tensor, expected: Tensor, floor: float = 0.0) -> float:
@@ -31,6 +33,16 @@ def assert_rel_close(actual: Tensor, expected: Tensor, rtol: float = RTOL) -> No
     assert actual.shape == expected.shape
     err = rel_err(actual, expected)
     assert err <= rtol, f"relative error {err:.3e} > {rtol:g}"
+
+
+def assert_same_step(actual: Tensor, expected: Tensor, what: str = "") -> None:
+    """A layer's step computed alone equals the step batched with other layers': bit for bit on the CPU, within the
+    device's ``batched`` tolerance elsewhere (:data:`tests.kit.devices.TOLERANCES`)."""
+    tol = tolerances().batched
+    if tol == 0.0:
+        assert torch.equal(actual, expected), what
+    else:
+        assert actual.shape == expected.shape and rel_err(actual, expected) <= tol, (what, rel_err(actual, expected))
 
 
 def grad_matrix(module: nn.Module) -> Tensor:
@@ -90,13 +102,18 @@ def counting_host_syncs(
 ) -> Iterator[dict[str, int]]:
     """Count calls of the tensor methods ``names`` while the block runs (the dict updates live)."""
     calls = dict.fromkeys(names, 0)
+    depth = [0]  # a torch function mode (the device tier's) re-enters the patched method: count the outer call
 
     def counting(name: str) -> Callable[..., Any]:
         original = getattr(torch.Tensor, name)
 
         def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return original(self, *args, **kwargs)
+            calls[name] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return wrapper
 

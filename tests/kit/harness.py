@@ -1,4 +1,4 @@
-"""A small multi-process harness for torch.distributed tests on CPU (gloo).
+"""A small multi-process harness for torch.distributed tests: gloo on CPU, or NCCL with one GPU per rank.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (fork by default: no
 re-import of torch, so a launch costs well under a second), each of which
@@ -22,6 +22,10 @@ seconds (gloo timeout), which is reported like any other worker error.
 
 Set ``HYLO_TEST_START_METHOD=spawn`` to use the spawn start method instead of fork (then ``fn``
 and ``args`` must be picklable by reference, i.e. ``fn`` is a module-level function).
+
+``backend="nccl"`` runs rank r on ``cuda:r`` (:func:`rank_device`; spawned, as CUDA cannot be used in a
+forked child of a process that has used it): :func:`nccl_problem` says why a machine cannot, and a
+test that runs under both backends moves its tensors to ``rank_device(rank)`` and returns them on the CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ __all__ = [
     "DistributedTimeoutError",
     "WorkerError",
     "free_port",
+    "nccl_problem",
+    "rank_device",
     "run_distributed",
 ]
 
@@ -110,6 +116,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def nccl_problem(world_size: int = 2) -> str | None:
+    """Why ``world_size`` NCCL ranks cannot run here (one GPU each, the device tier on CUDA), or None."""
+    from tests.kit.devices import chosen  # the tier's switch
+
+    if chosen().type != "cuda":
+        return "NCCL runs with the device tier on CUDA (python -m pytest --device cuda)"
+    if torch.cuda.device_count() < world_size:
+        return f"NCCL needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPU(s) here"
+    return None
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of rank ``rank`` of the current process group: ``cuda:rank`` under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
 def _fn_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -124,6 +148,7 @@ def _worker(
     pg_timeout: float,
     conn: connection.Connection,
     stack_path: str,
+    backend: str,
 ) -> None:
     """Body of one rank. Reports exactly one message on ``conn``: ("ok", bytes) or ("error", ...)."""
     phase = "init"
@@ -134,12 +159,17 @@ def _worker(
         stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        device = None
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            backend="gloo",
+            backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout),
+            device_id=device,
         )
         phase = "run"
         result = fn(rank, world_size, *args)
@@ -170,8 +200,15 @@ class _Launch:
     """One attempt: the children, their pipes and what each has reported."""
 
     def __init__(
-        self, ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], pg_timeout: float
+        self,
+        ctx: Any,
+        fn: Callable[..., Any],
+        world_size: int,
+        args: tuple[Any, ...],
+        pg_timeout: float,
+        backend: str,
     ) -> None:
+        self.backend = backend
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix="hylo-dist-")
         self.stack_paths = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
@@ -195,7 +232,17 @@ class _Launch:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, args, init_method, pg_timeout, writer, self.stack_paths[rank]),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    init_method,
+                    pg_timeout,
+                    writer,
+                    self.stack_paths[rank],
+                    self.backend,
+                ),
                 name=f"hylo-test-rank{rank}",
                 daemon=True,
             )
@@ -343,8 +390,9 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     pg_timeout: float | None = None,
     start_method: str | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
 
     Args:
         fn: the per-rank body; its return value must be picklable (tensors are fine).
@@ -352,7 +400,9 @@ def run_distributed(
         *args: passed to ``fn`` after ``rank, world_size`` (inherited under fork, pickled under spawn).
         timeout: seconds for the whole run (start-up included) before all ranks are killed.
         pg_timeout: gloo collective timeout in seconds; default ``0.75 * timeout``.
-        start_method: "fork" (default, or ``$HYLO_TEST_START_METHOD``) or "spawn".
+        start_method: "fork" (default, or ``$HYLO_TEST_START_METHOD``) or "spawn"; always spawn under NCCL or once
+            this process has used CUDA.
+        backend: "gloo" (CPU) or "nccl" (rank r on ``cuda:r``; see :func:`nccl_problem`).
 
     Raises:
         WorkerError: a rank raised or died; the message holds that rank's traceback.
@@ -361,7 +411,13 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    method = start_method or os.environ.get("HYLO_TEST_START_METHOD", "fork")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and (problem := nccl_problem(world_size)) is not None:
+        raise ValueError(problem)
+    # a child forked from a process that has used CUDA can use neither CUDA nor autograd: spawn it
+    spawn = backend == "nccl" or torch.cuda.is_initialized()
+    method = "spawn" if spawn else start_method or os.environ.get("HYLO_TEST_START_METHOD", "fork")
     if method == "fork":
         _preload()
     ctx = mp.get_context(method)
@@ -369,7 +425,7 @@ def run_distributed(
     start = time.monotonic()
     deadline = start + timeout
     for attempt in range(3):
-        launch = _Launch(ctx, fn, world_size, args, pg_timeout)
+        launch = _Launch(ctx, fn, world_size, args, pg_timeout, backend)
         try:
             finished = launch.wait(deadline)
             if not finished:
