@@ -10,7 +10,8 @@ epoch is 8 steps). Seconds are training time only (evaluation excluded), as the 
 ``total_time_s``.
 
 For each batch size: plain SGD at each learning rate of ``--sgd-lrs`` (the best is the one with
-the highest median final accuracy), then each hylo solver at ``--lr``; each over ``--seeds``
+the highest median final accuracy), then each hylo solver at ``--lr`` (default 0.1; 0.01 for an adaptive solver,
+``kfac_adam``, whose step is Adam-scaled); each over ``--seeds``
 (the seed of the initial weights and the batch order; the split is fixed). The table gives,
 per run, the median and range over seeds of the iterations and seconds to each threshold
 (``-`` when a seed never reached it; the median is then taken over the seeds that did,
@@ -56,7 +57,7 @@ import torch
 from hylo_scripts import argtypes, timing
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
 from hylo_scripts.devices import describe
-from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, ADAPTIVE_LR, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
@@ -102,7 +103,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "solvers": list(solver_choices()),
         "sgd_lrs": [0.03, 0.05, 0.07, 0.1],
         "thresholds": [0.96, 0.97],
-        "lr": 0.1,
+        "lr": None,
         "damping": DAMPING,
         "kfac_method": "eigen",
         "kl_clip": 1e-2,
@@ -164,6 +165,18 @@ def first_reach(result: RunResult, threshold: float) -> tuple[int, float] | None
         if entry.test_metric >= threshold:
             return entry.step, entry.total_time_s
     return None
+
+
+#: The classification runs' peak lr of a natural-gradient solver (an adaptive one's: ``ADAPTIVE_LR``), unless ``--lr``.
+NATURAL_LR = 0.1
+
+
+def classification_lr(args: argparse.Namespace, solver: str) -> float:
+    """The peak lr of ``solver``'s classification runs: ``--lr``, else :data:`NATURAL_LR` or, for an adaptive solver
+    (its step is Adam-scaled), ``ADAPTIVE_LR``."""
+    if args.lr is not None:
+        return float(args.lr)
+    return ADAPTIVE_LR if solver in ADAPTIVE else NATURAL_LR
 
 
 def _hylo_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
@@ -242,7 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, help="steps between test evaluations (default 8; lm 25)")
     parser.add_argument("--solvers", nargs="+", choices=solver_choices(), help="hylo solvers (default all; lm: 4)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--lr", type=float, help="peak lr of the hylo runs (default 0.1; lm: AdamW's best)")
+    parser.add_argument(
+        "--lr", type=float, help="peak lr of the hylo runs (default 0.1, adaptive solvers 0.01; lm: AdamW's best)"
+    )
     parser.add_argument("--damping", type=float, help="hylo damping (default 0.3; lm: kfac 1e-3, others 0.3)")
     parser.add_argument("--freq", type=int, default=None, help="hylo update_freq (default 10; lm: LM_UPDATE_FREQ's)")
     parser.add_argument("--kl-clip", type=float, help="hylo kl_clip (default 1e-2)")
@@ -305,7 +320,7 @@ def run_classification(args: argparse.Namespace) -> int:
     began = timing.now(device)
     for batch_size in args.batch_sizes:
         runs: list[tuple[str | None, float]] = [(None, lr) for lr in args.sgd_lrs]
-        runs += [(solver, args.lr) for solver in args.solvers]
+        runs += [(solver, classification_lr(args, solver)) for solver in args.solvers]
         for solver, lr in runs:
             for seed in args.seeds:
                 result = train(run_config(args, batch_size, solver, lr, seed), data, device=device)

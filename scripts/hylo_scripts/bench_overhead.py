@@ -20,7 +20,11 @@ llama`` is a small Hugging Face ``LlamaForCausalLM`` (needs ``transformers``; 4 
 256, 4 heads, MLP 688, random weights, ``--vocab`` default 1,024, ``--image-size`` its context,
 default 128). ``--set KEY=VALUE`` passes
 hylo options (Python literals: ``--set "skip_layers=('head',)"``); a solver whose construction
-refuses the model (e.g. ``kfac`` over ``kfac_max_state_mb``) is reported as refused.
+refuses the model (e.g. ``kfac`` over ``kfac_max_state_mb``) is reported as refused. ``kaisa`` among
+``--solvers`` times KAISA (kfac-pytorch's ``KFACPreconditioner``, when installed: its factors and
+inverses every ``--update-freq`` steps, damping 0.003) in the same loop. ``--autocast bf16`` runs the
+forward under ``torch.autocast`` in bf16. On CUDA each row also gives the run's peak allocated memory
+(``torch.cuda.max_memory_allocated``: model, optimizer, activations and preconditioner), in MB.
 
 ``--profile`` measures the cost of hylo's profiling itself: each solver is run a second time
 with ``profile_dir`` set (a fresh temporary directory per run, deleted afterwards; no
@@ -52,7 +56,13 @@ from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.models import MODELS, build_model, model_names
 from hylo_scripts.optimizers import adapted_optimizer
+from hylo_scripts.peers import kaisa_preconditioner
 from hylo_scripts.timing import now
+
+#: The name among ``--solvers`` that times KAISA instead of a hylo solver.
+KAISA = "kaisa"
+#: ``--autocast``'s choices: the forward's autocast dtype.
+AUTOCAST = {"off": None, "bf16": torch.bfloat16}
 
 #: ``--model llama``: the Hugging Face decoder of :func:`hylo_scripts.bench_compile.build` (vocabulary, context).
 LLAMA_DEFAULTS = (1024, 128)
@@ -97,6 +107,7 @@ def iteration_time(
     updates: list[bool] | None = None,
     device: torch.device | None = None,
     cpu_time: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> float:
     """Mean seconds per iteration (solver None = the plain optimizer); ``profile_dir`` turns on hylo's
     profiling. ``classes``: the model's classes (a language model's vocabulary); ``model_options``: its
@@ -105,7 +116,8 @@ def iteration_time(
     step (an iteration whose ``step()`` was hylo's ``k``-th with ``k`` a multiple of ``update_freq``; all False for
     the plain optimizer); ``device``: where it runs (default CPU), each iteration timed between two
     synchronisations of it; ``cpu_time``: the process's CPU seconds instead of wall seconds (CPU only: a figure
-    that another process's load on the machine disturbs less)."""
+    that another process's load on the machine disturbs less); ``autocast``: the forward's autocast dtype (None:
+    off). ``solver`` :data:`KAISA` steps KAISA's preconditioner instead of hylo's."""
     if cpu_time and device is not None and device.type != "cpu":
         raise ValueError("cpu_time measures the process's CPU seconds: it needs device cpu")
     if profile_dir is not None and solver is None:
@@ -121,8 +133,8 @@ def iteration_time(
             return torch.optim.SGD(params, lr=0.01, momentum=0.9)
         return torch.optim.AdamW(params, lr=1e-3)
 
-    pre = None
-    if solver is not None:
+    pre: Any = None
+    if solver is not None and solver != KAISA:
         pre = hylo.HyLoPreconditioner(
             model,
             **{
@@ -136,18 +148,21 @@ def iteration_time(
     opt: torch.optim.Optimizer = base(list(model.parameters()))
     if pre is not None and solver in ADAPTIVE:  # its layers take SGD without momentum (docs/usage.md)
         opt = adapted_optimizer(model, pre.parameters(), 1e-3, 0.0, base)
+    if solver == KAISA:
+        pre = kaisa_preconditioner(model, opt, update_freq)
     timed = [] if times is None else times
     kinds = [] if updates is None else updates
     try:
         for i in range(warmup + steps):
             start = time.process_time() if cpu_time else now(device)
             opt.zero_grad()
-            out = model(x)
-            loss = (
-                torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
-                if lm
-                else torch.nn.functional.cross_entropy(out, y)
-            )
+            with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(x)
+                loss = (
+                    torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+                    if lm
+                    else torch.nn.functional.cross_entropy(out, y)
+                )
             loss.backward()
             if pre is not None:
                 pre.step()
@@ -156,7 +171,7 @@ def iteration_time(
                 timed.append((time.process_time() if cpu_time else now(device)) - start)
                 kinds.append(pre is not None and i % update_freq == 0)
     finally:
-        if pre is not None:
+        if isinstance(pre, hylo.HyLoPreconditioner):
             pre.remove()
     return sum(timed[-steps:]) / steps
 
@@ -229,7 +244,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--update-freq", type=int, default=10)
-    parser.add_argument("--solvers", nargs="+", default=["hybrid", "kid", "kis", "sngd", "kfac"])
+    parser.add_argument(
+        "--solvers",
+        nargs="+",
+        default=["hybrid", "kid", "kis", "sngd", "kfac"],
+        help=f"hylo solvers, and {KAISA!r} for KAISA (kfac-pytorch, if installed)",
+    )
+    parser.add_argument("--autocast", default="off", choices=list(AUTOCAST), help="the forward's autocast dtype")
     parser.add_argument("--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo options")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", type=device_type, default=default_device(), help="cpu or cuda[:N]")
@@ -259,20 +280,39 @@ def main() -> None:
         "options": dict(args.set),
         "device": args.device,
         "cpu_time": args.cpu_time,
+        "autocast": AUTOCAST[args.autocast],
     }
+    cuda = args.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(args.device)
     base_times: list[float] = []
     base_kinds: list[bool] = []
     base = iteration_time(args.model, None, *shape, times=base_times, updates=base_kinds, **workload)
     base_median = statistics.median(base_times)
+
+    def peak() -> str:
+        """The peak allocated MB since the last call (CUDA), and a reset for the next run."""
+        if not cuda:
+            return ""
+        mb = torch.cuda.max_memory_allocated(args.device) / 2**20
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(args.device)
+        return f" {mb:>8.0f}"
+
     name = args.optimizer
     where = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     clock = "process CPU" if args.cpu_time else "wall"
-    print(f"device: {args.device} ({where}), threads {torch.get_num_threads()}; {clock} ms per iteration, vs {name}")
+    print(
+        f"device: {args.device} ({where}), threads {torch.get_num_threads()}, torch {torch.__version__}"
+        + (f" (CUDA {torch.version.cuda})" if cuda else "")
+        + f"; autocast {args.autocast}; {clock} ms per iteration, vs {name}"
+    )
     header = f"{'optimizer':<14} {'mean':>9} {'vs':>6} {'median':>9} {'vs':>6} {'update':>9} {'vs':>6} {'other':>9} {'vs':>6}"
+    header += f" {'peak MB':>8}" if cuda else ""
     if args.profile:
         header += f" {'profiled':>9} {'vs ' + name:>9} {'prof/plain':>10}"
     print(header)
-    print(_row(name, base_times, base_kinds, base, base_median))
+    print(_row(name, base_times, base_kinds, base, base_median) + peak())
     breakdowns: dict[str, tuple[dict[str, float], float]] = {}
     for solver in args.solvers:
         times: list[float] = []
@@ -281,9 +321,13 @@ def main() -> None:
             t = iteration_time(args.model, solver, *shape, times=times, updates=kinds, **workload)
         except ValueError as err:
             print(f"{name + '+' + solver:<14} refused: {str(err)[:200]}", flush=True)
+            peak()
             continue
-        line = _row(name + "+" + solver, times, kinds, base, base_median)
-        if args.profile:
+        except ImportError as err:  # KAISA not installed
+            print(f"{name + '+' + solver:<14} not installed: {err}", flush=True)
+            continue
+        line = _row(name + "+" + solver, times, kinds, base, base_median) + peak()
+        if args.profile and solver != KAISA:
             p, phases, apply_ms = profiled_iteration_time(args.model, solver, *shape, **workload)
             breakdowns[solver] = (phases, apply_ms)
             line += f" {1e3 * p:>9.1f} {p / base:>9.2f} {p / t:>10.2f}"

@@ -26,15 +26,11 @@ import torch
 
 from hylo_scripts.data import DataOptions, load_dataset
 from hylo_scripts.hylo_flags import add_hylo_arguments, given_options
-from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, ADAPTIVE_LR, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.options import add_run_arguments, run_fields
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
-
-#: kfac_adam's peak learning rate: Adam's scale, applied by SGD without momentum to the layers it adapts
-#: (docs/usage.md, "Adaptive solvers"); the CNN has no other parameters.
-ADAPTIVE_LR = 0.01
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

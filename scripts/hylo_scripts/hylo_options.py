@@ -60,6 +60,10 @@ SCRIPT_DEFAULTS: dict[str, Default] = {
 ADAPTIVE: tuple[str, ...] = tuple(
     name for name in hylo.solvers.solver_names() if hylo.solvers.family_of(name).state_type.advances
 )
+#: The adaptive solvers' peak learning rate on the MNIST CNN (demo and time-to-accuracy bench): Adam's scale, applied
+#: by SGD without momentum to the layers they adapt (docs/usage.md, "Adaptive solvers"); the best of bench_peers'
+#: grid for kfac_adam (docs/benchmarks.md, "Peers").
+ADAPTIVE_LR = 0.01
 
 
 def user_options() -> list[hylo.config.OptionSpec]:

@@ -142,7 +142,11 @@ def _singd(lr: float, rest_lr: float) -> OptimizerFactory:
     return build
 
 
-def _kaisa(model: nn.Module, optimizer: torch.optim.Optimizer) -> Steppable:
+def kaisa_preconditioner(
+    model: nn.Module, optimizer: torch.optim.Optimizer, update_freq: int = 10, damping: float = 0.003
+) -> Steppable:
+    """KAISA's ``KFACPreconditioner`` (kfac-pytorch) on ``model``'s :func:`curvature_modules`, its factors and
+    inverses updated every ``update_freq`` steps, its lr read from ``optimizer``'s first group."""
     from kfac.preconditioner import KFACPreconditioner
 
     included = set(curvature_modules(model))
@@ -153,9 +157,9 @@ def _kaisa(model: nn.Module, optimizer: torch.optim.Optimizer) -> Steppable:
     ]
     pre: Steppable = KFACPreconditioner(
         model,
-        factor_update_steps=10,
-        inv_update_steps=10,
-        damping=0.003,
+        factor_update_steps=update_freq,
+        inv_update_steps=update_freq,
+        damping=damping,
         lr=lambda _step: optimizer.param_groups[0]["lr"],
         skip_layers=skipped,
         loglevel=0,
@@ -232,7 +236,7 @@ METHODS: dict[str, Method] = {
             "KAISA's KFACPreconditioner (damping 0.003, updates every 10 steps) + the baseline optimizer",
             _PRECONDITIONED,
             package="kfac",
-            preconditioner=_kaisa,
+            preconditioner=kaisa_preconditioner,
         ),
     )
 }
