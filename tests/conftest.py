@@ -81,12 +81,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(nodeid)
 
 
-@pytest.fixture
-def device() -> torch.device:
-    """The device the tier runs on (tests that place tensors themselves)."""
-    return devices.chosen()
-
-
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     """Every test starts from the same global RNG state (tests also pass explicit generators)."""
