@@ -252,9 +252,13 @@ class Guard:
     def count_fallbacks(self, indices: list[int], counts: Tensor) -> None:
         """Add a step's fallbacks (1 per layer whose result was not applied), without a host sync."""
         self.fallbacks = self.fallbacks.to(counts.device)
+        counts = counts.to(self.fallbacks.dtype)
+        if indices == list(range(len(self.layers))):  # every layer, in order (the usual step): no index
+            self.fallbacks += counts
+            return
         # the index copied from the host without a stream synchronisation (docs/design.md, "Host synchronisation")
         index = torch.tensor(indices, dtype=torch.long).to(counts.device, non_blocking=True)
-        self.fallbacks.index_add_(0, index, counts.to(self.fallbacks.dtype))
+        self.fallbacks.index_add_(0, index, counts)
 
     def report_fallbacks(self, step: int) -> None:
         """Warn (at an update, where the host syncs anyway) about layers that fell back to their raw gradient."""

@@ -290,12 +290,16 @@ def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
+#: The ``__torch_function__`` implementations of plain tensors and parameters (a classmethod's function, and
+#: ``nn.Parameter``'s disabled one).
+_PLAIN_TORCH_FUNCTIONS = (getattr(Tensor.__torch_function__, "__func__", None), _disabled_torch_function_impl)
+
+
 def _overrides_torch_function(tensor: Tensor) -> bool:
     """Whether ``tensor``'s class has a ``__torch_function__`` of its own (a tensor subclass); an active function mode
     (``torch.set_default_device``, a profiler's) does not count: the core's calls go through it like torch's own."""
     own = getattr(type(tensor), "__torch_function__", None)
-    plain = getattr(Tensor.__torch_function__, "__func__", None)  # the classmethod's function
-    return getattr(own, "__func__", own) not in (plain, _disabled_torch_function_impl)
+    return getattr(own, "__func__", own) not in _PLAIN_TORCH_FUNCTIONS
 
 
 def _attention_core(args: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

@@ -42,7 +42,7 @@ def assert_same_step(actual: Tensor, expected: Tensor, what: str = "") -> None:
     if tol == 0.0:
         assert torch.equal(actual, expected), what
     else:
-        assert actual.shape == expected.shape and rel_err(actual, expected) <= tol, (what, rel_err(actual, expected))
+        assert_rel_close(actual, expected, tol)
 
 
 def grad_matrix(module: nn.Module) -> Tensor:

@@ -120,18 +120,17 @@ class OnDevice(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         generator = kwargs.get("generator")
         on_host = generator is None or generator.device.type == "cpu"
-        if getattr(func, "__module__", None) == "torch.nn.init" and on_host:  # its tensor is a keyword
-            target = kwargs.get("tensor")
-            if isinstance(target, torch.Tensor) and target.device.type != "cpu":
-                host = torch.empty(target.shape, dtype=target.dtype)
+        # an in-place draw: torch.nn.init's (its tensor a keyword) or a tensor method's (its tensor first)
+        in_place = getattr(func, "__module__", None) == "torch.nn.init" or func in _DRAWS_IN_PLACE
+        target = kwargs.get("tensor") if "tensor" in kwargs else (args[0] if args else None)
+        if in_place and on_host and isinstance(target, torch.Tensor) and target.device.type != "cpu":
+            host = torch.empty(target.shape, dtype=target.dtype)
+            if "tensor" in kwargs:
                 func(*args, **{**kwargs, "tensor": host})
-                with torch.no_grad():
-                    return target.copy_(host)
-        if func in _DRAWS_IN_PLACE and on_host and args[0].device.type != "cpu":
-            target = args[0]
-            drawn = func(torch.empty(target.shape, dtype=target.dtype), *args[1:], **kwargs)
+            else:
+                func(host, *args[1:], **kwargs)
             with torch.no_grad():
-                return target.copy_(drawn)
+                return target.copy_(host)
         if func in _DRAWS_LIKE and on_host and args[0].device.type != "cpu" and kwargs.get("device") is None:
             like = torch.empty(args[0].shape, dtype=args[0].dtype)  # its shape and dtype: nothing copied
             return func(like, *args[1:], **kwargs).to(args[0].device)
