@@ -51,7 +51,7 @@ KNOWN_KEYS = frozenset(
     (*REQUIRED_KEYS, "format", "hylo_version", "updates", "trend", "config", "rank", "world_size", CHECKSUM_KEY)
 )
 #: Every key a layer entry may hold.
-ENTRY_KEYS = frozenset(("solver", "d_a", "d_g", "owner", "remote", "carried", "damping", "divisor", "tensors"))
+ENTRY_KEYS = frozenset(("solver", "d_a", "d_g", "owner", "kept", "remote", "carried", "damping", "divisor", "tensors"))
 #: What ``load_state_dict`` does with the saved options (docs/usage.md, "Checkpoints"): restore them (with a
 #: warning listing those that differ), keep this preconditioner's, or refuse a state saved with others.
 OptionsOnLoad = Literal["restore", "keep", "refuse"]
@@ -134,7 +134,18 @@ def checked_options(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: Options a state_dict restores when they are plain values (a callable of this run is kept).
-RESTORABLE = ("update_freq", "damping", "factor_decay", "kl_clip", "lr", "rank_ratio", "rank", "seed")
+RESTORABLE = (
+    "update_freq",
+    "damping",
+    "factor_decay",
+    "kl_clip",
+    "lr",
+    "rank_ratio",
+    "rank",
+    "rank_energy",
+    "rank_cap",
+    "seed",
+)
 #: Options a state_dict must have been made with: the saved running factors' scale depends on them.
 MATCHING = ("solver", "damping_convention", "kfc_exponent")
 
@@ -157,6 +168,8 @@ def save(
             "d_g": layer.math.d_g,
             "owner": layer.owner,
         }
+        if layer.kept is not None:  # what the cost model expects under rank_ratio="auto"
+            entry["kept"] = list(layer.kept)
         if isinstance(layer.state, RemoteState):
             entry["remote"] = True  # solved on layer.owner: only what the next update builds on is here
             entry["carried"] = {k: v.detach().clone() for k, v in layer.state.carried().items()}
@@ -183,11 +196,11 @@ def save(
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """A checked state_dict, ready to apply: the config with the restored options, per layer (solver,
-    state, owner), the counters, the KIS generator, the trend, and the options that differ from this
+    state, owner, rows kept), the counters, the KIS generator, the trend, and the options that differ from this
     preconditioner's (what the warning of ``options="restore"`` lists; empty under ``"keep"``)."""
 
     config: HyLoConfig
-    layers: dict[str, tuple[str, HeldState | None, int]]
+    layers: dict[str, tuple[str, HeldState | None, int, tuple[int, int] | None]]
     steps: int
     updates: int
     needs_update: bool
@@ -239,7 +252,7 @@ def _read(
     restored, recompute = {}, False
     for layer in layers:
         solver, state, owner, missing_state = _layer(layer, saved[layer.name], own_file, comm)
-        restored[layer.name] = (solver, state, owner)
+        restored[layer.name] = (solver, state, owner, _kept(layer.name, saved[layer.name]))
         recompute = recompute or missing_state
     new_config, differences = _options(checked_options(sd.get("config", {})), config, mode)
     generator = torch.Generator()
@@ -316,7 +329,7 @@ def restore(
     planner's counters (its hooks armed anew for ``restored.config``) and the trend. Nothing here raises; one
     warning lists the options that ``options="restore"`` replaced."""
     for layer in layers:
-        layer.solver, layer.state, layer.owner = restored.layers[layer.name]
+        layer.solver, layer.state, layer.owner, layer.kept = restored.layers[layer.name]
     planner.step, planner.updates, planner.needs_update = restored.steps, restored.updates, restored.needs_update
     planner.reset(restored.config)
     if restored.trend is not None:
@@ -327,6 +340,18 @@ def restore(
             "options='keep' to keep this preconditioner's options or options='refuse' to refuse them",
             stacklevel=3,
         )
+
+
+def _kept(name: str, entry: Mapping[str, Any]) -> tuple[int, int] | None:
+    """A layer entry's (rows kept, rows) of its latest low-rank update (None when it holds none), else ``ValueError``."""
+    kept = entry.get("kept")
+    if kept is None:
+        return None
+    if not (isinstance(kept, (list, tuple)) and len(kept) == 2 and all(is_index(k) for k in kept)):
+        raise ValueError(f"layer {name!r}: state_dict's kept {kept!r} is not [rows kept, rows]")
+    if not 1 <= kept[0] <= kept[1]:
+        raise ValueError(f"layer {name!r}: state_dict's kept {kept!r} does not have 1 <= rows kept <= rows")
+    return int(kept[0]), int(kept[1])
 
 
 def _layer(

@@ -13,7 +13,6 @@ is made, and a bad one is a ``ValueError`` naming the option.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -37,7 +36,6 @@ from hylo.rules import (
     Rule,
     Section,
     default_of,
-    is_bool,
     is_collection,
     option,
     window_decay,
@@ -45,57 +43,18 @@ from hylo.rules import (
 from hylo.solvers import HYBRID, solver_names, variant_names
 from hylo.solvers.kfac import KFACConfig
 from hylo.solvers.kfac_adam import KFACAdamConfig
-from hylo.solvers.lowrank import rows_for_ratio
-from hylo.solvers.registry import solver_rule, variant_rule
+from hylo.solvers.lowrank import ADAPTIVE, LowRankConfig
+from hylo.solvers.registry import adapts_rank, solver_rule, variant_rule
 
 T = TypeVar("T", int, float)
 #: How owners share solved layers between ranks (see :class:`DistributedConfig`).
 Strategy = Literal["inverse", "gradient"]
-#: KIS's estimator (see :class:`LowRankConfig`).
-KISEstimator = Literal["unbiased", "hylo"]
 #: The studies ``studies`` accepts (docs/profiling.md, "Studies").
 Study = Literal["grad_norm", "rank", "grad_error"]
 STUDIES: tuple[Study, ...] = get_args(Study)
 
 
 # --------------------------------------------------------------------------- sections
-@dataclass(frozen=True)
-class LowRankConfig(Section):
-    """The low-rank solvers' options: how many rows KID and KIS keep, KIS's draws (docs/solvers.md, "KIS")."""
-
-    section_name: ClassVar[str | None] = "lowrank"
-
-    rank_ratio: float = option(0.1, doc="ρ ∈ (0, 1]: KID and KIS keep r = max(1, ⌊ρ·n⌋) of a rank's n rows", rule=RATIO)
-    rank: int | None = option(
-        None,
-        doc="absolute rows r >= 1 kept per rank (overrides rank_ratio); r >= n is exact SNGD",
-        rule=Rule(COUNT.holds, "an int >= 1 (rows kept per rank)"),
-    )
-    seed: int = option(
-        0,
-        doc="seed of the preconditioner's own generator (KIS draws, the studies' draws), an int in [0, 2⁶³)",
-        rule=Rule(
-            lambda x: not is_bool(x) and isinstance(x, numbers.Integral) and 0 <= int(x) < 2**63,
-            "an int in [0, 2**63)",
-        ),
-    )
-    kis_estimator: KISEstimator = option(
-        "unbiased",
-        doc="'unbiased': priority sampling with Horvitz–Thompson weights, divisor B (E[F̂] = F); 'hylo': "
-        "HyLo's unweighted draw, divisor m",
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._set("seed", int(self.seed))
-
-    def rows_kept(self, local_rows: int) -> int:
-        """Rows r each rank keeps for KID/KIS out of ``local_rows``."""
-        if self.rank is not None:
-            return min(self.rank, local_rows)
-        return rows_for_ratio(self.rank_ratio, local_rows)
-
-
 @dataclass(frozen=True)
 class ConvConfig(Section):
     """How a convolution's rows are built (docs/solvers.md, "Convolutions"; docs/design.md, "Memory")."""
@@ -287,12 +246,13 @@ class TelemetryConfig(Section):
             "a non-empty selection of the registered solvers",
         ),
     )
-    grad_error_ratios: tuple[float, ...] | None = option(
+    grad_error_ratios: tuple[float | Literal["auto"], ...] | None = option(
         None,
-        doc="the ρ at which row-reducing solvers (KID, KIS) are measured; None: (rank_ratio,)",
+        doc="the ρ at which row-reducing solvers (KID, KIS) are measured ('auto': at rank_energy and the cap); "
+        "None: (rank_ratio,)",
         rule=Rule(
-            lambda r: is_collection(r) and len(r) > 0 and all(RATIO.holds(x) for x in r),
-            "ratios in (0, 1]",
+            lambda r: is_collection(r) and len(r) > 0 and all(x == ADAPTIVE or RATIO.holds(x) for x in r),
+            "ratios in (0, 1] or 'auto'",
         ),
     )
     study_exact_rows_mb: float = option(
@@ -412,6 +372,15 @@ class HyLoConfig(Section):
         self._set("skip_layers", tuple(self.skip_layers))
         if self.kl_clip is not None and self.lr is None:
             raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
+        if self.lowrank.adaptive:
+            policy = self.policy
+            named = {self.solver, policy.critical_variant, policy.stable_variant, *policy.layer_solvers.values()}
+            fixed = sorted(name for name in named if not adapts_rank(name))
+            if fixed:
+                raise ValueError(
+                    f"rank_ratio='auto': low-rank variant(s) {fixed} keep a configured rank and do not choose one "
+                    "(RowReduction.adapts_rank); use a numeric rank_ratio, or kid/kis"
+                )
 
     def replace(self, **options: Any) -> HyLoConfig:
         """A copy with ``options`` (flat names or sections) changed, checked like a new config."""

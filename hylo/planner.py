@@ -185,7 +185,7 @@ class Planner:
                 grad_like = record.inputs if record.out_shape is None else torch.empty(record.out_shape, device="meta")
                 more = layer.math.row_counts(record.inputs, grad_like)
                 rows, kfac_rows = rows + more[0], kfac_rows + more[1]
-            kept = config.lowrank.rows_kept(rows) if rows else 0
+            kept = config.lowrank.expected_rows(rows, layer.kept) if rows else 0
             shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, self.world_size))
         return self.policy.forecast(self.step, shapes, self._cadence_of(config)[2], self.world_size, config)
 
@@ -204,7 +204,7 @@ class Planner:
         freq = self._cadence_of(config)[2]  # ``step`` is this planner's current step
         world = comm.world_size
         shapes = [
-            batch_of[layer.name].shape(world)
+            batch_of[layer.name].shape(world, config.lowrank.expected_rows(batch_of[layer.name].rows, layer.kept))
             if layer.name in batch_of
             else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world)
             for layer in self.layers

@@ -312,6 +312,9 @@ class HyLoPreconditioner:
             if layer.name in outcome.states:
                 layer.state = outcome.states[layer.name]
                 layer.owner = outcome.owners.get(layer.name, layer.owner)
+            if layer.name in outcome.chosen:
+                counts = outcome.chosen[layer.name]
+                layer.kept = sum(r for _, r in counts), sum(n for n, _ in counts)
         for decision in outcome.decisions:
             self._layers[self._index[decision.layer]].solver = decision.solver
         self.decision_log.extend(outcome.decisions)
@@ -328,7 +331,7 @@ class HyLoPreconditioner:
         if outcome.norms is not None:
             self._telemetry.record_norms(step, self._layers, outcome.norms, outcome.written, self._policy.trend)
         worked = list(zip(outcome.worked, outcome.batches, strict=True))
-        self._telemetry.record(step, outcome.kind, outcome.decisions, outcome.study, traffic, worked)
+        self._telemetry.record(step, outcome.kind, outcome.decisions, outcome.study, traffic, worked, outcome.chosen)
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
@@ -423,7 +426,7 @@ class HyLoPreconditioner:
 
         ``options`` says what becomes of the saved options (docs/usage.md, "Checkpoints"): ``"restore"``
         (as ``torch.optim`` does): the saved ``update_freq``, ``damping``, ``factor_decay``, ``kl_clip``,
-        ``lr``, ``rank_ratio``, ``rank`` and ``seed`` replace this preconditioner's (where they are not
+        ``lr``, ``rank_ratio``, ``rank``, ``rank_energy``, ``rank_cap`` and ``seed`` replace this preconditioner's (where they are not
         callables), as :meth:`reconfigure` would, and one warning lists every option that differs;
         ``"keep"``: this preconditioner's options stay (a different ``seed`` reseeds KIS's generator);
         ``"refuse"``: a state saved with any other option is refused.

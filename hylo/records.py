@@ -82,6 +82,8 @@ class Decision(_Costs):
     trend: float | None
     costs: Mapping[str, float]
     lowrank: str
+    #: Rows the layer's low-rank solve kept over all ranks (m = Σ_p r_p), once the update ran; None for K-FAC.
+    rows_kept: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,22 +101,36 @@ class LayerInfo:
     owner: int
     #: Why the layer is kept from a solver, e.g. its K-FAC state over ``kfac_max_state_mb`` (empty: nothing).
     note: str = ""
+    #: (rows kept, rows) over all ranks at the layer's latest low-rank update (None: none yet).
+    rows_kept: tuple[int, int] | None = None
 
 
 def format_summary(head: str, layers: Sequence[LayerInfo], left_alone: Sequence[tuple[str, str]]) -> str:
-    """``summary()``'s table: ``head``, one line per registered layer, one per module left alone and why.
+    """``summary()``'s table: ``head``, one line per registered layer (``kept``: rows kept / rows over all ranks at
+    its latest low-rank update), one per module left alone and why.
 
     Every column is as wide as its longest entry (Hugging Face module names run past 60 characters), so
     the columns stay aligned; a layer's note, if any, ends its line."""
-    rows = [("layer", "type", "d_a", "d_g", "bias", "solver", "")]
+    rows = [("layer", "type", "d_a", "d_g", "bias", "solver", "kept", "")]
     rows += [
-        (i.name, i.module_type, str(i.d_a), str(i.d_g), str(i.bias), i.solver, i.note and f"({i.note})") for i in layers
+        (
+            i.name,
+            i.module_type,
+            str(i.d_a),
+            str(i.d_g),
+            str(i.bias),
+            i.solver,
+            "-" if i.rows_kept is None else f"{i.rows_kept[0]}/{i.rows_kept[1]}",
+            i.note and f"({i.note})",
+        )
+        for i in layers
     ]
-    widths = [max(len(row[k]) for row in rows) for k in range(6)]
+    widths = [max(len(row[k]) for row in rows) for k in range(7)]
     lines = [head]
-    for name, kind, d_a, d_g, bias, solver, note in rows:
+    for name, kind, d_a, d_g, bias, solver, kept, note in rows:
         numbers = " ".join(cell.rjust(w) for cell, w in zip((d_a, d_g, bias), widths[2:5], strict=True))
-        line = f"  {name.ljust(widths[0])} {kind.ljust(widths[1])} {numbers}  {solver.ljust(widths[5])}  {note}"
+        line = f"  {name.ljust(widths[0])} {kind.ljust(widths[1])} {numbers}  {solver.ljust(widths[5])}"
+        line += f"  {kept.rjust(widths[6])}  {note}"
         lines.append(line.rstrip())
     for name, why in left_alone:
         lines.append(f"  not preconditioned: {name or '<root>'} ({why})")

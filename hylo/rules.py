@@ -161,7 +161,7 @@ def _spec(section: str | None, f: dataclasses.Field[Any], hint: Any) -> OptionSp
         kind = values[0] if len(values) == 1 else typing.Union[tuple(values)]  # noqa: UP007
     members = values
     flat = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
-    choices = tuple(flat) if flat else None
+    choices = tuple(flat) if flat and all(get_origin(m) is Literal for m in members) else None
     default = default_of(f)
     meta = f.metadata
     rule = meta["rule"]

@@ -21,6 +21,7 @@ the family interface only; it never tests a solver's name.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ class UpdateResult:
     owners: dict[str, int]
     #: Layers whose new state is non-finite on some rank: every rank keeps their previous state.
     rejected: list[str]
+    #: Each low-rank layer's (rows, rows kept) per rank, as gathered (the same on every rank).
+    chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
 
 
 class UpdateStage:
@@ -106,7 +109,8 @@ class UpdateStage:
             watch.lap("solve", [job.name for job in local])
         rejected = self._rejected(jobs, states, strategy)
         watch.lap("check")
-        return UpdateResult(states, owners, rejected)
+        chosen = {job.name: rows for job in jobs if (rows := family_of(job.solver).rows_chosen(prepared[job.name]))}
+        return UpdateResult(states, owners, rejected, chosen)
 
     def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families

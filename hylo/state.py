@@ -34,6 +34,9 @@ class RegisteredLayer:
     solver: str
     state: HeldState | None = None
     owner: int = 0
+    #: (rows kept, rows) over all ranks at the layer's latest low-rank update (None: none yet): what the cost
+    #: model expects it to keep under ``rank_ratio="auto"`` (:meth:`~hylo.solvers.lowrank.LowRankConfig.expected_rows`).
+    kept: tuple[int, int] | None = None
 
     def info(self, config: HyLoConfig) -> LayerInfo:
         """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it, with why ``config`` keeps it
@@ -42,7 +45,15 @@ class RegisteredLayer:
         why = kfac_refusal(math.d_a, math.d_g, math.dtype.itemsize, config)
         note = "" if why is None else f"never K-FAC: {why}"
         return LayerInfo(
-            self.name, math.module_type, math.d_a, math.d_g, math.bias is not None, self.solver, self.owner, note
+            self.name,
+            math.module_type,
+            math.d_a,
+            math.d_g,
+            math.bias is not None,
+            self.solver,
+            self.owner,
+            note,
+            self.kept,
         )
 
     def shape(self) -> tuple[str, str, int, int, torch.dtype]:

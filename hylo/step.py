@@ -61,6 +61,7 @@ class StepValues:
             kfac_method=config.kfac.kfac_method,
             kfac_adam=config.kfac_adam,
             watch=watch,
+            rank_energy=config.lowrank.energy,
         )
 
 
@@ -77,6 +78,8 @@ class Outcome:
     states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
     owners: dict[str, int] = dataclasses.field(default_factory=dict)
     written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: Each low-rank layer's (rows, rows kept) per rank at this update (:attr:`UpdateResult.chosen`).
+    chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
     fallbacks: tuple[list[int], Tensor] | None = None
     study: StudyResult | None = None
@@ -115,6 +118,12 @@ def update(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCon
         if job.name not in result.rejected:
             outcome.states[job.name] = result.states[job.name]
             outcome.owners[job.name] = result.owners[job.name]
+            if job.name in result.chosen:
+                outcome.chosen[job.name] = result.chosen[job.name]
+    outcome.decisions = [
+        dataclasses.replace(d, rows_kept=sum(r for _, r in outcome.chosen[d.layer])) if d.layer in outcome.chosen else d
+        for d in outcome.decisions
+    ]
 
 
 def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:

@@ -91,6 +91,9 @@ def _run(*argv: str) -> RunConfig:
 
 OPTION_FLAGS: list[tuple[list[str], dict[str, Any]]] = [
     (["--rank", "3"], {"rank": 3}),
+    (["--rank-ratio", "0.3"], {"rank_ratio": 0.3}),
+    (["--compression-ratio", "auto", "--rank-energy", "0.9", "--rank-cap", "0.5"], {"rank_ratio": "auto"}),
+    (["--grad-error", "--grad-error-ratios", "0.5", "auto"], {"grad_error_ratios": (0.5, "auto")}),
     (["--skip-layers", "0", "Conv2d"], {"skip_layers": ("0", "Conv2d")}),
     (["--layer-solvers", "0=kfac", "fc.*=sngd"], {"layer_solvers": {"0": "kfac", "fc.*": "sngd"}}),
     (["--fidelity-budget", "0"], {"fidelity_budget": 0.0}),

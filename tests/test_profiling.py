@@ -72,6 +72,7 @@ GRAD_NORM_COLUMNS = ["step", "layer", "norm", "ema", "trend", "critical", "norm_
 GRAD_ERROR_COLUMNS = ["step", "layer", "method", "rank_ratio", "rel_error", "reference"]
 DECISION_COLUMNS = [
     *["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"],
+    "rows_kept",  # the rows the layer's low-rank solve kept over all ranks (empty for K-FAC)
     "cost_kfac_adam",  # the registered kfac_adam family (docs/profiling.md, "Files")
 ]
 STUDIES = ("grad_norm", "rank", "grad_error")
@@ -228,6 +229,7 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
     assert set(decisions.solver) <= {"kfac", "sngd", "kid", "kis"}
     assert set(decisions[decisions.layer == "fc2"].solver) == {"kfac"}
     solver_at = {(s, layer): solver for s, layer, solver in keys(decisions, "step", "layer", "solver")}
+    kept_at = {(s, layer): kept for s, layer, kept in keys(decisions, "step", "layer", "rows_kept")}
 
     # timing-r0.csv: one row per update and layer
     timing = read(directory, "timing-r0.csv")
@@ -246,6 +248,8 @@ def test_files_at_one_rank(tmp_path: Path) -> None:
         assert (row.d_a, row.d_g) == DIMS[row.layer] == (info[row.layer].d_a, info[row.layer].d_g)
         assert row.rows == BATCH
         assert row.rows_kept == (BATCH // 2 if row.solver in ("kid", "kis") else BATCH)
+        decided = kept_at[(row.step, row.layer)]
+        assert decided == (row.rows_kept if row.solver != "kfac" else None)  # one rank: m = r; K-FAC keeps no rows
         assert row.bytes_sent == 0  # one rank: no traffic
         assert row.bytes_held > 0
     last = timing[timing.step == updates[-1]]

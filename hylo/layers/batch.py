@@ -109,9 +109,10 @@ class LayerBatch:
         kept = rows_kept(rows) if rows else 0
         return cls(math, captured, rows, sum(c.kfac_rows for c in captured), kept, grad_scale, convention)
 
-    def shape(self, world_size: int) -> LayerShape:
-        """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks."""
-        return LayerShape.of(self.math, self.rows, self.kfac_rows, self.kept, world_size)
+    def shape(self, world_size: int, kept: int | None = None) -> LayerShape:
+        """The layer's shape for the cost model, its rows gathered from ``world_size`` ranks; ``kept``: the rows a
+        rank is expected to keep, when not :attr:`kept` (``rank_ratio="auto"``)."""
+        return LayerShape.of(self.math, self.rows, self.kfac_rows, self.kept if kept is None else kept, world_size)
 
     def gives(self, statistic: CallStatistic[Any]) -> bool:
         """Whether every call can give ``statistic`` (kept raw, or reduced to it)."""

@@ -272,6 +272,9 @@ class UpdateContext:
     kfac_method: str = "eigen"
     #: The kfac_adam family's options (:class:`hylo.solvers.kfac_adam.KFACAdamConfig`; None: its defaults).
     kfac_adam: Any = None
+    #: Under ``rank_ratio="auto"``, the share of the damped kernel's trace the kept rows explain (None: fixed rank;
+    #: docs/solvers.md, "Adaptive rank").
+    rank_energy: float | None = None
 
 
 PreparedT = TypeVar("PreparedT")
@@ -338,8 +341,14 @@ class SolverFamily(ABC, Generic[PreparedT]):
         return None
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:
-        """Rows of ``batch`` this rank keeps for ``solver``'s update (all of them unless the family reduces)."""
+        """Rows of ``batch`` this rank keeps for ``solver``'s update (all of them unless the family reduces; under
+        ``rank_ratio="auto"`` the most it may keep)."""
         return batch.rows
+
+    def rows_chosen(self, prepared: PreparedT) -> tuple[tuple[int, int], ...] | None:
+        """Each rank's (rows, rows kept) of a prepared update, the same on every rank; None: the family keeps no
+        rows (K-FAC)."""
+        return None
 
     def state_from_dict(
         self, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device

@@ -19,9 +19,11 @@ and :func:`hylo.register_variant` adds one from user code (docs/extending.md).
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -30,6 +32,7 @@ from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.rows import SampleRows, rows_from_fields
 from hylo.layers.statistics import ROWS
+from hylo.rules import COUNT, RATIO, Rule, Section, is_bool, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -38,13 +41,96 @@ from hylo.solvers.base import (
     UpdateContext,
     UpdateJob,
 )
-from hylo.solvers.reduce import kid_skeleton, kis_select, priority_sample
+from hylo.solvers.reduce import dropped_mass, kid_skeleton, kis_select, priority_sample, sketched_rank
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
+
+#: ``rank_ratio``'s value that lets each layer's kernel spectrum choose its rank (docs/solvers.md, "Adaptive rank").
+ADAPTIVE = "auto"
 
 
 def rows_for_ratio(ratio: float, rows: int) -> int:
     """r = max(1, ⌊ρ·n⌋), at most n: the rows a rank keeps out of n at rank ratio ρ."""
     return min(rows, max(1, math.floor(ratio * rows)))
+
+
+#: KIS's estimator (see :class:`LowRankConfig`).
+KISEstimator = Literal["unbiased", "hylo"]
+
+
+@dataclass(frozen=True)
+class LowRankConfig(Section):
+    """The low-rank solvers' options: how many rows KID and KIS keep — a fixed ρ or rank, or ``"auto"`` — and KIS's
+    draws (docs/solvers.md, "Adaptive rank")."""
+
+    section_name: ClassVar[str | None] = "lowrank"
+
+    rank_ratio: float | Literal["auto"] = option(
+        0.1,
+        doc="ρ ∈ (0, 1]: KID and KIS keep r = max(1, ⌊ρ·n⌋) of a rank's n rows; 'auto': each layer keeps as "
+        'many as rank_energy asks, at most the cap (docs/solvers.md, "Adaptive rank")',
+        rule=Rule(lambda x: x == ADAPTIVE or RATIO.holds(x), "in (0, 1] or 'auto'"),
+    )
+    rank: int | None = option(
+        None,
+        doc="absolute rows r >= 1 kept per rank (overrides rank_ratio; under 'auto', the cap); r >= n is exact SNGD",
+        rule=Rule(COUNT.holds, "an int >= 1 (rows kept per rank)"),
+    )
+    rank_energy: float = option(
+        0.99,
+        doc="under rank_ratio='auto': e ∈ (0, 1]; a rank keeps the fewest rows whose kernel leaves out at most "
+        "(1 − e)·λ of the trace of its Fisher estimate (the damped kernel K/n + λI loses at most 1 − e of one "
+        "damping floor); 1 keeps the cap",
+        rule=RATIO,
+    )
+    rank_cap: float = option(
+        0.25,
+        doc="under rank_ratio='auto': the most rows a rank keeps, max(1, ⌊rank_cap·n⌋) of its n (rank, when "
+        "given, is the cap instead)",
+        rule=RATIO,
+    )
+    seed: int = option(
+        0,
+        doc="seed of the preconditioner's own generator (KIS draws, the studies' draws), an int in [0, 2⁶³)",
+        rule=Rule(
+            lambda x: not is_bool(x) and isinstance(x, numbers.Integral) and 0 <= int(x) < 2**63,
+            "an int in [0, 2**63)",
+        ),
+    )
+    kis_estimator: KISEstimator = option(
+        "unbiased",
+        doc="'unbiased': priority sampling with Horvitz–Thompson weights, divisor B (E[F̂] = F); 'hylo': "
+        "HyLo's unweighted draw, divisor m",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._set("seed", int(self.seed))
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether each layer's rank follows its kernel spectrum (``rank_ratio="auto"``)."""
+        return self.rank_ratio == ADAPTIVE
+
+    @property
+    def energy(self) -> float | None:
+        """The energy target the reductions stop at (``rank_energy``), None at a fixed rank."""
+        return self.rank_energy if self.adaptive else None
+
+    def rows_kept(self, local_rows: int) -> int:
+        """Rows r each rank keeps for KID/KIS out of ``local_rows``; under ``"auto"`` the most it keeps (the cap)."""
+        if self.rank is not None:
+            return min(self.rank, local_rows)
+        ratio = self.rank_cap if self.adaptive else self.rank_ratio
+        return rows_for_ratio(float(ratio), local_rows)
+
+    def expected_rows(self, local_rows: int, last: tuple[int, int] | None) -> int:
+        """The rows r the cost model expects a rank to keep out of ``local_rows``: :meth:`rows_kept` at a fixed
+        rank; under ``"auto"`` the share the layer's last low-rank update kept, ``last`` = (rows kept, rows) over
+        all ranks, scaled to ``local_rows`` (the cap before any; docs/hybrid-policy.md, "Cost model")."""
+        cap = self.rows_kept(local_rows)
+        if not self.adaptive or last is None or last[1] <= 0:
+            return cap
+        return min(cap, max(1, math.ceil(last[0] * local_rows / last[1])))
 
 
 #: Spacing of the per-layer seeds derived from an update's seed (a prime, so layers never collide).
@@ -59,14 +145,19 @@ class RowReduction(ABC):
     ``rank_ratio``/``rank``, or n when :attr:`keeps_all`), optionally with interpolation weights
     W_p; after the all-gather, :meth:`update` turns every rank's kept rows into the SMW solve's
     input. The solve and the preconditioned gradient are the family's (docs/solvers.md, "SNGD").
+    Under ``rank_ratio="auto"`` r is the cap and ``context.rank_energy`` the energy target: a variant
+    that :attr:`adapts_rank` keeps as few rows as the target allows (it may return fewer than r).
     """
 
     #: Whether the variant keeps every row (``r = n``) instead of the configured rank.
     keeps_all: ClassVar[bool] = False
+    #: Whether :meth:`reduce` chooses its rank from ``context.rank_energy`` under ``rank_ratio="auto"``.
+    adapts_rank: ClassVar[bool] = False
 
     @abstractmethod
     def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
-        """The r kept rows and the local interpolation weights W_p (or None)."""
+        """The r kept rows (at most r under ``rank_ratio="auto"``) and the local interpolation weights W_p (or
+        None, else one row and column per kept row)."""
 
     @abstractmethod
     def update(
@@ -108,11 +199,16 @@ class SampledRows(RowReduction):
     divisor m with no weights (biased towards the heavy rows by up to B/m).
     """
 
+    adapts_rank = True
+
     def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
-        """The sampled rows (all rows when r = n), rescaled in the unbiased form."""
+        """The sampled rows (all rows when r = n), rescaled in the unbiased form; under ``rank_ratio="auto"`` r
+        from the spectrum of a sketch of r rows (:func:`~hylo.solvers.reduce.sketched_rank`)."""
+        generator = torch.Generator().manual_seed(seed)
+        if context.rank_energy is not None and r < rows.count:
+            r = sketched_rank(rows, r, dropped_mass(rows, context.damping, context.rank_energy), generator)
         if r >= rows.count:
             return rows, None
-        generator = torch.Generator().manual_seed(seed)
         if context.kis_estimator == "hylo":
             return rows.select(kis_select(rows.sq_norms(), r, generator)), None
         keep, factors = priority_sample(rows.sq_norms(), r, generator)
@@ -139,11 +235,15 @@ PIVOT_WORK_WEIGHT = 10.0
 class SkeletonRows(RowReduction):
     """KID: a skeleton of r rows with interpolation weights W_p = Π Πᵀ, divisor B."""
 
+    adapts_rank = True
+
     def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
-        """Skeleton rows and W_p (W_p = I when r = n); r columns of the local kernel, in float64."""
+        """Skeleton rows and W_p (W_p = I when r = n); r columns of the local kernel, in float64. Under
+        ``rank_ratio="auto"`` the pivoted Cholesky stops once the rows left carry at most the allowed mass."""
         n = rows.count
         if r < n:
-            keep, w_local = kid_skeleton(rows, r)
+            stop = None if context.rank_energy is None else dropped_mass(rows, context.damping, context.rank_energy)
+            keep, w_local = kid_skeleton(rows, r, stop)
             return rows.select(keep), w_local.to(rows.dtype)
         return rows, torch.eye(n, dtype=rows.dtype, device=rows.device)
 
@@ -152,7 +252,7 @@ class SkeletonRows(RowReduction):
     ) -> LowRankUpdate:
         """The gathered skeletons with divisor B and W = blockdiag(W_p)."""
         assert weights is not None, "KID rows travel with their interpolation weights"
-        sizes = [int(r) for _, r in counts]
+        sizes = [int(r) for _, r in counts]  # each rank's own r_p (under "auto" they differ)
         flat_blocks = torch.split(weights.flatten(), [s * s for s in sizes])
         blocks = [block.reshape(s, s) for block, s in zip(flat_blocks, sizes, strict=True)]
         return LowRankUpdate(rows, _total_rows(counts), torch.block_diag(*blocks))
@@ -209,12 +309,18 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             rows = job.batch.collect(ROWS)
             context.watch.lap("capture", job.name)
             n, r = rows.count, self.rows_kept(job.batch, job.solver)
+            if context.rank_energy is not None and not (variant.adapts_rank or variant.keeps_all):
+                raise ValueError(
+                    f"low-rank variant {job.solver!r} does not choose its rank (adapts_rank is False): "
+                    "rank_ratio='auto' needs kid, kis or a variant that does"
+                )
             seed = (context.seed + _SEED_STRIDE * index + context.rank) % 2**63
             kept, weights = variant.reduce(rows, r, seed, context)
             fields = kept.fields()
             if weights is not None:
                 fields["weights"] = weights.reshape(-1, 1)
-            fields["counts"] = torch.tensor([[float(n), float(r)]], dtype=kept.dtype, device=kept.device)
+            counts = [float(n), float(kept.count)]
+            fields["counts"] = torch.tensor([counts], dtype=kept.dtype, device=kept.device)
             payload.add(job.name, fields)
             context.watch.lap("reduce", job.name)
         return Contribution(Exchange.ROWS, payload)
@@ -228,7 +334,9 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         for job, layer_counts in zip(jobs, counts, strict=True):
             fields = received.fields(job.name)
             rows = rows_from_fields(fields, job.batch.math.d_g, job.batch.math.d_a)
-            prepared.append(self.variant(job.solver).update(rows, layer_counts, fields.get("weights"), context))
+            update = self.variant(job.solver).update(rows, layer_counts, fields.get("weights"), context)
+            update.counts = tuple((int(n), int(r)) for n, r in layer_counts)
+            prepared.append(update)
         return prepared
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:
@@ -250,6 +358,10 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             apply=2.0 * m * shape.d_a * shape.d_g,
             bytes=exchanged * shape.itemsize,
         )
+
+    def rows_chosen(self, prepared: LowRankUpdate) -> tuple[tuple[int, int], ...] | None:
+        """Each rank's (n_p, r_p), as gathered: the same on every rank."""
+        return prepared.counts
 
     def solve_cost(self, prepared: LowRankUpdate) -> float:
         """The gathered kernel and the SMW solve."""

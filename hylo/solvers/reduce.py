@@ -1,7 +1,10 @@
 """Local reductions of a rank's n rows to r kept rows: KIS sampling and the KID skeleton (docs/solvers.md, "KID", "KIS").
 
 They run on every rank before the all-gather, see only the n row norms or r columns of the
-n×n kernel (never the whole kernel, never a d×d matrix), and need no host synchronisation.
+n×n kernel (never the whole kernel, never a d×d matrix), and need no host synchronisation at a
+fixed rank. Under ``rank_ratio="auto"`` (docs/solvers.md, "Adaptive rank") the rank is read on the
+host once per layer: :func:`dropped_mass` is the target, KID's pivoted Cholesky stops at it and
+KIS reads it off :func:`sketched_rank`.
 """
 
 from __future__ import annotations
@@ -49,12 +52,46 @@ def kis_select(weights: Tensor, r: int, generator: torch.Generator) -> Tensor:
     return order[torch.topk(keys, r).indices]
 
 
+def dropped_mass(rows: SampleRows, damping: float, energy: float) -> float:
+    """The kernel mass a rank may leave out at energy target e: (1 − e)·nλ, in units of K = U Uᵀ (docs/solvers.md,
+    "Adaptive rank").
+
+    The rows left out then carry at most (1 − e)·λ of the trace of the rank's Fisher estimate UᵀU/n: the damped kernel
+    K/n + λI keeps all of its spectrum but (1 − e) of one damping floor λ. At e = 1 it is 0: nothing is left out, and
+    the reductions keep their cap.
+    """
+    return (1.0 - energy) * rows.count * damping
+
+
+def sketched_rank(rows: SampleRows, cap: int, allowed: float, generator: torch.Generator) -> int:
+    """KIS's rank under ``rank_ratio="auto"``: the fewest rows r ≤ ``cap`` (< n) whose share of the kernel's trace,
+    read off the spectrum of a sketch, leaves less than ``allowed`` (:func:`dropped_mass`) of it out.
+
+    The sketch is KIS's own draw at the cap: ``cap`` rows by :func:`priority_sample` (heavy rows always in), each
+    scaled by the square root of its Horvitz–Thompson factor, so Σ_S c_i U_iᵀU_i estimates UᵀU without bias; its
+    kernel (cap² row products) has that estimate's nonzero eigenvalues (one cap×cap symmetric eigendecomposition,
+    float64). The mass left after r rows is tr K (exact, from the row norms) times the share of the eigenvalues past
+    the r-th. Data of rank k ≤ ``cap`` gives k when the sketch spans the k directions. Drawn from ``generator``
+    before the sample itself.
+    """
+    keep, factors = priority_sample(rows.sq_norms(), cap, generator)
+    sketch = rows.select(keep).scaled(factors.sqrt().to(rows.dtype)).to(torch.float64)
+    spectrum = torch.linalg.eigvalsh(sketch.kernel()).flip(0).clamp_min(0.0)
+    share = spectrum.cumsum(0) / spectrum.sum().clamp_min(torch.finfo(torch.float64).tiny)
+    left = rows.to(torch.float64).sq_norms().sum() * (1.0 - share)
+    return min(cap, int((left >= allowed).sum()) + 1)
+
+
 #: Pivot columns the CPU path of :func:`pivoted_cholesky` computes ahead in one product (docs/solvers.md, "KID").
 LOOKAHEAD = 16
 
 
 def pivoted_cholesky(
-    rows: SampleRows, r: int, rel_tol: float | None = None, lookahead: bool | None = None
+    rows: SampleRows,
+    r: int,
+    rel_tol: float | None = None,
+    lookahead: bool | None = None,
+    stop_below: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy pivoted Cholesky of the rows' kernel K (n×n): largest residual diagonal first.
 
@@ -71,6 +108,10 @@ def pivoted_cholesky(
     them fetches the next ones: the same greedy pivots, 3.6× faster on 2,048 rows (host reads
     per pivot, free on the CPU); on other devices one column per pivot, with no host
     synchronisation (``lookahead`` None; True or False forces either path).
+
+    ``stop_below`` (``rank_ratio="auto"``): stop after the first k ≤ r pivots whose residual kernel's trace,
+    tr K − Σ_j ‖L_j‖² (the residual diagonal's sum), is below it; the k pivots and columns are those of the run to
+    r (the CPU path stops there; the other path runs to r and keeps the first k, one host read).
     """
     rows = rows.to(torch.float64)
     residual = rows.sq_norms()
@@ -81,7 +122,9 @@ def pivoted_cholesky(
     if lookahead is None:
         lookahead = residual.device.type == "cpu"
     if lookahead:
-        return _greedy_with_lookahead(rows, residual, r, float(threshold))
+        return _greedy_with_lookahead(rows, residual, r, float(threshold), stop_below)
+    trace = residual.sum()
+    captured = residual.new_zeros(r)
     factor = residual.new_zeros(n, r)
     pivots = torch.empty(r, dtype=torch.long, device=residual.device)
     alive = torch.empty(r, dtype=torch.bool, device=residual.device)
@@ -93,10 +136,14 @@ def pivoted_cholesky(
         column = _residual_columns(rows, factor, j, k).squeeze(1)
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
+        captured[k] = column.square().sum()
         residual = residual - column.square()
         taken = taken.index_fill(0, j, True)
         pivots[k] = j[0]
         alive[k] = ok[0]
+    if stop_below is not None:
+        k = min(r, int(((trace - captured.cumsum(0)) >= stop_below).sum()) + 1)
+        pivots, factor, alive = pivots[:k], factor[:, :k], alive[:k]
     return pivots, factor, alive
 
 
@@ -106,13 +153,14 @@ def _residual_columns(rows: SampleRows, factor: Tensor, index: Tensor, k: int) -
 
 
 def _greedy_with_lookahead(
-    rows: SampleRows, residual: Tensor, r: int, threshold: float
+    rows: SampleRows, residual: Tensor, r: int, threshold: float, stop_below: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pivoted_cholesky`'s greedy loop with host scalars and the residual columns of :data:`LOOKAHEAD`
     candidates (the largest residuals) computed in one product and downdated as pivots are taken; a pivot outside
     them fetches the next candidates (one column alone where non-finite residuals make ``topk`` and ``argmax``
-    disagree)."""
+    disagree). Stops early once the residual trace is below ``stop_below``."""
     n = residual.shape[0]
+    left = float(residual.sum())
     factor = residual.new_zeros(n, r)
     pivots, alive = [0] * r, [False] * r
     taken = torch.zeros(n, dtype=torch.bool, device=residual.device)
@@ -138,14 +186,19 @@ def _greedy_with_lookahead(
             column = factor[:, k]
             columns.addmm_(column.unsqueeze(1), column.index_select(0, candidates).unsqueeze(0), alpha=-1.0)
             work.addcmul_(column, column, value=-1.0)
+            left -= float(column.square().sum())
         taken[j] = True
         work.masked_fill_(taken, -torch.inf)
+        if stop_below is not None and left < stop_below:
+            pivots, alive, factor = pivots[: k + 1], alive[: k + 1], factor[:, : k + 1]
+            break
     device = residual.device
     return torch.tensor(pivots, device=device), factor, torch.tensor(alive, dtype=torch.bool, device=device)
 
 
-def kid_skeleton(rows: SampleRows, r: int) -> tuple[Tensor, Tensor]:
-    """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r).
+def kid_skeleton(rows: SampleRows, r: int, stop_below: float | None = None) -> tuple[Tensor, Tensor]:
+    """KID on one rank: skeleton row indices J (r,) and interpolation weights W_p = Π Πᵀ (r×r); with
+    ``stop_below`` (:func:`pivoted_cholesky`) the first k ≤ r of them, the skeleton of rank k.
 
     ``rows`` are the rank's per-sample gradients, whose kernel K_ij = ⟨U_i, U_j⟩ is never formed
     whole (only r of its columns, in float64, see :func:`pivoted_cholesky`; float64 keeps the
@@ -157,7 +210,8 @@ def kid_skeleton(rows: SampleRows, r: int) -> tuple[Tensor, Tensor]:
     reconstruction U ≈ U_J Π is exact whenever the per-sample gradients span ≤ r dimensions,
     and W_p stays symmetric positive definite (W_p ⪰ I).
     """
-    pivots, factor, alive = pivoted_cholesky(rows, r)
+    pivots, factor, alive = pivoted_cholesky(rows, r, stop_below=stop_below)
+    r = pivots.shape[0]
     lower = factor.index_select(0, pivots)  # L_J, lower triangular in pivot order
     lower = lower + torch.diag((~alive).to(lower.dtype))
     interp = torch.linalg.solve_triangular(lower.mT, factor.mT, upper=True)  # (r, n)

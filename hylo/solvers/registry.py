@@ -51,6 +51,13 @@ def variant_names() -> tuple[str, ...]:
     return LOWRANK.solvers
 
 
+def adapts_rank(solver: str) -> bool:
+    """Whether ``solver`` can run under ``rank_ratio="auto"``: any solver but a registered low-rank variant that
+    keeps a configured rank without choosing it (:attr:`~hylo.solvers.lowrank.RowReduction.adapts_rank`)."""
+    variant = LOWRANK.variants.get(solver)
+    return variant is None or variant.keeps_all or variant.adapts_rank
+
+
 def solver_rule(allow_hybrid: bool) -> Rule:
     """An option naming a registered solver (or ``"hybrid"`` when ``allow_hybrid``), checked when it is read."""
 

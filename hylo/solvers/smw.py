@@ -42,6 +42,8 @@ class LowRankUpdate:
     rows: SampleRows
     divisor: float
     weights: Tensor | None = None
+    #: Each rank's (rows n_p, rows kept r_p), in rank order (empty when built outside an update).
+    counts: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

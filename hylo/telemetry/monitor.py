@@ -130,8 +130,10 @@ class Telemetry:
         study: StudyResult | None,
         before: Mapping[str, int],
         worked: Sequence[tuple[RegisteredLayer, LayerBatch]],
+        chosen: Mapping[str, tuple[tuple[int, int], ...]],
     ) -> None:
-        """Write a successful step's rows: decisions, studies, its timing (flushing every file after an update)."""
+        """Write a successful step's rows: decisions, studies, its timing (flushing every file after an update);
+        ``chosen``: each low-rank layer's (rows, rows kept) per rank at this update."""
         recorder = self.recorder
         if recorder is None:
             return
@@ -151,7 +153,9 @@ class Telemetry:
                         layer.name,
                         layer.solver,
                         batch.rows,
-                        family_of(layer.solver).rows_kept(batch, layer.solver),
+                        chosen[layer.name][self.comm.rank][1]
+                        if layer.name in chosen
+                        else family_of(layer.solver).rows_kept(batch, layer.solver),
                         layer.math.d_a,
                         layer.math.d_g,
                         sent.get(layer.name, 0),

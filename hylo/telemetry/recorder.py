@@ -47,6 +47,7 @@ DECISION_COLUMNS = (
     "cost_lowrank",
     "cost_sngd",
     "critical",
+    "rows_kept",
 )
 
 
@@ -175,6 +176,7 @@ class Recorder:
                     d.cost_lowrank,
                     d.cost_sngd,
                     d.critical,
+                    d.rows_kept,
                     *extra,
                 )
             )

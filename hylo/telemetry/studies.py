@@ -33,7 +33,7 @@ from hylo.layers.math import LayerMath
 from hylo.layers.rows import SampleRows
 from hylo.solvers import family_of
 from hylo.solvers.base import LayerState, UpdateContext, UpdateJob
-from hylo.solvers.lowrank import rows_for_ratio
+from hylo.solvers.lowrank import ADAPTIVE
 from hylo.solvers.smw import LowRankState
 from hylo.stage import UpdateStage
 
@@ -76,7 +76,8 @@ class ErrorRecord:
 
     layer: str
     method: str
-    rank_ratio: float | None
+    #: The ρ measured at, ``"auto"`` (``rank_ratio="auto"``'s choice) or None (a method that keeps every row).
+    rank_ratio: float | str | None
     rel_error: float
     reference: str
 
@@ -172,7 +173,7 @@ class StudyRunner:
         grad_of = dict(zip(names, grads, strict=True))
         targets = {name: state.precondition(grad_of[name]) for name, state in reference.items()} if lead else {}
         ratios = config.telemetry.grad_error_ratios or (config.lowrank.rank_ratio,)
-        rows: list[tuple[str, str, float | None]] = []
+        rows: list[tuple[str, str, float | str | None]] = []
         errors: list[Tensor] = []
         for method in config.telemetry.grad_error_methods:
             family = family_of(method)
@@ -182,10 +183,11 @@ class StudyRunner:
                 elif ratio is None:
                     method_batches = list(reference_batches)
                 else:
-                    method_batches = [
-                        dataclasses.replace(b, kept=rows_for_ratio(ratio, b.rows)) for b in reference_batches
-                    ]
-                states = self._solve(names, method, method_batches, context)
+                    cap = config.lowrank.rank if ratio == ADAPTIVE else None  # a fixed ρ is measured at ρ itself
+                    lowrank = dataclasses.replace(config.lowrank, rank_ratio=ratio, rank=cap)
+                    method_batches = [dataclasses.replace(b, kept=lowrank.rows_kept(b.rows)) for b in reference_batches]
+                energy = config.lowrank.rank_energy if ratio == ADAPTIVE else None
+                states = self._solve(names, method, method_batches, dataclasses.replace(context, rank_energy=energy))
                 if not lead:
                     continue
                 for name, target in targets.items():

@@ -104,7 +104,7 @@ def flag_arguments(spec: hylo.config.OptionSpec) -> dict[str, Any]:
         return {"choices": spec.choices}
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction}
-    if kind in (int, float, str):
+    if kind in (int, float, str) or (custom is not None and origin is not tuple):
         return {"type": custom or kind}
     if origin is tuple:
         items = get_args(kind)
