@@ -63,7 +63,7 @@ def _saves(figure: Figure, tmp_path: Path, name: str) -> None:
 
 def test_the_study_writes_every_file_the_figures_read(study: Path) -> None:
     names = sorted(path.name for path in study.iterdir())
-    assert names == ["hybrid-p2", "hybrid-s0", "hybrid-s1", "kfac-s0", "sgd-s0", "sgd-s1", "studies-s0"]
+    assert names == ["auto-s0", "hybrid-p2", "hybrid-s0", "hybrid-s1", "kfac-s0", "sgd-s0", "sgd-s1", "studies-s0"]
     for name in ("grad-norm.csv", "rank-analysis.csv", "grad-error.csv", "decisions.csv", "timing-r0.csv"):
         assert (study / "studies-s0" / name).exists()
     assert not (study / "hybrid-s0" / "grad-norm.csv").exists()
@@ -180,6 +180,139 @@ def test_rank_boxes_have_the_csv_medians_per_layer_and_batch(study: Path, tmp_pa
     relative = hylo_analysis.rank(runs, level="90", relative=True)
     rows = frame[(frame["layer"] == "7") & (frame["batch_rows"] == 256)]
     assert np.allclose(_line(relative, "rank/median/7/256").get_ydata(), np.median(rows["rank_90"] / 256))
+
+
+def _rgb(colour: str) -> tuple[float, ...]:
+    return tuple(int(colour[k : k + 2], 16) / 255 for k in (1, 3, 5))
+
+
+def _check_rank_choice(figure: Figure, run: Path, label: str) -> tuple[pd.DataFrame, list[str]]:
+    """Every KID/KIS row of ``run``'s timing-r*.csv is a point of the figure: rows_kept / rows, and rows_kept.
+
+    Returns those rows and the layers drawn, in the order of the file."""
+    timing = pd.concat([_csv(path) for path in sorted(run.glob("timing-r*.csv"))]).sort_values("step", kind="stable")
+    reduced = timing[timing["solver"].isin(["kid", "kis"])]
+    assert not reduced.empty
+    for (layer, solver), rows in reduced.groupby(["layer", "solver"]):
+        (shares,) = _gid(figure, f"rank-choice/{label}/share/{layer}/{solver}")
+        assert np.allclose(shares.get_offsets()[:, 1], rows["rows_kept"] / rows["rows"])
+        (kept,) = _gid(figure, f"rank-choice/{label}/rows-kept/{layer}/{solver}")
+        assert kept.get_offsets()[:, 1].tolist() == rows["rows_kept"].tolist()
+        assert shares.get_facecolor()[0][:3] == pytest.approx(_rgb(hylo_analysis.solver_colour(solver)))
+        median = _line(figure, f"rank-choice/{label}/share/{layer}/{solver}/median")
+        assert np.allclose(median.get_ydata(), np.median(rows["rows_kept"] / rows["rows"]))
+    for layer in set(timing["layer"]) - set(reduced["layer"]):  # never solved by KID or KIS: nothing drawn
+        assert not figure.findobj(lambda a, lay=layer: f"/share/{lay}/" in str(a.get_gid()))
+    return reduced, [layer for layer in dict.fromkeys(timing["layer"]) if layer in set(reduced["layer"])]
+
+
+def test_rank_choice_plots_the_rows_each_layer_kept_under_auto(study: Path, tmp_path: Path) -> None:
+    run = study / "auto-s0"
+    config = json.loads((run / "run.json").read_text())["config"]
+    assert config["rank_ratio"] == "auto" and config["solver"] == "hybrid"
+    figure = hylo_analysis.rank_choice(run)
+    _saves(figure, tmp_path, "rank-choice")
+    label = hylo_analysis.read_run(run).label
+    reduced, layers = _check_rank_choice(figure, run, label)
+    cap = config["rank_cap"]
+    assert (reduced["rows_kept"] <= np.maximum(1, np.floor(cap * reduced["rows"]))).all()
+    # The cap: a line at rank_cap on the shares, and the rows it allows each layer on the rows kept.
+    line = _line(figure, f"rank-choice/{label}/cap/{cap:g}")
+    assert np.allclose(line.get_ydata(), cap)
+    (allowed,) = _gid(figure, f"rank-choice/{label}/cap/{cap:g}/rows")
+    expected = [max(1, int(cap * reduced.loc[reduced["layer"] == layer, "rows"].median())) for layer in layers]
+    assert [segment[0, 1] for segment in allowed.get_segments()] == expected
+
+
+def test_rank_choice_of_a_run_of_hylo(tmp_path: Path) -> None:
+    """A profile_dir written by hylo itself: KID under rank_ratio="auto" keeps what the spectrum asks, at most the cap."""
+    import torch
+
+    import hylo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    preconditioner = hylo.HyLoPreconditioner(
+        model, solver="kid", rank_ratio="auto", rank_cap=0.5, update_freq=1, profile_dir=tmp_path
+    )
+    basis = torch.randn(2, 12)  # inputs of rank 2: fewer directions than the cap's 16 rows
+    for _ in range(4):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(32, 2) @ basis), torch.randint(0, 3, (32,))).backward()
+        preconditioner.step()
+        optimizer.step()
+    figure = hylo_analysis.rank_choice(tmp_path)
+    reduced, _ = _check_rank_choice(figure, tmp_path, "kid")
+    assert len(reduced) == 4 * 3 and set(reduced["solver"]) == {"kid"}
+    assert reduced["rows_kept"].max() <= 16 and reduced["rows_kept"].min() < 16  # some layer kept fewer
+    assert np.allclose(_line(figure, "rank-choice/kid/cap/0.5").get_ydata(), 0.5)
+    # decisions.csv's rows_kept sums the ranks' rows: on one rank it is timing's.
+    decisions = _csv(tmp_path / "decisions.csv")
+    assert decisions["rows_kept"].tolist() == _csv(tmp_path / "timing-r0.csv")["rows_kept"].tolist()
+
+
+def _timing_rows(run: str, label: str, solvers: list[str], kept: list[int], rows: int = 64) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "run": run,
+            "label": label,
+            "step": [2 * (k // 2) for k in range(len(solvers))],
+            "rank": 0,
+            "layer": [str(k % 2) for k in range(len(solvers))],
+            "solver": solvers,
+            "rows": rows,
+            "rows_kept": kept,
+        }
+    )
+
+
+def test_rank_choice_draws_a_fixed_ratio_and_a_fixed_rank(tmp_path: Path) -> None:
+    runs = {}
+    for name, config in (("fixed", {"rank_ratio": 0.1}), ("rows", {"rank_ratio": "auto", "rank": 8})):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        (runs[name] / "run.json").write_text(json.dumps({"world_size": 1, "config": {"solver": "kid", **config}}))
+    frame = pd.concat(
+        [
+            _timing_rows(str(runs["fixed"]), "fixed", ["kid", "kis", "kid", "kfac"], [6, 6, 6, 64]),
+            _timing_rows(str(runs["rows"]), "rows", ["kid", "kid", "kis", "kis"], [8, 3, 5, 8], rows=32),
+            _timing_rows("elsewhere", "no run.json", ["kis", "kis"], [4, 2]),
+        ]
+    )
+    figure = hylo_analysis.rank_choice(frame)
+    assert np.allclose(_line(figure, "rank-choice/fixed/ratio/0.1").get_ydata(), 0.1)
+    (allowed,) = _gid(figure, "rank-choice/fixed/ratio/0.1/rows")
+    assert [segment[0, 1] for segment in allowed.get_segments()] == [6, 6]
+    # A layer solved by K-FAC at one step and KID at another: only KID's rows are drawn.
+    assert _gid(figure, "rank-choice/fixed/share/1/kis")[0].get_offsets()[:, 1].tolist() == [6 / 64]
+    assert not figure.findobj(lambda a: str(a.get_gid()).startswith("rank-choice/fixed/share/1/kfac"))
+    # rank= is the cap in rows: no share line, the rows on the rows-kept panel.
+    (rank,) = _gid(figure, "rank-choice/rows/rank/8/rows")
+    assert [segment[0, 1] for segment in rank.get_segments()] == [8, 8]
+    assert not figure.findobj(lambda a: str(a.get_gid()) == "rank-choice/rows/rank/8")
+    assert _gid(figure, "rank-choice/rows/share/0/kid")[0].get_offsets()[:, 1].tolist() == [8 / 32]
+    assert _gid(figure, "rank-choice/no run.json/rows-kept/1/kis")[0].get_offsets()[:, 1].tolist() == [2]
+    assert not figure.findobj(lambda a: str(a.get_gid()).startswith("rank-choice/no run.json/cap"))
+    assert hylo_analysis.rank_reference({"rank_ratio": "auto", "rank_cap": 0.25}).name == "cap = 0.25 (auto)"
+    assert hylo_analysis.rank_reference({"solver": "kfac"}) is None
+
+
+def test_rank_choice_refuses_runs_without_kid_or_kis(
+    study: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    frame = _timing_rows("a", "a", ["kid", "kis"], [6, 6])
+    kfac = _timing_rows("b", "b", ["kfac", "sngd"], [64, 64])
+    with pytest.raises(hylo_analysis.RunDataError, match="no layer of b was solved by KID or KIS .*kfac, sngd"):
+        hylo_analysis.rank_choice(pd.concat([frame, kfac]))
+    with pytest.raises(hylo_analysis.RunDataError, match="'rows_kept'"):
+        hylo_analysis.rank_choice(frame.drop(columns=["rows_kept"]))
+    assert cli_main(["rank-choice", str(study / "kfac-s0"), "-o", str(tmp_path / "r.png")]) == 1
+    message = capsys.readouterr().err
+    assert "kfac-s0 was solved by KID or KIS" in message and "solver kfac only" in message
+    assert not (tmp_path / "r.png").exists()
 
 
 def test_grad_norm_lines_and_critical_windows_match_the_csvs(study: Path, tmp_path: Path) -> None:
@@ -318,6 +451,13 @@ def test_cli_all_draws_what_the_runs_hold(study: Path, tmp_path: Path, capsys: p
     printed = capsys.readouterr().out
     assert (tmp_path / "accuracy.svg").exists() and (tmp_path / "timing.svg").exists()
     assert not (tmp_path / "rank.svg").exists() and "rank        skipped" in printed
+    # kfac-s0 has timing-r0.csv, but no KID or KIS rows to draw.
+    assert not (tmp_path / "rank-choice.svg").exists()
+    assert "rank-choice skipped: no run directory holds rows of layers solved by KID or KIS" in printed
+    both = ["all", str(study / "kfac-s0"), str(study / "auto-s0"), "-o", str(tmp_path / "both"), "--format", "svg"]
+    assert cli_main(both) == 0
+    assert (tmp_path / "both" / "rank-choice.svg").exists()
+    assert "SGD + kfac" not in (tmp_path / "both" / "rank-choice.svg").read_text()
 
 
 def test_make_figures_draws_every_figure_and_refuses_to_overwrite_runs(study: Path, tmp_path: Path) -> None:

@@ -445,3 +445,17 @@ def test_bench_lm_runs_kfac_with_the_inverse_method_and_the_cnn_with_the_eigen_m
     assert bench_accuracy.run_config(cnn, 500, "kfac", 0.1, 0).hylo["kfac_method"] == "eigen"
     chosen = bench_accuracy.parse_args(["--task", "lm", "--kfac-method", "eigen"])
     assert bench_accuracy.lm_config(chosen, "hybrid", 2e-3, 0).hylo["kfac_method"] == "eigen"
+
+
+def test_bench_runs_each_ranked_solver_once_per_rank_ratio(tmp_path: Path) -> None:
+    """``--rank-ratio 0.1 auto``: kid and hybrid run at each, named ``@ρ``; kfac keeps no rows and runs once."""
+    out = tmp_path / "lm.csv"
+    argv = ["--task", "lm", "--quick", "--seeds", "0", "--threads", "1", "--out", str(out)]
+    argv += ["--solvers", "kfac", "kid", "--rank-ratio", "0.1", "auto"]
+    assert bench_accuracy.main([*argv, "--device", "cpu"]) == 0
+    runs = list(dict.fromkeys(r["run"] for r in _rows(out)))
+    assert runs == ["adamw", "hylo-kfac", "hylo-kid@0.1", "hylo-kid@auto"]
+    args = bench_accuracy.parse_args(["--rank-ratio", "auto"])
+    assert bench_accuracy.run_config(args, 500, "kid", 0.1, 0, "auto").hylo["rank_ratio"] == "auto"
+    with pytest.raises(SystemExit):
+        bench_accuracy.parse_args(["--rank-ratio", "1.5"])

@@ -99,7 +99,8 @@ def has_files(run: Run, spec: FigureSpec) -> bool:
 def draw_all(runs: Sequence[Run], directory: Path, formats: Sequence[str] = ("pdf", "png")) -> dict[str, str]:
     """Draw every figure from the runs that hold its files; returns, per figure, what was written or why not.
 
-    Figures that take one run use the first run with the files.
+    Figures that take one run use the first run with the files. A figure that draws only some rows of
+    its files (``rank-choice``: those of KID and KIS) uses the runs that hold such rows.
     """
     report: dict[str, str] = {}
     for spec in FIGURES.values():
@@ -107,6 +108,11 @@ def draw_all(runs: Sequence[Run], directory: Path, formats: Sequence[str] = ("pd
         if not usable:
             report[spec.name] = f"skipped: no run directory has {', '.join(spec.files)}"
             continue
+        if spec.holds is not None:
+            usable = [run for run in usable if spec.holds(run)]
+            if not usable:
+                report[spec.name] = f"skipped: no run directory holds {spec.holds_what}"
+                continue
         if spec.runs == "one":
             usable = usable[:1]
         figure = spec.draw(usable)

@@ -11,7 +11,7 @@ See docs/figures.md, "The figures".
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -20,11 +20,21 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap
-from matplotlib.figure import Figure
+from matplotlib.figure import Figure, SubFigure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from hylo_analysis.runs import TABLES, Run, RunDataError, check_columns, layer_order, load_table, require_rows
+from hylo_analysis.runs import (
+    TABLES,
+    Run,
+    RunDataError,
+    check_columns,
+    layer_order,
+    load_table,
+    read_run,
+    require_rows,
+)
 from hylo_analysis.style import (
     COMMUNICATION_HATCH,
     COMMUNICATION_PHASES,
@@ -320,6 +330,188 @@ def rank(data: Data, level: str = "99", relative: bool = False) -> Figure:
     return figure
 
 
+#: The solvers that keep fewer rows than a rank has (K-FAC keeps no rows, SNGD all of them).
+ROW_REDUCING = ("kid", "kis")
+
+
+@dataclass(frozen=True)
+class RankReference:
+    """What a run's options say about the rows its KID and KIS solves keep (from its ``run.json``).
+
+    ``share``: a fixed ``rank_ratio`` ρ, or under ``rank_ratio="auto"`` the cap ``rank_cap`` (a rank keeps
+    max(1, ⌊share·n⌋) of its n rows, at most); ``rows``: the ``rank`` option when given (rows per rank,
+    the cap under ``"auto"``), which overrides the share.
+    """
+
+    adaptive: bool
+    share: float | None = None
+    rows: int | None = None
+    energy: float | None = None
+
+    def rows_for(self, n: float) -> int:
+        """The most rows a rank with ``n`` rows keeps under this reference."""
+        if self.rows is not None:
+            return int(min(self.rows, n))
+        return max(1, math.floor((self.share or 0.0) * n))
+
+    @property
+    def name(self) -> str:
+        """The reference's legend entry."""
+        if self.rows is not None:
+            return f"rank = {self.rows} rows" + (" (cap)" if self.adaptive else "")
+        if self.adaptive:
+            energy = "" if self.energy is None else f", e = {self.energy:g}"
+            return f"cap = {self.share:g} (auto{energy})"
+        return f"ρ = {self.share:g}"
+
+
+def rank_reference(config: Mapping[str, Any]) -> RankReference | None:
+    """The reference of hylo options ``config`` (a run's ``hylo_config``); None when they name no rank."""
+    ratio = config.get("rank_ratio")
+    adaptive = ratio == "auto"
+    if config.get("rank") is not None:
+        return RankReference(adaptive=adaptive, rows=int(config["rank"]))
+    if adaptive:
+        cap, energy = config.get("rank_cap"), config.get("rank_energy")
+        if cap is None:
+            return None
+        return RankReference(adaptive=True, share=float(cap), energy=None if energy is None else float(energy))
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+        return RankReference(adaptive=False, share=float(ratio))
+    return None
+
+
+def has_row_reduction(run: str | Path | Run) -> bool:
+    """Whether ``run``'s ``timing-r*.csv`` has a row of a layer solved by KID or KIS (what ``rank_choice`` draws)."""
+    frame = load_table(run, "timing", ("solver",), "the 'rank-choice' figure")
+    return bool(frame["solver"].astype(str).isin(ROW_REDUCING).any())
+
+
+def _run_reference(run: str) -> RankReference | None:
+    """The reference of the run directory ``run`` (a table's ``run`` column); None without its ``run.json``."""
+    path = Path(run)
+    if not (path / "run.json").is_file():
+        return None
+    return rank_reference(read_run(path).hylo_config)
+
+
+def rank_choice(data: Data) -> Figure:
+    """Per layer: the share of its rows each rank kept for KID and KIS (rows_kept / rows), and the rows kept.
+
+    Over every update step (and rank) at which the layer was solved by a row-reducing solver (KID or
+    KIS): a box per layer and solver, in the solver's colour, with every observation as a point; runs
+    sharing a label (seeds) are pooled, a row of two panels per label. Under ``rank_ratio="auto"``
+    the shares are what each layer's spectrum asked for. The reference, read from each run's
+    ``run.json`` (none for a DataFrame whose runs are not directories): a fixed ``rank_ratio`` ρ,
+    or under ``"auto"`` the cap ``rank_cap``, as a line on the left panel, and on the right the rows
+    it allows each layer (max(1, ⌊ρ·n⌋), or ``rank``), n being the layer's median rows (shown
+    under the layer's name). Needs ``timing-r*.csv`` (docs/figures.md, "Rank choice").
+    """
+    columns = ("run", "label", "step", "layer", "solver", "rows", "rows_kept")
+    frame = _frame(data, "timing", columns, "rank-choice")
+    order = [c for c in ("run", "step", "rank") if c in frame.columns]
+    frame = frame.sort_values(order, kind="stable")
+    reduced = frame[frame["solver"].astype(str).isin(ROW_REDUCING) & (frame["rows"] > 0)]
+    without = [run for run in dict.fromkeys(frame["run"]) if not (reduced["run"] == run).any()]
+    if without:
+        found = ", ".join(sorted(dict.fromkeys(frame.loc[frame["run"].isin(without), "solver"].astype(str))))
+        raise RunDataError(
+            f"no layer of {', '.join(map(str, without))} was solved by KID or KIS (its timing has "
+            f"solver {found} only), and the 'rank-choice' figure draws the rows those keep; leave it out"
+        )
+    labels = list(dict.fromkeys(frame["label"]))
+    with figure_style():
+        slots = max(
+            frame.loc[frame["label"] == label, "layer"].nunique()
+            * reduced.loc[reduced["label"] == label, "solver"].nunique()
+            for label in labels
+        )
+        figure = Figure(figsize=(max(6.5, 0.5 * slots + 4.0), 2.9 * len(labels) + 0.4), layout="constrained")
+        for panel, label in zip(figure.subfigures(len(labels), 1, squeeze=False)[:, 0], labels, strict=True):
+            _draw_rank_choice(panel, str(label), frame[frame["label"] == label], reduced[reduced["label"] == label])
+        figure.suptitle("Rows kept by KID and KIS per layer, over update steps and ranks")
+    return figure
+
+
+def _draw_rank_choice(panel: SubFigure, label: str, everything: pd.DataFrame, rows: pd.DataFrame) -> None:
+    """One label's two panels: the shares kept and the rows kept per layer and solver, and the references.
+
+    ``everything`` is the label's timing rows, ``rows`` those of KID and KIS. A layer never solved by
+    either is named with the solvers it had instead.
+    """
+    share_ax, rows_ax = panel.subplots(1, 2, sharex=True)
+    layers = layer_order(everything)
+    names = sorted(dict.fromkeys(rows["solver"].astype(str)), key=_solver_key)
+    width = 0.8 / len(names)
+    shares = (rows["rows_kept"] / rows["rows"]).to_numpy(float)
+    for b, solver in enumerate(names):
+        for index, layer in enumerate(layers):
+            chosen = ((rows["layer"] == layer) & (rows["solver"] == solver)).to_numpy()
+            if not chosen.any():
+                continue
+            position = index - 0.4 + width * (b + 0.5)
+            kept = rows.loc[chosen, "rows_kept"].to_numpy(float)
+            for ax, values, what in ((share_ax, shares[chosen], "share"), (rows_ax, kept, "rows-kept")):
+                _box_with_points(ax, values, position, width, solver, f"rank-choice/{label}/{what}/{layer}/{solver}")
+    drawn = [k for k, layer in enumerate(layers) if (rows["layer"] == layer).any()]
+    n = {k: float(rows.loc[rows["layer"] == layers[k], "rows"].median()) for k in drawn}
+    references = {ref for run in dict.fromkeys(rows["run"]) if (ref := _run_reference(str(run))) is not None}
+    handles: list[Any] = [Patch(facecolor=solver_colour(name), edgecolor="#333333", label=name) for name in names]
+    top = float(shares.max())
+    for k, ref in enumerate(sorted(references, key=lambda r: r.name)):
+        style: dict[str, Any] = {
+            "color": NEUTRAL_COLOUR,
+            "linestyle": _RATIO_STYLES[(k + 1) % len(_RATIO_STYLES)],
+            "linewidth": 1,
+        }
+        kind = "rank" if ref.rows is not None else "cap" if ref.adaptive else "ratio"
+        gid = f"rank-choice/{label}/{kind}/{ref.rows if ref.rows is not None else f'{ref.share:g}'}"
+        if ref.share is not None and ref.rows is None:
+            share_ax.axhline(ref.share, gid=gid, **style)
+            top = max(top, ref.share)
+        allowed = [ref.rows_for(n[x]) for x in drawn]
+        rows_ax.hlines(allowed, [x - 0.45 for x in drawn], [x + 0.45 for x in drawn], gid=f"{gid}/rows", **style)
+        handles.append(Line2D([], [], label=ref.name, **style))
+    share_ax.set_ylim(0.0, min(1.0, top) * 1.12)
+    rows_ax.set_ylim(bottom=0.0)
+    rows_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ticks = []
+    for k, layer in enumerate(layers):
+        if k in n:
+            ticks.append(f"{layer}\nn = {n[k]:g}")
+        else:
+            other = dict.fromkeys(everything.loc[everything["layer"] == layer, "solver"].astype(str))
+            ticks.append(f"{layer}\n({'/'.join(sorted(other, key=_solver_key))})")
+    for ax in (share_ax, rows_ax):
+        ax.set_xticks(np.arange(len(layers)), ticks, rotation=45 if len(layers) > 8 else 0)
+        ax.set_xlim(-0.6, len(layers) - 0.4)
+        ax.set_xlabel("layer (n: median rows per rank)")
+    share_ax.set_ylabel("rows kept / rows n")
+    rows_ax.set_ylabel("rows kept")
+    share_ax.set_title("share of its rows a rank kept")
+    rows_ax.set_title("rows a rank kept")
+    panel.suptitle(label, fontsize=9, fontweight="bold")
+    rows_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _box_with_points(ax: Axes, values: np.ndarray, position: float, width: float, solver: str, gid: str) -> None:
+    """A box of ``values`` at ``position`` in ``solver``'s colour, every value a point over it (gid ``gid``)."""
+    colour = solver_colour(solver)
+    drawn = ax.boxplot(
+        [values], positions=[position], widths=width * 0.8, patch_artist=True, manage_ticks=False, showfliers=False
+    )
+    for box in drawn["boxes"]:
+        box.set_facecolor(colour)
+        box.set_alpha(0.45)
+        box.set_edgecolor("#333333")
+        box.set_gid(f"{gid}/box")
+    for median in drawn["medians"]:
+        median.set_color("#000000")
+        median.set_gid(f"{gid}/median")
+    spread = width * 0.3 * (np.linspace(-1.0, 1.0, values.size) if values.size > 1 else np.zeros(1))
+    ax.scatter(position + spread, values, s=7, color=colour, edgecolors="none", alpha=0.8, zorder=3, gid=gid)
+
+
 def grad_norm(
     data: Data, decisions: pd.DataFrame | None = None, layers: Sequence[str] | None = None, columns: int = 3
 ) -> Figure:
@@ -535,6 +727,10 @@ class FigureSpec:
     tables: tuple[str, ...]
     runs: str
     description: str
+    #: Whether a run (with the files) holds the rows the figure draws, where it draws only some
+    #: (``all`` leaves the others out); ``holds_what`` names those rows in its report.
+    holds: Callable[[Run], bool] | None = None
+    holds_what: str = ""
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -568,6 +764,15 @@ FIGURES: dict[str, FigureSpec] = {
             "per-layer d_a, d_g and rows kept, by the solver chosen",
         ),
         FigureSpec("rank", rank, ("rank",), "one or more", "numerical rank per layer and batch size (box plots)"),
+        FigureSpec(
+            "rank-choice",
+            rank_choice,
+            ("timing",),
+            "one or more",
+            "rows KID and KIS kept per layer (share and count) over updates, against rank_ratio or its cap",
+            holds=has_row_reduction,
+            holds_what="rows of layers solved by KID or KIS (timing-r*.csv's solver)",
+        ),
         FigureSpec(
             "grad-norm",
             grad_norm,

@@ -102,6 +102,8 @@ class Run:
 
     ``config`` is flat: the trainer's fields with its hylo options (``config.json``'s ``hylo``
     object) beside them by their names, or hylo's options from ``run.json`` alone.
+    ``hylo_config`` is every hylo option as ``run.json`` records it, defaults included (empty
+    without ``run.json``): what the run actually used, e.g. ``rank_ratio`` and ``rank_cap``.
     """
 
     path: Path
@@ -111,6 +113,7 @@ class Run:
     world_size: int
     config: Mapping[str, Any] = field(default_factory=dict)
     label: str = ""
+    hylo_config: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -153,6 +156,7 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         world_size=world_size,
         config=config,
         label=label if label is not None else default_label(solver, optimizer),
+        hylo_config=dict(hylo_config),
     )
 
 

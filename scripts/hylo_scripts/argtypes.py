@@ -25,11 +25,13 @@ def byte_cap(text: str) -> int | None:
     return value or None
 
 
-def ratio(text: str) -> float:
-    """A rank ratio ρ in (0, 1]."""
+def ratio(text: str) -> float | str:
+    """A rank ratio ρ in (0, 1], or ``auto`` (hylo's adaptive rank)."""
+    if text == "auto":
+        return text
     value = float(text)
     if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1], got {text}")
+        raise argparse.ArgumentTypeError(f"a ratio must be in (0, 1] or 'auto', got {text}")
     return value
 
 
@@ -52,6 +54,11 @@ def device(text: str) -> torch.device:
 def default_device() -> str:
     """``--device``'s default: ``cuda`` when available, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_device(parser: argparse.ArgumentParser, text: str = "cpu or cuda[:N] (default: cuda if any)") -> None:
+    """A benchmark's ``--device`` flag (:func:`device`, default :func:`default_device`), with help ``text``."""
+    parser.add_argument("--device", type=device, default=default_device(), help=text)
 
 
 def hylo_option(text: str) -> tuple[str, Any]:

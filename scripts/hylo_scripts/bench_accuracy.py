@@ -179,19 +179,47 @@ def classification_lr(args: argparse.Namespace, solver: str) -> float:
     return ADAPTIVE_LR if solver in ADAPTIVE else NATURAL_LR
 
 
-def _hylo_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
-    """The hylo options of a run with ``solver`` (none for the plain optimizer)."""
+#: The solvers whose runs repeat for each ``--rank-ratio`` (they keep r of n rows; hybrid picks KID/KIS).
+RANKED = ("kid", "kis", "hybrid")
+
+
+@dataclass(frozen=True)
+class HyLoRun:
+    """A hylo run of the benchmark: its solver, its ``rank_ratio`` and the name its rows carry."""
+
+    solver: str
+    rank_ratio: float | str
+
+    def label(self, name: str, several: bool) -> str:
+        """The run's ``name``, with ``@ρ`` when the benchmark compares several rank ratios (``hylo-hybrid@auto``)."""
+        ratio = self.rank_ratio if isinstance(self.rank_ratio, str) else format(self.rank_ratio, "g")
+        return f"{name}@{ratio}" if several and self.solver in RANKED else name
+
+
+def hylo_runs(args: argparse.Namespace) -> list[HyLoRun]:
+    """Each ``--solvers`` solver, once per ``--rank-ratio`` for a solver in :data:`RANKED` (else at the first)."""
+    return [
+        HyLoRun(solver, ratio)
+        for solver in args.solvers
+        for ratio in (args.rank_ratio if solver in RANKED else args.rank_ratio[:1])
+    ]
+
+
+def _hylo_options(args: argparse.Namespace, solver: str | None, rank_ratio: float | str = 0.1) -> dict[str, Any]:
+    """The hylo options of a run with ``solver`` at ``rank_ratio`` (none for the plain optimizer)."""
     if solver is None:
         return {}
     damping = LM_DAMPING.get(solver, DAMPING) if args.damping is None else args.damping
     # kl_clip bounds a natural-gradient step; kfac_adam's step is normalised already (and its lr is Adam's): off
     kl_clip = None if solver in ADAPTIVE else args.kl_clip
     freq = UPDATE_FREQ if args.freq is None else args.freq
-    options = {"damping": damping, "update_freq": freq, "kl_clip": kl_clip, "rank_ratio": args.rank_ratio}
+    options = {"damping": damping, "update_freq": freq, "kl_clip": kl_clip, "rank_ratio": rank_ratio}
     return options | {"kfac_method": args.kfac_method}
 
 
-def run_config(args: argparse.Namespace, batch_size: int, solver: str | None, lr: float, seed: int) -> RunConfig:
+def run_config(
+    args: argparse.Namespace, batch_size: int, solver: str | None, lr: float, seed: int, rank_ratio: float | str = 0.1
+) -> RunConfig:
     """One run of the benchmark: ``iterations[batch]`` steps in intervals of ``--eval-every``."""
     iterations = args.iterations[args.batch_sizes.index(batch_size)]
     intervals = max(1, iterations // args.eval_every)
@@ -207,7 +235,7 @@ def run_config(args: argparse.Namespace, batch_size: int, solver: str | None, lr
         warmup_epochs=args.warmup_intervals,
         momentum=0.9,
         weight_decay=args.weight_decay,
-        hylo=_hylo_options(args, solver),
+        hylo=_hylo_options(args, solver, rank_ratio),
         seed=seed,
     )
 
@@ -264,18 +292,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kfac-method", choices=("eigen", "inverse"), help="hylo's kfac_method (default eigen; lm: inverse)"
     )
-    parser.add_argument("--rank-ratio", type=float, default=0.1)
+    parser.add_argument(
+        "--rank-ratio",
+        type=argtypes.ratio,
+        nargs="+",
+        default=[0.1],
+        help="hylo's rank_ratio: ρ in (0, 1] or auto; several: kid, kis and hybrid run once per value, named "
+        "solver@ρ (default 0.1)",
+    )
     parser.add_argument("--weight-decay", type=float, help="weight decay (default 5e-4; lm 0.01)")
     parser.add_argument(
         "--warmup-intervals", type=float, help="lr warm-up, in evaluation intervals (default 0.5; lm 2)"
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any)",
-    )
+    argtypes.add_device(parser)
     parser.add_argument("--out", type=Path, default=None, help="CSV of every run's curve (long format)")
     mnist = parser.add_argument_group("--task classification")
     mnist.add_argument("--batch-sizes", type=int, nargs="+", help="batch sizes (default 500 64)")
@@ -319,20 +349,23 @@ def run_classification(args: argparse.Namespace) -> int:
     curves: list[dict[str, object]] = []
     began = timing.now(device)
     for batch_size in args.batch_sizes:
-        runs: list[tuple[str | None, float]] = [(None, lr) for lr in args.sgd_lrs]
-        runs += [(solver, classification_lr(args, solver)) for solver in args.solvers]
-        for solver, lr in runs:
+        several = len(args.rank_ratio) > 1
+        runs: list[tuple[HyLoRun | None, float]] = [(None, lr) for lr in args.sgd_lrs]
+        runs += [(run, classification_lr(args, run.solver)) for run in hylo_runs(args)]
+        for run, lr in runs:
             for seed in args.seeds:
-                result = train(run_config(args, batch_size, solver, lr, seed), data, device=device)
+                solver, ratio = (None, 0.1) if run is None else (run.solver, run.rank_ratio)
+                result = train(run_config(args, batch_size, solver, lr, seed, ratio), data, device=device)
+                name = result.name if run is None else run.label(result.name, several)
                 reached = {t: first_reach(result, t) for t in args.thresholds}
-                outcomes.append(Outcome(batch_size, result.name, lr, seed, result.test_accuracy, reached))
+                outcomes.append(Outcome(batch_size, name, lr, seed, result.test_accuracy, reached))
                 curves += [
-                    {"batch_size": batch_size, "run": result.name, "lr": lr, "seed": seed, "step": e.step}
+                    {"batch_size": batch_size, "run": name, "lr": lr, "seed": seed, "step": e.step}
                     | {"test_acc": e.test_metric, "train_s": round(e.total_time_s, 4), "device": device_name}
                     for e in result.log
                 ]
                 print(
-                    f"batch {batch_size:>4} {result.name:<12} lr {lr:<6g} seed {seed}: "
+                    f"batch {batch_size:>4} {name:<12} lr {lr:<6g} seed {seed}: "
                     f"final {100 * result.test_accuracy:.1f}% in {result.log[-1].total_time_s:.1f} s",
                     flush=True,
                 )
@@ -377,7 +410,9 @@ def _lm_freq(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
     return {"update_freq": LM_UPDATE_FREQ[solver]}
 
 
-def lm_config(args: argparse.Namespace, solver: str | None, lr: float, seed: int) -> RunConfig:
+def lm_config(
+    args: argparse.Namespace, solver: str | None, lr: float, seed: int, rank_ratio: float | str = 0.1
+) -> RunConfig:
     """One run of the lm benchmark: ``--steps`` in intervals of ``--eval-every``, AdamW, cosine lr."""
     return RunConfig(
         dataset="stdlib",
@@ -396,7 +431,7 @@ def lm_config(args: argparse.Namespace, solver: str | None, lr: float, seed: int
         lr_schedule="cosine",
         warmup_epochs=args.warmup_intervals,
         weight_decay=args.weight_decay,
-        hylo=_hylo_options(args, solver) | _lm_freq(args, solver),
+        hylo=_hylo_options(args, solver, rank_ratio) | _lm_freq(args, solver),
         seed=seed,
     )
 
@@ -475,13 +510,17 @@ def run_lm(args: argparse.Namespace) -> int:
     curves: list[LMCurve] = []
     began = timing.now(device)
 
-    def run(solver: str | None, lr: float) -> None:
+    several = len(args.rank_ratio) > 1
+
+    def run(hylo_run: HyLoRun | None, lr: float) -> None:
+        solver, ratio = (None, 0.1) if hylo_run is None else (hylo_run.solver, hylo_run.rank_ratio)
         for seed in args.seeds:
-            result = train(lm_config(args, solver, lr, seed), data, device=device)
+            result = train(lm_config(args, solver, lr, seed, ratio), data, device=device)
+            name = result.name if hylo_run is None else hylo_run.label(result.name, several)
             points = [(e.step, e.total_time_s, e.test_loss) for e in result.log]
-            curves.append(LMCurve(result.name, lr, seed, points))
+            curves.append(LMCurve(name, lr, seed, points))
             print(
-                f"{result.name:<12} lr {lr:<8g} seed {seed}: final val loss {points[-1][2]:.4f} "
+                f"{name:<12} lr {lr:<8g} seed {seed}: final val loss {points[-1][2]:.4f} "
                 f"({points[-1][2] / math.log(2):.3f} bits/byte) in {points[-1][1]:.1f} s",
                 flush=True,
             )
@@ -489,8 +528,8 @@ def run_lm(args: argparse.Namespace) -> int:
     for lr in args.adamw_lrs:
         run(None, lr)
     best = best_adamw_lr(curves)
-    for solver in args.solvers:
-        run(solver, best if args.lr is None else args.lr)
+    for hylo_run in hylo_runs(args):
+        run(hylo_run, best if args.lr is None else args.lr)
     ratios = lm_ratios(curves, best)
     print()
     print(summarise_lm(curves, ratios, best))

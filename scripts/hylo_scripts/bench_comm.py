@@ -171,11 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--measure-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--measure-solvers", nargs="+", default=["kid", "kis", "kfac"])
     parser.add_argument("--out", default=None, help="CSV of per-layer analytic bytes")
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="where --measure runs: cpu (gloo) or cuda (NCCL, one GPU per rank; default: cuda if any)",
+    argtypes.add_device(
+        parser, "where --measure runs: cpu (gloo) or cuda (NCCL, one GPU per rank; default: cuda if any)"
     )
     args = parser.parse_args(argv)
     problem = ranks_problem(args.device, max(args.measure_ranks)) if args.measure else None

@@ -163,12 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any)",
-    )
+    argtypes.add_device(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -291,12 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=0, help="SGD steps on --data mnist before measuring")
     parser.add_argument("--train-lr", type=float, default=0.05, help="the learning rate of --train-steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any)",
-    )
+    argtypes.add_device(parser)
     parser.add_argument("--csv", default=None, help="write one row per damping, run and layer to this CSV")
     parser.add_argument(
         "--summarize", nargs="+", default=None, metavar="CSV", help="only print the medians of these CSVs' conv layers"

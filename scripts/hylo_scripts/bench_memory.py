@@ -270,12 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, each in its own process")
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any)",
-    )
+    argtypes.add_device(parser)
     parser.add_argument("--max-unfold-mb", type=float, default=None, help="hylo's max_unfold_mb (default: its own)")
     parser.add_argument("--profile-update", action="store_true", help="profile one update iteration's allocations")
     parser.add_argument("--csv", default=None, help="write one row per run here")

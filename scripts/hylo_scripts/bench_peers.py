@@ -238,7 +238,7 @@ def _goal_columns(runs: Sequence[dict[str, Any]]) -> str:
 
 def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
     """``bench_accuracy``'s options for ``task``: its defaults, ``--quick``'s sizes, then this run's flags."""
-    values = dict(bench_accuracy.DEFAULTS[task]) | {"freq": None, "rank_ratio": 0.1}
+    values = dict(bench_accuracy.DEFAULTS[task]) | {"freq": None, "rank_ratio": [0.1]}
     if task == "classification":
         values |= {"batch_sizes": [500], "iterations": [120]}
     if args.quick:

@@ -56,12 +56,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rank-ratio", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any)",
-    )
+    argtypes.add_device(parser)
     parser.add_argument("--out", default=None, help="CSV file to write")
     args = parser.parse_args(argv)
     if args.threads:

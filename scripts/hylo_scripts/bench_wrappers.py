@@ -277,12 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of a one-process run")
     parser.add_argument("--solver", default="hybrid")
     parser.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=WRAPPERS)
-    parser.add_argument(
-        "--device",
-        type=argtypes.device,
-        default=argtypes.default_device(),
-        help="cpu or cuda[:N] (default: cuda if any); ddp/fsdp2 on CUDA: NCCL, rank r on cuda:r",
-    )
+    argtypes.add_device(parser, "cpu or cuda[:N] (default: cuda if any); ddp/fsdp2 on CUDA: NCCL, rank r on cuda:r")
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(WrapperRun(**json.loads(args.child)))))

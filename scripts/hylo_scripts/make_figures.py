@@ -11,6 +11,8 @@ The runs (``train.py`` on ``mnist5k`` with the small CNN, ``--epochs`` epochs of
 - ``hybrid-s{seed}``: SGD + hylo ``hybrid`` (gradient-norm trend over ``--trend-window`` steps),
   profiled, for each seed;
 - ``kfac-s{first seed}``: SGD + hylo ``kfac``, profiled;
+- ``auto-s{first seed}``: as ``hybrid-s{first seed}`` with ``--rank-ratio auto`` (each layer's KID and
+  KIS solves keep the rows its kernel spectrum asks for, at most the cap), profiled;
 - ``studies-s{first seed}``: as ``hybrid-s{first seed}`` with every study on (gradient norm, rank
   analysis, gradient error of KID, KIS and K-FAC at ρ ∈ ``--ratios``, every ``--study-every``-th
   update), in a run of its own so that the studies' solves stay out of the others' wall time;
@@ -19,8 +21,8 @@ The runs (``train.py`` on ``mnist5k`` with the small CNN, ``--epochs`` epochs of
 
 The figures (``OUT/NAME.{pdf,png}``): accuracy (the SGD, hybrid and kfac runs), timing
 (hybrid and kfac on 1 rank, hybrid on 2), layer-dims and solvers (hybrid on 1 and 2 ranks),
-rank (the studies run and hybrid on 2 ranks), grad-norm and grad-error (the studies run). The
-notebooks in ``analysis/notebooks/`` read the same runs.
+rank (the studies run and hybrid on 2 ranks), rank-choice (the auto run), grad-norm and
+grad-error (the studies run). The notebooks in ``analysis/notebooks/`` read the same runs.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def run_study(runs_dir: Path, size: StudySize = StudySize(), quiet: bool = False
     for seed in size.seeds:
         plan.append((f"hybrid-s{seed}", ["--solver", "hybrid", *batch, *_hylo(size), *windows]))
     plan.append((f"kfac-s{first}", ["--solver", "kfac", *batch, *_hylo(size)]))
+    plan.append((f"auto-s{first}", ["--solver", "hybrid", "--rank-ratio", "auto", *batch, *_hylo(size), *windows]))
     # The studies in a run of their own: their extra solves would count in the others' wall time.
     plan.append((f"studies-s{first}", ["--solver", "hybrid", *batch, *_hylo(size), *windows, *studies]))
     done = []
@@ -126,6 +129,7 @@ def figure_inputs(runs_dir: Path) -> dict[str, list[Path]]:
         "timing": pick("hybrid-", "kfac-s"),
         "layer-dims": hybrid_one + pick("hybrid-p"),
         "rank": studies + pick("hybrid-p"),
+        "rank-choice": pick("auto-s")[:1],
         "grad-norm": studies,
         "grad-error": studies,
         "solvers": hybrid_one + pick("hybrid-p"),
