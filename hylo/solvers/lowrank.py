@@ -154,6 +154,11 @@ class RowReduction(ABC):
     #: Whether :meth:`reduce` chooses its rank from ``context.rank_energy`` under ``rank_ratio="auto"``.
     adapts_rank: ClassVar[bool] = False
 
+    @classmethod
+    def runs_adaptive(cls) -> bool:
+        """Whether the variant can run under ``rank_ratio="auto"``: it chooses its rank, or keeps every row."""
+        return cls.adapts_rank or cls.keeps_all
+
     @abstractmethod
     def reduce(self, rows: SampleRows, r: int, seed: int, context: UpdateContext) -> tuple[SampleRows, Tensor | None]:
         """The r kept rows (at most r under ``rank_ratio="auto"``) and the local interpolation weights W_p (or
@@ -205,13 +210,14 @@ class SampledRows(RowReduction):
         """The sampled rows (all rows when r = n), rescaled in the unbiased form; under ``rank_ratio="auto"`` r
         from the spectrum of a sketch of r rows (:func:`~hylo.solvers.reduce.sketched_rank`)."""
         generator = torch.Generator().manual_seed(seed)
-        if context.rank_energy is not None and r < rows.count:
-            r = sketched_rank(rows, r, dropped_mass(rows, context.damping, context.rank_energy), generator)
         if r >= rows.count:
             return rows, None
+        weights = rows.sq_norms()
+        if context.rank_energy is not None:
+            r = sketched_rank(rows, weights, r, dropped_mass(rows, context.damping, context.rank_energy), generator)
         if context.kis_estimator == "hylo":
-            return rows.select(kis_select(rows.sq_norms(), r, generator)), None
-        keep, factors = priority_sample(rows.sq_norms(), r, generator)
+            return rows.select(kis_select(weights, r, generator)), None
+        keep, factors = priority_sample(weights, r, generator)
         return rows.select(keep).scaled(factors.sqrt()), None
 
     def update(
@@ -309,7 +315,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             rows = job.batch.collect(ROWS)
             context.watch.lap("capture", job.name)
             n, r = rows.count, self.rows_kept(job.batch, job.solver)
-            if context.rank_energy is not None and not (variant.adapts_rank or variant.keeps_all):
+            if context.rank_energy is not None and not variant.runs_adaptive():
                 raise ValueError(
                     f"low-rank variant {job.solver!r} does not choose its rank (adapts_rank is False): "
                     "rank_ratio='auto' needs kid, kis or a variant that does"

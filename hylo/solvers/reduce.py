@@ -63,7 +63,7 @@ def dropped_mass(rows: SampleRows, damping: float, energy: float) -> float:
     return (1.0 - energy) * rows.count * damping
 
 
-def sketched_rank(rows: SampleRows, cap: int, allowed: float, generator: torch.Generator) -> int:
+def sketched_rank(rows: SampleRows, weights: Tensor, cap: int, allowed: float, generator: torch.Generator) -> int:
     """KIS's rank under ``rank_ratio="auto"``: the fewest rows r ≤ ``cap`` (< n) whose share of the kernel's trace,
     read off the spectrum of a sketch, leaves less than ``allowed`` (:func:`dropped_mass`) of it out.
 
@@ -71,14 +71,14 @@ def sketched_rank(rows: SampleRows, cap: int, allowed: float, generator: torch.G
     scaled by the square root of its Horvitz–Thompson factor, so Σ_S c_i U_iᵀU_i estimates UᵀU without bias; its
     kernel (cap² row products) has that estimate's nonzero eigenvalues (one cap×cap symmetric eigendecomposition,
     float64). The mass left after r rows is tr K (exact, from the row norms) times the share of the eigenvalues past
-    the r-th. Data of rank k ≤ ``cap`` gives k when the sketch spans the k directions. Drawn from ``generator``
-    before the sample itself.
+    the r-th. Data of rank k ≤ ``cap`` gives k when the sketch spans the k directions. ``weights`` are the row norms
+    ‖U_i‖² (the sample's own); drawn from ``generator`` before the sample itself.
     """
-    keep, factors = priority_sample(rows.sq_norms(), cap, generator)
+    keep, factors = priority_sample(weights, cap, generator)
     sketch = rows.select(keep).scaled(factors.sqrt().to(rows.dtype)).to(torch.float64)
     spectrum = torch.linalg.eigvalsh(sketch.kernel()).flip(0).clamp_min(0.0)
     share = spectrum.cumsum(0) / spectrum.sum().clamp_min(torch.finfo(torch.float64).tiny)
-    left = rows.to(torch.float64).sq_norms().sum() * (1.0 - share)
+    left = weights.to(torch.float64).sum() * (1.0 - share)
     return min(cap, int((left >= allowed).sum()) + 1)
 
 
@@ -124,7 +124,6 @@ def pivoted_cholesky(
     if lookahead:
         return _greedy_with_lookahead(rows, residual, r, float(threshold), stop_below)
     trace = residual.sum()
-    captured = residual.new_zeros(r)
     factor = residual.new_zeros(n, r)
     pivots = torch.empty(r, dtype=torch.long, device=residual.device)
     alive = torch.empty(r, dtype=torch.bool, device=residual.device)
@@ -136,13 +135,12 @@ def pivoted_cholesky(
         column = _residual_columns(rows, factor, j, k).squeeze(1)
         column = torch.where(ok, column / pivot_residual.clamp_min(threshold).sqrt(), torch.zeros_like(column))
         factor[:, k] = column
-        captured[k] = column.square().sum()
         residual = residual - column.square()
         taken = taken.index_fill(0, j, True)
         pivots[k] = j[0]
         alive[k] = ok[0]
-    if stop_below is not None:
-        k = min(r, int(((trace - captured.cumsum(0)) >= stop_below).sum()) + 1)
+    if stop_below is not None:  # the residual trace after each pivot, tr K − Σ_j ‖L_j‖², from the factor itself
+        k = min(r, int(((trace - factor.square().sum(0).cumsum(0)) >= stop_below).sum()) + 1)
         pivots, factor, alive = pivots[:k], factor[:, :k], alive[:k]
     return pivots, factor, alive
 
@@ -160,7 +158,7 @@ def _greedy_with_lookahead(
     them fetches the next candidates (one column alone where non-finite residuals make ``topk`` and ``argmax``
     disagree). Stops early once the residual trace is below ``stop_below``."""
     n = residual.shape[0]
-    left = float(residual.sum())
+    left = float(residual.sum()) if stop_below is not None else 0.0
     factor = residual.new_zeros(n, r)
     pivots, alive = [0] * r, [False] * r
     taken = torch.zeros(n, dtype=torch.bool, device=residual.device)
@@ -186,7 +184,8 @@ def _greedy_with_lookahead(
             column = factor[:, k]
             columns.addmm_(column.unsqueeze(1), column.index_select(0, candidates).unsqueeze(0), alpha=-1.0)
             work.addcmul_(column, column, value=-1.0)
-            left -= float(column.square().sum())
+            if stop_below is not None:
+                left -= float(column.square().sum())
         taken[j] = True
         work.masked_fill_(taken, -torch.inf)
         if stop_below is not None and left < stop_below:

@@ -55,7 +55,7 @@ def adapts_rank(solver: str) -> bool:
     """Whether ``solver`` can run under ``rank_ratio="auto"``: any solver but a registered low-rank variant that
     keeps a configured rank without choosing it (:attr:`~hylo.solvers.lowrank.RowReduction.adapts_rank`)."""
     variant = LOWRANK.variants.get(solver)
-    return variant is None or variant.keeps_all or variant.adapts_rank
+    return variant is None or variant.runs_adaptive()
 
 
 def solver_rule(allow_hybrid: bool) -> Rule:
