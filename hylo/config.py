@@ -13,11 +13,12 @@ is made, and a bad one is a ``ValueError`` naming the option.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Literal, TypeVar, get_args
+from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
 
 from hylo.layers.batch import DampingConvention
 from hylo.layers.conv import DEFAULT_MAX_UNFOLD_MB, ConvRows
@@ -25,6 +26,8 @@ from hylo.records import LayerStats
 from hylo.rules import (
     COUNT,
     DECAY,
+    MEGABYTES,
+    MEGABYTES_OR_ZERO,
     NON_NEGATIVE,
     PATH,
     POSITIVE,
@@ -37,6 +40,7 @@ from hylo.rules import (
     Section,
     default_of,
     is_collection,
+    is_count,
     option,
     window_decay,
 )
@@ -52,6 +56,8 @@ Strategy = Literal["inverse", "gradient"]
 #: The studies ``studies`` accepts (docs/profiling.md, "Studies").
 Study = Literal["grad_norm", "rank", "grad_error"]
 STUDIES: tuple[Study, ...] = get_args(Study)
+#: The most eigenvalue columns the rank study writes per layer (``rank_top_k``).
+MAX_RANK_TOP_K = 4096
 
 
 # --------------------------------------------------------------------------- sections
@@ -73,7 +79,7 @@ class ConvConfig(Section):
         doc="the most megabytes of a convolution's unfolded patches in flight at once: K-FAC's factor A, "
         "exact per-sample rows and the patch means are built in blocks of samples (or of one sample's output "
         "rows) of at most this size",
-        rule=POSITIVE,
+        rule=MEGABYTES,
         fixed=True,
     )
 
@@ -113,7 +119,7 @@ class PolicyConfig(Section):
         "iff step < I·a0 or I·a1 < step <= I·a2 (0-based step, as HyLo's code counts), the stable one "
         "otherwise; replaces the trend",
         rule=Rule(
-            lambda w: len(tuple(w)) == 3 and all(isinstance(e, int) and e >= 0 for e in w) and w[1] <= w[2],
+            lambda w: len(tuple(w)) == 3 and all(is_count(e, 0) for e in w) and w[1] <= w[2],
             "three epochs (a0, a1, a2) with a1 <= a2",
         ),
     )
@@ -203,7 +209,10 @@ class DistributedConfig(Section):
         fixed=True,
     )
     bucket_cap_mb: float = option(
-        25.0, doc="largest flat buffer of one fused collective (of the default communicator)", rule=POSITIVE, fixed=True
+        25.0,
+        doc="largest flat buffer of one fused collective (of the default communicator)",
+        rule=MEGABYTES,
+        fixed=True,
     )
 
 
@@ -233,7 +242,12 @@ class TelemetryConfig(Section):
         fixed=True,
     )
     rank_every: int = option(1, doc="run the rank study at every rank_every-th update", rule=COUNT)
-    rank_top_k: int = option(10, doc="eigenvalues of K/B written per layer (sv_1 … sv_k)", rule=COUNT, fixed=True)
+    rank_top_k: int = option(
+        10,
+        doc=f"eigenvalues of K/B written per layer (sv_1 … sv_k, one CSV column each; at most {MAX_RANK_TOP_K})",
+        rule=Rule(lambda x: is_count(x) and x <= MAX_RANK_TOP_K, f"an int in [1, {MAX_RANK_TOP_K}]"),
+        fixed=True,
+    )
     grad_error_every: int = option(
         1, doc="run the gradient-error study at every grad_error_every-th update", rule=COUNT
     )
@@ -259,7 +273,7 @@ class TelemetryConfig(Section):
         256.0,
         doc="largest gathered exact per-sample rows (m·d_a·d_g numbers) of a convolution the studies build "
         "for their reference; above it the reference uses conv_rows",
-        rule=NON_NEGATIVE,
+        rule=MEGABYTES_OR_ZERO,
     )
 
     def __post_init__(self) -> None:
@@ -316,7 +330,10 @@ class HyLoConfig(Section):
         None,
         doc="the learning rate kl_clip reads (required with it): a function reading the optimizer's lr when "
         "a scheduler changes it",
-        rule=POSITIVE,
+        rule=Rule(
+            lambda x: POSITIVE.holds(x) and math.isfinite(float(x) * float(x)),
+            "a finite number > 0 whose square is finite (kl_clip scales by lr²)",
+        ),
         schedule=True,
     )
     skip_layers: tuple[str, ...] = option(
@@ -424,11 +441,15 @@ _SECTION_OF: dict[str, str | None] = {name: spec.section for name, spec in _SPEC
 
 
 def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
-    """Evaluate option ``name`` — a constant or a callable of the step — at ``step``, checked by its rule."""
+    """Evaluate option ``name`` — a constant or a callable of the step — at ``step``, checked by its rule.
+
+    A float option's value comes back as a float: an int the rule accepts (at most 2**63) never reaches
+    torch as a Python int, whose products (``lr²``) would leave int64."""
+    spec = _SPECS[name]
     if callable(value):
         result = value(step)
-        rule = _SPECS[name].rule
-        assert rule is not None, f"{name} is not a schedule"
-        rule.check(name, result, step)
-        return result
-    return value
+        assert spec.rule is not None, f"{name} is not a schedule"
+        spec.rule.check(name, result, step)
+    else:
+        result = value
+    return cast(T, float(result)) if spec.type is float else result

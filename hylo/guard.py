@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hylo import sharding
 from hylo.distributed import Communicator
@@ -26,6 +27,22 @@ from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
 from hylo.state import RegisteredLayer
+
+#: Steps taken by any torch optimizer in this process (:func:`optimizer_steps`).
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK: list[Any] = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def optimizer_steps() -> int:
+    """How many ``step()``s torch optimizers have taken in this process, counted by a global optimizer step hook
+    registered at the first call (docs/reliability.md, "Gradient accumulation")."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    return _OPTIMIZER_STEPS[0]
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,12 @@ class Guard:
         self.sharded = sharded
         # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
         self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self.layers)
+        # optimizer steps when this guard was made, and at the last step that wrote preconditioned gradients
+        self._steps_at_start = optimizer_steps()
+        self._steps_at_write: int | None = None
+        #: Layers whose ``.grad`` holds the last step's preconditioned gradient plus another backward's, with no
+        #: optimizer step between (set by :meth:`gradients`, raised on every rank by :meth:`agree`).
+        self.accumulated: list[str] = []
         self._warned_no_rows: set[str] = set()
         #: Per layer, steps whose preconditioned gradient fell back to the raw gradient since the last report
         #: (not finite, or not a descent direction within its damping: docs/reliability.md, "Fallbacks").
@@ -71,13 +94,21 @@ class Guard:
         layer (conditional computation), or that ``step()`` is being called twice.
         """
         grads: list[GradMatrix | None] = []
+        # a backward that added onto the gradients the last step wrote, with no optimizer step since (a step
+        # called on every micro-batch of gradient accumulation) — from the second optimizer step on, so that a
+        # loop without a torch optimizer (and zero_grad(set_to_none=False)) is never taken for one
+        unstepped = (
+            self._steps_at_write is not None and self._steps_at_start < self._steps_at_write == optimizer_steps()
+        )
+        self.accumulated = []
         for layer, seen in zip(self.layers, self._seen, strict=True):
             weight_grad = layer.math.grad_tensor()
-            if weight_grad is None or (
-                seen is not None and seen[0]() is weight_grad and seen[1] == weight_grad._version
-            ):
+            same = weight_grad is not None and seen is not None and seen[0]() is weight_grad
+            if weight_grad is None or (same and seen is not None and seen[1] == weight_grad._version):
                 grads.append(None)
             else:
+                if same and unstepped:
+                    self.accumulated.append(layer.name)
                 grads.append(parts := layer.math.grad_parts())
                 if parts is not None and (parts.shard is not None) != self.sharded:
                     raise ValueError(
@@ -86,8 +117,10 @@ class Guard:
                     )
         return grads
 
-    def mark_seen(self) -> None:
-        """Remember every layer's gradient tensor and version after a step wrote them back."""
+    def mark_seen(self, wrote: bool) -> None:
+        """Remember every layer's gradient tensor and version after a step wrote them back (``wrote``: whether it
+        wrote any preconditioned gradient)."""
+        self._steps_at_write = optimizer_steps() if wrote else None
         for i, layer in enumerate(self.layers):  # after every write: attention's q, k and v share one .grad
             weight_grad = layer.math.grad_tensor()
             self._seen[i] = None if weight_grad is None else (weakref.ref(weight_grad), weight_grad._version)
@@ -144,10 +177,12 @@ class Guard:
         if self.comm.world_size > 1:
             paths = [flag for statistic in statistics for flag in gives[statistic]] if any(capturing) else []
             local = torch.tensor(
-                [usable, *present, *(not r for r in rows), *paths, compared], dtype=torch.bool, device=self.device
+                [usable, *present, *(not r for r in rows), *paths, not self.accumulated, compared],
+                dtype=torch.bool,
+                device=self.device,
             )
             flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
-            recheck = not flags[-1]
+            recheck, accumulated = not flags[-1], not flags[-2]
             all_finite, all_usable = flags[0], flags[1]
             present = flags[2 : 2 + n]
             rows = [not none for none in flags[2 + n : 2 + 2 * n]]
@@ -155,12 +190,24 @@ class Guard:
                 gives = {s: flags[2 + (2 + k) * n : 2 + (3 + k) * n] for k, s in enumerate(statistics)}
         else:
             all_finite, all_usable = bool(finite.item()) if usable else True, usable
-            recheck = False
+            recheck, accumulated = False, bool(self.accumulated)
         if not all_usable:
             raise RuntimeError(self._no_gradient_message(step, usable))
+        if accumulated:
+            raise RuntimeError(self._accumulated_message(step))
         if not all_finite:  # rare: re-measure in a form that cannot over- or underflow, then agree again
             norms, all_finite = self._safe_norms(grads)
         return Agreement(bool(all_finite), present, rows, gives, norms, recheck)
+
+    def _accumulated_message(self, step: int) -> str:
+        where = f"layers {self.accumulated[:4]}" if self.accumulated else "another rank's layers"
+        return (
+            f"step {step}: the gradients of {where} hold the previous step()'s preconditioned gradient plus another "
+            "backward's, and no optimizer step ran in between: step() was called on a micro-batch of gradient "
+            "accumulation. Call step() once per optimizer step, after the last micro-batch's backward (with "
+            "Accelerate: `if accelerator.sync_gradients: pre.step()`; in a Trainer, where the optimizer steps); "
+            'nothing was changed (docs/reliability.md, "Gradient accumulation")'
+        )
 
     def _no_gradient_message(self, step: int, usable: bool) -> str:
         if usable:

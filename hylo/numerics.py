@@ -95,43 +95,82 @@ def cholesky_many(mats: Sequence[Tensor]) -> list[Tensor]:
     return [r[0] for r in _grouped(mats, lambda stack: [_factors_with_ladder(stack)])]
 
 
-def _eigh_qr(mat: Tensor) -> tuple[Tensor, Tensor]:
-    """Last resort for one matrix on which LAPACK's divide-and-conquer ``syevd`` (torch's
-    ``eigh``) did not converge, which happens on large factors with many repeated eigenvalues:
-    SciPy's QR-iteration driver ``syev`` in float64 on the CPU. If that fails too, NaN
-    eigenvalues mark the result non-finite, so the update stage keeps the layer's previous
-    state and warns instead of crashing.
-    """
+#: How far ‖Q 1‖²/d may stray from 1 before an eigenvector matrix Q counts as not orthogonal: a probe of O(d²) that
+#: round-off of an orthogonal Q stays far below (|·| ≲ d·ε) and a broken decomposition does not.
+ORTHOGONALITY_TOLERANCE = 1e-2
+
+
+def _sound_eigh(evals: Tensor, evecs: Tensor) -> Tensor:
+    """Per matrix of a batched decomposition, whether it is usable: every eigenvalue and eigenvector entry finite
+    and the eigenvectors orthogonal by the probe ‖Q 1‖² = d (no host sync)."""
+    finite = torch.isfinite(evals).all(dim=-1) & torch.isfinite(evecs).flatten(-2).all(dim=-1)
+    probe = evecs.sum(dim=-1, dtype=torch.float64).square().sum(dim=-1) / max(1, evecs.shape[-1])
+    return finite & ((probe - 1.0).abs() <= ORTHOGONALITY_TOLERANCE)
+
+
+def _eigh_scipy(mat: Tensor) -> tuple[Tensor, Tensor] | None:
+    """SciPy's QR-iteration driver ``syev`` in float64 on the CPU, or None where it fails."""
     import scipy.linalg
 
     host = mat.detach().to("cpu", torch.float64).numpy()
     try:
         evals, evecs = scipy.linalg.eigh(host, driver="ev")
     except (scipy.linalg.LinAlgError, ValueError):
-        nan = torch.full(mat.shape[:1], float("nan"), dtype=torch.float64, device=mat.device)
-        return nan, torch.eye(mat.shape[0], dtype=torch.float64, device=mat.device)
+        return None
     return torch.from_numpy(evals).to(mat.device), torch.from_numpy(evecs).to(mat.device)
+
+
+def _eigh_torch(mat: Tensor) -> tuple[Tensor, Tensor] | None:
+    """torch's ``eigh`` (LAPACK's divide-and-conquer ``syevd``) of one matrix, or None where it raises."""
+    try:
+        return torch.linalg.eigh(mat)
+    except torch.linalg.LinAlgError:
+        return None
+
+
+def _repaired_eigh(mat: Tensor) -> tuple[Tensor, Tensor]:
+    """The decomposition of one symmetric matrix on which the batched one failed (raised, or returned non-finite or
+    non-orthogonal results without raising, as float32 ``syevd`` does on factors with entries near 10⁻¹⁶), by the
+    first rung that passes :func:`_sound_eigh`: the matrix divided by its largest entry (eigenvalues scaled back),
+    then float64, then SciPy's ``syev`` in float64. If every rung fails, NaN eigenvalues mark the result non-finite,
+    so the update stage keeps the layer's previous state and warns instead of crashing (docs/solvers.md,
+    "Numerics"). Results in ``mat``'s dtype."""
+    largest = mat.abs().max()
+    rungs: list[tuple[Callable[[Tensor], tuple[Tensor, Tensor] | None], Tensor, Tensor]] = []
+    if bool(torch.isfinite(largest)) and bool(largest > 0):
+        rungs.append((_eigh_torch, mat / largest, largest))
+    one = torch.ones((), dtype=torch.float64, device=mat.device)
+    rungs += [(_eigh_torch, mat.to(torch.float64), one), (_eigh_scipy, mat, one)]
+    for decompose, scaled, factor in rungs:
+        pair = decompose(scaled)
+        if pair is not None and bool(_sound_eigh(*pair)):
+            evals, evecs = pair
+            return (evals * factor.to(evals.dtype)).to(mat.dtype), evecs.to(mat.dtype)
+    return torch.full(mat.shape[:1], float("nan"), dtype=mat.dtype, device=mat.device), torch.eye(
+        mat.shape[0], dtype=mat.dtype, device=mat.device
+    )
 
 
 def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Eigendecompositions of symmetric PSD matrices, batched by shape.
 
-    Eigenvalues are clamped at zero (the factors are PSD; negative values are
-    round-off). Falls back to float64 for a group whose float32 solve fails, then to
-    SciPy's QR-iteration driver per matrix (:func:`_eigh_qr`).
+    Every matrix's result is checked (:func:`_sound_eigh`: finite, orthogonal eigenvectors) and a failed one is
+    redone alone by :func:`_repaired_eigh` (largest entry scaled to 1, float64, SciPy); a batched call that raises
+    is redone matrix by matrix the same way. Eigenvalues are clamped at zero (the factors are PSD; negative values
+    are round-off). One host sync per group (the check).
     """
 
     def decompose(stack: Tensor) -> list[Tensor]:
         sym = (stack + stack.mT).mul_(0.5)
-        try:
-            evals, evecs = torch.linalg.eigh(sym)
-        except torch.linalg.LinAlgError:
-            try:
-                evals, evecs = torch.linalg.eigh(sym.to(torch.float64))
-            except torch.linalg.LinAlgError:
-                pairs = [_eigh_qr(mat) for mat in sym]
-                evals, evecs = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-            evals, evecs = evals.to(stack.dtype), evecs.to(stack.dtype)
+        pair = _eigh_torch(sym)
+        if pair is None:
+            evals, evecs = torch.empty_like(sym[..., 0]), torch.empty_like(sym)
+            failed = list(range(sym.shape[0]))
+        else:
+            evals, evecs = pair
+            failed = torch.nonzero(~_sound_eigh(evals, evecs)).flatten().tolist()
+        for k in failed:
+            evals[k], evecs[k] = _repaired_eigh(sym[k])
         return [evals.clamp_min(0.0), evecs]
 
     return [(r[0], r[1]) for r in _grouped(mats, decompose)]
@@ -244,6 +283,6 @@ def kl_clipped(
     """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
     ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² from ``norms`` where it fell back,
     ``ok`` false)."""
-    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr**2
+    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr * lr  # a tensor product: inf, never an error
     scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
     return [v * scale.to(v.dtype) for v in results]

@@ -61,8 +61,10 @@ class Planner:
         self.step = 0
         #: Update steps so far (the studies sample by it).
         self.updates = 0
-        #: Whether the next step must update whatever the cadence (a rejected or missing state).
+        #: Whether the next step must update whatever the cadence (a skipped update step, or a state a load lacks).
         self.needs_update = False
+        #: The layers whose state their last update rejected (non-finite): warned once until one is accepted.
+        self.rejected: set[str] = set()
         self._cadence: tuple[int, bool, frozenset[str], int] = (-1, False, frozenset(), 0)
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
         self._arm_error: tuple[int, Exception] | None = None

@@ -29,8 +29,9 @@ from hylo.guard import Agreement, Guard
 from hylo.layers.batch import LayerBatch
 from hylo.layers.capture import KeptCalls
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.registry import register_layers, supported_types
+from hylo.layers.registry import supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
+from hylo.layers.walk import register_layers
 from hylo.memory import MemoryUsage
 from hylo.planner import STATISTICS, Planner
 from hylo.policy import SolverPolicy, check_kfac_budget
@@ -304,7 +305,8 @@ class HyLoPreconditioner:
         outcome.decisions = self._planner.decide(step, config, batch_of, agreed.gives, self.comm, self._guard.device)
         self._telemetry.watch.lap("decide")
         seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
-        update(self._stage, step, config, values.context(config, self.comm.rank, seed, self._telemetry.watch), outcome)
+        context = values.context(config, self.comm.rank, seed, self._telemetry.watch)
+        update(self._stage, step, config, context, outcome, self._planner.rejected)
 
     def _commit(self, step: int, outcome: Outcome, traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
@@ -325,8 +327,11 @@ class HyLoPreconditioner:
         for layer in self._layers:
             if layer.name in outcome.written:
                 layer.math.set_grad_matrix(outcome.written[layer.name])
-        self._guard.mark_seen()
+        self._guard.mark_seen(bool(outcome.written))
         self._telemetry.watch.lap("precondition")
+        if outcome.kind == "update":
+            updated = {layer.name for layer in outcome.worked}
+            self._planner.rejected = (self._planner.rejected - updated) | set(outcome.rejected)
         self._planner.advance(outcome.kind == "update", outcome.needs_update, self._config)
         if outcome.norms is not None:
             self._telemetry.record_norms(step, self._layers, outcome.norms, outcome.written, self._policy.trend)

@@ -38,12 +38,47 @@ class Rule:
         """Raise ``ValueError`` naming ``name`` if ``value`` breaks the rule."""
         try:
             ok = bool(self.holds(value))
-        except (TypeError, ValueError, re.error):
+        except (TypeError, ValueError, OverflowError, re.error):
             ok = False
         if not ok:
             expected = self.expected() if callable(self.expected) else self.expected
             where = "" if step is None else f" (returned by the callable at step {step})"
-            raise ValueError(f"{name} must be {expected}, got {value!r}{where}")
+            why = "" if representable(value) else f" ({OUT_OF_RANGE})"
+            raise ValueError(f"{name} must be {expected}, got {_shown(value)}{where}{why}")
+
+
+#: Every numeric option's ints lie in [-INT_LIMIT, INT_LIMIT): torch takes a Python int as an int64, and the
+#: cost model and the trend compute with floats, so a wider int (``2**70``, ``10**400``) would pass a
+#: comparison here and fail at ``step()`` with ``OverflowError``.
+INT_LIMIT = 2**63
+OUT_OF_RANGE = "a number must be an int in [-2**63, 2**63), torch's int64, or convert to a float without overflow"
+
+
+def representable(x: object) -> bool:
+    """Whether a numeric value can reach torch and float arithmetic: an int within int64 (what torch makes
+    of a Python int), or a real whose float conversion neither overflows nor turns a finite value into inf
+    (``Fraction(10**400)``, a NumPy longdouble beyond float64). Anything that is not a number is left to
+    the rules (True)."""
+    if is_bool(x) or isinstance(x, str) or not isinstance(x, numbers.Real):
+        return True
+    if isinstance(x, numbers.Integral):
+        return -INT_LIMIT <= int(x) < INT_LIMIT
+    try:
+        as_float = float(x)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return not math.isinf(as_float) or bool(x == as_float)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, but an int of more than 128 bits by its size (``10**5000`` has no repr: Python refuses
+    to write an int of over 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"{'-' if value < 0 else ''}an int of {value.bit_length()} bits"
+    try:
+        return repr(value)
+    except ValueError:  # a container holding such an int
+        return f"a {type(value).__name__} holding an int too long to write"
 
 
 def is_bool(x: object) -> bool:
@@ -62,7 +97,14 @@ def is_index(x: object) -> bool:
 
 
 def is_real(x: object) -> bool:
-    return not is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str)
+    """A real number (not a bool) that torch and float arithmetic can take (:func:`representable`); inf and
+    NaN are left to each rule."""
+    return not is_bool(x) and isinstance(x, numbers.Real) and not isinstance(x, str) and representable(x)
+
+
+def is_count(x: object, least: int = 1) -> bool:
+    """An int (not a bool) in [least, 2**63): a count or an index an option gives."""
+    return isinstance(x, int) and not isinstance(x, bool) and least <= x < INT_LIMIT
 
 
 def is_collection(x: object) -> bool:
@@ -81,9 +123,15 @@ def _regexes(patterns: Any) -> bool:
 
 POSITIVE = Rule(lambda x: is_real(x) and 0 < x < math.inf, "a finite number > 0")
 NON_NEGATIVE = Rule(lambda x: is_real(x) and 0 <= x < math.inf, "a finite number >= 0")
-COUNT = Rule(lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1")
+COUNT = Rule(is_count, "an int >= 1")
 DECAY = Rule(lambda x: is_real(x) and 0.0 <= x < 1.0, "a number in [0, 1)")
 RATIO = Rule(lambda x: is_real(x) and 0.0 < x <= 1.0, "in (0, 1]")
+#: The most megabytes an option may give: 2**43 MB, whose bytes (× 2**20) still fit an int64.
+MAX_MB = 2**43
+MEGABYTES = Rule(lambda x: is_real(x) and 0 < x < MAX_MB, "a number of MB > 0 and < 2**43 (its bytes fit an int64)")
+MEGABYTES_OR_ZERO = Rule(
+    lambda x: is_real(x) and 0 <= x < MAX_MB, "a number of MB >= 0 and < 2**43 (its bytes fit an int64)"
+)
 REGEXES = Rule(_regexes, "a sequence of valid regular expressions (not a single string)")
 PATH = Rule(lambda x: isinstance(x, (str, os.PathLike)), "a path or None")
 

@@ -34,6 +34,7 @@ from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.distributed.payload import Payload
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
 from hylo.numerics import result_terms, sound_results
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
@@ -211,7 +212,13 @@ class UpdateStage:
         successors: dict[str, LayerState] = {}
         for name, state, _, grad in items:
             if isinstance(state, LayerState):
-                results[name], successor = state.advance(grad)
+                try:
+                    results[name], successor = state.advance(grad)
+                except Exception as err:  # the error names the layer (docs/reliability.md, "Registration")
+                    named = named_error(err, name, type(state).__name__)
+                    if named is None:
+                        raise
+                    raise named from err
                 if successor is not state:
                     successors[name] = successor
                 watch.lap("precondition", name)

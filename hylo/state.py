@@ -11,7 +11,7 @@ from torch import nn
 from hylo.config import HyLoConfig
 from hylo.layers.capture import LayerCapture
 from hylo.layers.math import LayerMath
-from hylo.layers.registry import Registration
+from hylo.layers.walk import Registration
 from hylo.policy import check_kfac_budget, kfac_refusal
 from hylo.records import LayerInfo
 from hylo.solvers import HeldState

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -80,6 +80,8 @@ class Outcome:
     written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     #: Each low-rank layer's (rows, rows kept) per rank at this update (:attr:`UpdateResult.chosen`).
     chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    #: Layers whose new state this update rejected (non-finite): they keep their previous one.
+    rejected: list[str] = dataclasses.field(default_factory=list)
     #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
     fallbacks: tuple[list[int], Tensor] | None = None
     study: StudyResult | None = None
@@ -97,9 +99,18 @@ class Outcome:
         return state is not None
 
 
-def update(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:
+def update(
+    stage: UpdateStage,
+    step: int,
+    config: HyLoConfig,
+    context: UpdateContext,
+    outcome: Outcome,
+    rejected_before: Collection[str],
+) -> None:
     """Run the update stage on the layers with rows, with the solvers decided (``outcome.decisions``); their new
-    states (non-finite ones rejected, with a warning) go to ``outcome``."""
+    states go to ``outcome``. A non-finite state is rejected: the layer keeps its previous state until its next
+    scheduled update, the other layers keep their cadence, and a warning names it once per run of rejections
+    (``rejected_before``: the layers rejected at their previous update; docs/reliability.md, "Non-finite values")."""
     solvers = [decision.solver for decision in outcome.decisions]
     jobs = [
         UpdateJob(layer.name, solver, batch, layer.state)
@@ -109,11 +120,14 @@ def update(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCon
     if not jobs:
         return
     result = stage.update(jobs, context, config.distributed.strategy)
-    if result.rejected:
+    outcome.rejected = list(result.rejected)
+    new = [name for name in result.rejected if name not in rejected_before]
+    if new:
         warnings.warn(
-            f"step {step}: non-finite curvature for {result.rejected}; keeping their previous state", stacklevel=5
+            f"step {step}: non-finite curvature for {new}; keeping their previous state (none before their first "
+            "update: their gradients are left raw) until their next scheduled update",
+            stacklevel=5,
         )
-    outcome.needs_update = bool(result.rejected)
     for job in jobs:
         if job.name not in result.rejected:
             outcome.states[job.name] = result.states[job.name]

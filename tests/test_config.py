@@ -7,6 +7,10 @@ valid regular expressions); rank/rank_ratio and ``rows_kept``; the hybrid policy
 
 from __future__ import annotations
 
+import copy
+import typing
+from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from hylo import HyLoConfig, HyLoPreconditioner
-from hylo.config import options
-from tests.kit.checks import assert_same_tensors, state_snapshot
-from tests.kit.models import classifier_inputs, classifier_mlp, mlp, override_model
+from hylo.config import options, resolve
+from hylo.integrity import seal
+from tests.kit.checks import assert_same_tensors, grads, state_snapshot
+from tests.kit.models import backward, classifier_inputs, classifier_mlp, mlp, override_model, run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -76,6 +81,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
         ({"profile_dir": 3}, "profile_dir"),
         ({"rank_every": 0}, "rank_every"),
         ({"rank_top_k": 1.5}, "rank_top_k"),
+        ({"rank_top_k": 4097}, "rank_top_k"),  # one CSV column each: 2**62 would build them at construction
         ({"grad_error_every": True}, "grad_error_every"),
         ({"grad_error_methods": ("kid", "svd")}, "grad_error_methods"),
         ({"grad_error_methods": ()}, "grad_error_methods"),
@@ -257,3 +263,161 @@ def test_config_argument_must_be_a_hylo_config(config: object) -> None:
     pre = HyLoPreconditioner(mlp())
     with pytest.raises(ValueError, match="config must be a hylo.HyLoConfig"):
         pre.reconfigure(config)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- numbers torch and floats cannot take
+def _takes_numbers(kind: Any) -> bool:
+    """Whether an option's type holds an int or a float (alone, in a union or in a tuple)."""
+    return kind in (int, float) or any(_takes_numbers(arg) for arg in typing.get_args(kind))
+
+
+#: How a number becomes each numeric option's value, and the options it needs beside it (every other numeric
+#: option takes the number itself).
+_AS_VALUE: dict[str, tuple[Callable[[object], object], dict[str, object]]] = {
+    "adam_betas": (lambda v: (v, 0.999), {}),
+    "adaptive": (lambda v: (0, 1, v), {"iters_per_epoch": 2}),
+    "grad_error_ratios": (lambda v: (v,), {}),
+    "iters_per_epoch": (lambda v: v, {"adaptive": (0, 1, 2)}),
+    "kl_clip": (lambda v: v, {"lr": 0.1}),
+    "lr": (lambda v: v, {"kl_clip": 1e-3}),
+}
+_NUMERIC = [spec.name for spec in options() if _takes_numbers(spec.type)]
+#: Beyond int64 (what torch makes of a Python int) or beyond a float: each passed the old comparisons
+#: (``0 < 2**70 < inf``) and failed at step() with OverflowError; 10**5000 has no repr (over 4300 digits).
+_HUGE: dict[str, object] = {
+    "2**63": 2**63,
+    "2**70": 2**70,
+    "-2**70": -(2**70),
+    "10**400": 10**400,
+    "-10**400": -(10**400),
+    "10**5000": 10**5000,
+    "Fraction(10**400)": Fraction(10**400),
+}
+_HUGE_CASES = [(name, value) for name in _NUMERIC for value in _HUGE.values()]
+_HUGE_IDS = [f"{name}={label}" for name in _NUMERIC for label in _HUGE]
+
+
+def _huge(name: str, value: object) -> tuple[object, dict[str, object]]:
+    as_value, extra = _AS_VALUE.get(name, (lambda v: v, {}))
+    return as_value(value), extra
+
+
+def test_every_numeric_option_is_covered() -> None:
+    assert {"damping", "kl_clip", "lr", "update_freq", "rank", "adam_betas", "trend_window"} <= set(_NUMERIC)
+    assert set(_AS_VALUE) <= set(_NUMERIC)
+
+
+def _everything(pre: HyLoPreconditioner) -> dict[str, Any]:
+    """What a refused call must leave as it was: the state_dict (states, counters, options), the config."""
+    return {"state_dict": copy.deepcopy(pre.state_dict()), "states": state_snapshot(pre), "steps": pre.steps}
+
+
+def _stepped(steps: int = 2, **options: Any) -> tuple[torch.nn.Module, HyLoPreconditioner]:
+    model = mlp(0)
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=1, damping=0.3, **options)
+    run(model, pre, range(steps))
+    return model, pre
+
+
+@pytest.mark.parametrize(("name", "number"), _HUGE_CASES, ids=_HUGE_IDS)
+def test_a_number_torch_cannot_take_is_refused_naming_the_option(name: str, number: object) -> None:
+    """2**70, 10**400 and the like: a ValueError naming the option from the constructor and from reconfigure()
+    (which changes nothing), not an OverflowError from the next step()."""
+    value, extra = _huge(name, number)
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoConfig(**{name: value, **extra})
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoPreconditioner(mlp(), **{name: value, **extra})
+    model, pre = _stepped()
+    before, config = _everything(pre), pre.config
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        pre.reconfigure(**{name: value, **extra})
+    assert pre.config is config
+    assert_same_tensors(_everything(pre), before)
+    run(model, pre, range(2, 3))  # still usable
+
+
+#: What a sealed state_dict can carry (its checksum takes plain ints; 10**5000 has no repr to checksum).
+_SAVABLE = {label: value for label, value in _HUGE.items() if type(value) is int and label != "10**5000"}
+_SAVED_CASES = [(name, value) for name in _NUMERIC for value in _SAVABLE.values()]
+_SAVED_IDS = [f"{name}={label}" for name in _NUMERIC for label in _SAVABLE]
+
+
+@pytest.mark.parametrize(("name", "number"), _SAVED_CASES, ids=_SAVED_IDS)
+def test_a_saved_option_torch_cannot_take_is_refused_at_load(name: str, number: object) -> None:
+    """A state_dict whose config was edited to hold such a number and sealed again: load_state_dict refuses it
+    naming the option, and nothing changes."""
+    value, extra = _huge(name, number)
+    _, source = _stepped(3)
+    saved = source.state_dict()
+    saved["config"].update({**extra, name: value})
+    saved = seal(saved)
+    model, pre = _stepped()
+    before, config = _everything(pre), pre.config
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        pre.load_state_dict(saved)
+    assert pre.config is config
+    assert_same_tensors(_everything(pre), before)
+    run(model, pre, range(2, 3))
+
+
+_SCHEDULES = [spec.name for spec in options() if spec.schedule]
+_SCHEDULE_CASES = [(name, value) for name in _SCHEDULES for value in _HUGE.values()]
+_SCHEDULE_IDS = [f"{name}={label}" for name in _SCHEDULES for label in _HUGE]
+
+
+@pytest.mark.parametrize(("name", "number"), _SCHEDULE_CASES, ids=_SCHEDULE_IDS)
+def test_a_schedule_returning_a_number_torch_cannot_take_fails_its_step_naming_it(name: str, number: object) -> None:
+    """A callable returning such a number at step 2 (not an update step: factor_update_freq is read there): that
+    step() raises a ValueError naming the option before anything changes; a step with a good value goes on."""
+    good = {"update_freq": 4, "factor_update_freq": 1, "damping": 0.3, "factor_decay": 0.9, "kl_clip": 1e-3, "lr": 0.1}
+    failed: list[int] = []
+
+    def schedule(step: int) -> object:
+        if step == 2 and not failed:
+            failed.append(step)
+            return number
+        return good[name]
+
+    options = {**good, name: schedule}
+    model = mlp(0)
+    pre = HyLoPreconditioner(model, solver="kfac", **options)
+    run(model, pre, range(2))
+    model.zero_grad()
+    backward(model, 2)
+    before, raw = _everything(pre), grads(model)
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        pre.step()
+    assert_same_tensors(_everything(pre), before)
+    assert_same_tensors(grads(model), raw)
+    pre.reconfigure(**{name: good[name]})  # an update_freq failure stays until its callable is replaced
+    run(model, pre, range(2, 4))
+    assert pre.steps == 4
+
+
+def test_numbers_within_int64_reach_the_step_as_floats() -> None:
+    """The largest ints the rules take run: a float option's value reaches torch as a float (lr = 2**62, whose
+    int square 2**124 leaves int64, was an OverflowError in kl_clip's lr²)."""
+    assert type(resolve("damping", 3, 0)) is float and resolve("update_freq", 3, 0) == 3
+    assert type(resolve("lr", lambda step: 2, 0)) is float
+    model = mlp(0)
+    big = 2**63 - 1
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=1, damping=big, kl_clip=big, lr=2**62, trend_window=big)
+    run(model, pre, range(3))
+    assert all(torch.isfinite(g).all() for g in grads(model))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "extra"),
+    [
+        ("lr", 1e300, {"kl_clip": 1e-3}),  # lr² overflows a float (Python's ** raises OverflowError)
+        ("max_unfold_mb", 1e300, {}),  # its bytes overflow: int(inf) blocks
+        ("bucket_cap_mb", 2.0**43, {}),
+        ("study_exact_rows_mb", 1e300, {}),
+    ],
+)
+def test_a_float_whose_use_overflows_is_refused_naming_the_option(
+    name: str, value: float, extra: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        HyLoConfig(**{name: value, **extra})

@@ -276,8 +276,8 @@ def test_memory_breakdown_is_what_the_preconditioner_holds(solver: str) -> None:
         reachable = _reachable_storages(pre)
         assert (len(reachable), sum(reachable.values())) == (after.tensors, after.total), step
         assert sum(after.captured.values()) == 0
-        # states of equal-size layers share the storages of their batched solves, which they tile
-        # exactly: the bytes of the distinct storages are the bytes of the state tensors
+        # every state tensor owns its storage (docs/reliability.md, "One layout"): the bytes of the
+        # distinct storages are the bytes of the state tensors
         assert sum(after.state.values()) == sum(pre.memory_usage().values()) > 0
 
 

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.config import resolve
-from hylo.layers.registry import register_layers
+from hylo.layers.walk import register_layers
 from tests.kit.checks import DT
 from tests.kit.models import backward, batch, mlp
 

@@ -188,7 +188,9 @@ class AttentionTap:
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        if not mode.handled and not self._warned:
+        if self._warned:
+            return
+        if not mode.handled:
             self._warned = True
             warnings.warn(
                 f"hylo: the attention module {self.name!r} did not call F.multi_head_attention_forward "
@@ -196,6 +198,33 @@ class AttentionTap:
                 "version hylo does not know); they keep their previous state",
                 stacklevel=2,
             )
+        elif mode.foreign is not None:
+            self._warned = True
+            warnings.warn(
+                f"hylo: the attention module {self.name!r} called F.multi_head_attention_forward with a "
+                f"{mode.foreign} that is not its own parameter (a forward of its own), so its projections were "
+                "not captured: hylo cannot tell their gradients' rows; they keep their previous state",
+                stacklevel=2,
+            )
+
+    def foreign(self, call: inspect.BoundArguments) -> str | None:
+        """The first projection parameter of ``F.multi_head_attention_forward``'s ``call`` that is not the attention
+        module's own (read now, as its forward read it), or None: only then are the captured rows its projections'
+        (docs/transformers.md, "Attention")."""
+        args, attention = call.arguments, self.attention
+        own: dict[str, Tensor | None] = {
+            "in_proj_weight": attention.in_proj_weight,
+            "in_proj_bias": attention.in_proj_bias,
+            "out_proj_weight": attention.out_proj.weight,
+            "out_proj_bias": attention.out_proj.bias,
+        }
+        if args.get("use_separate_proj_weight"):
+            own.update(
+                q_proj_weight=attention.q_proj_weight,
+                k_proj_weight=attention.k_proj_weight,
+                v_proj_weight=attention.v_proj_weight,
+            )
+        return next((name for name, tensor in own.items() if args.get(name) is not tensor), None)
 
     def remove(self) -> None:
         """Detach the hooks (a forward in progress finishes without capturing)."""
@@ -384,6 +413,8 @@ class _AttentionMode(TorchFunctionMode):
         self.tap = tap
         self.wanted = wanted
         self.handled = False
+        #: The projection parameter the call passed that is not the module's own (then nothing is captured).
+        self.foreign: str | None = None
 
     def __torch_function__(
         self,
@@ -395,5 +426,8 @@ class _AttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.multi_head_attention_forward and not self.handled:
             self.handled = True
-            return self.tap.forward(_MHA_SIGNATURE.bind(*args, **kwargs), self.wanted)
+            call = _MHA_SIGNATURE.bind(*args, **kwargs)
+            self.foreign = self.tap.foreign(call)
+            if self.foreign is None:
+                return self.tap.forward(call, self.wanted)
         return func(*args, **kwargs)

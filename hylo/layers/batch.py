@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
-from hylo.layers.math import LayerMath
+from hylo.layers.math import LayerMath, naming_layer
 from hylo.layers.statistics import Call, CallStatistic, CapturedCall
 
 #: What damping λ is measured against (docs/solvers.md, "K-FAC conventions"): hylo's Fisher of
@@ -103,8 +103,10 @@ class LayerBatch:
         grad_scale: float = 1.0,
         convention: DampingConvention = "hylo",
     ) -> LayerBatch:
-        """Count the rows of this step's calls, reduced or (input, output gradient) pairs (none: a rank without rows)."""
-        captured = tuple(CapturedCall.of(math, call) for call in calls)
+        """Count the rows of this step's calls, reduced or (input, output gradient) pairs (none: a rank without rows);
+        an error of the layer's math names the layer."""
+        with naming_layer(math):
+            captured = tuple(CapturedCall.of(math, call) for call in calls)
         rows = sum(c.rows for c in captured)
         kept = rows_kept(rows) if rows else 0
         return cls(math, captured, rows, sum(c.kfac_rows for c in captured), kept, grad_scale, convention)
@@ -128,20 +130,22 @@ class LayerBatch:
         return scale
 
     def collect(self, statistic: CallStatistic[T]) -> T:
-        """``statistic`` over all calls, output gradients scaled by the step's sample count (empty without rows)."""
+        """``statistic`` over all calls, output gradients scaled by the step's sample count (empty without rows);
+        an error raised here names the layer."""
         math = self.math
-        if not self.calls or not self.rows:
-            return statistic.empty(math)
-        scale = self._g_scale
-        values = []
-        for call in self.calls:
-            if statistic in call.reduced:  # reduced with g·call.scale: rescale to g·scale
-                values.append(statistic.rescaled(math, call.reduced[statistic], scale / call.scale))
-            elif call.raw is not None:
-                values.append(statistic.of_call(math, *call.raw, scale))
-            else:
-                raise RuntimeError(
-                    f"layer {math.name!r}: this step's calls were reduced in the backward without their "
-                    f"{statistic.name}; the update must use the path they were reduced for"
-                )
-        return statistic.merged(math, values, self.rows, self.kfac_rows)
+        with naming_layer(math):
+            if not self.calls or not self.rows:
+                return statistic.empty(math)
+            scale = self._g_scale
+            values = []
+            for call in self.calls:
+                if statistic in call.reduced:  # reduced with g·call.scale: rescale to g·scale
+                    values.append(statistic.rescaled(math, call.reduced[statistic], scale / call.scale))
+                elif call.raw is not None:
+                    values.append(statistic.of_call(math, *call.raw, scale))
+                else:
+                    raise RuntimeError(
+                        f"layer {math.name!r}: this step's calls were reduced in the backward without their "
+                        f"{statistic.name}; the update must use the path they were reduced for"
+                    )
+            return statistic.merged(math, values, self.rows, self.kfac_rows)

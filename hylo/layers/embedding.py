@@ -53,8 +53,16 @@ class EmbeddingMath(LayerMath):
         return tokens, None if pad is None else tokens != pad
 
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
-        """Every token (every position of the index tensor, padding included) is a row for both paths."""
+        """Every token (every position of the index tensor, padding included) is a row for both paths;
+        ``ValueError`` when the output gradient is not one ``embedding_dim`` row per index (the call was not
+        a lookup of its first argument: docs/extending.md, "Subclasses")."""
         rows = x.numel()
+        if grad_out.numel() != rows * self.d_g:
+            raise ValueError(
+                f"layer {self.name!r}: a call's output has shape {tuple(grad_out.shape)}, not one row of "
+                f"{self.d_g} per index of its first argument (shape {tuple(x.shape)}): the call was not a "
+                "lookup of its first argument"
+            )
         return rows, rows
 
     def _g(self, grad_out: Tensor, scale: float) -> Tensor:
@@ -84,6 +92,11 @@ class EmbeddingMath(LayerMath):
             counts = torch.bincount(tokens, minlength=self.d_a).to(dtype)
         else:
             counts = torch.bincount(tokens, weights=keep.to(dtype), minlength=self.d_a).to(dtype)
+        if counts.numel() != self.d_a:  # known without a host sync: bincount sized its result
+            raise ValueError(
+                f"layer {self.name!r}: a call's largest index is {counts.numel() - 1}, beyond the "
+                f"{self.d_a} rows of the table: the call was not a lookup of its first argument"
+            )
         g = self._g(grad_out, scale)
         return torch.diag(counts), g.mT @ g
 

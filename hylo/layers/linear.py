@@ -21,8 +21,15 @@ class LinearMath(LayerMath):
         return a, g * scale
 
     def row_counts(self, x: Tensor, grad_out: Tensor) -> tuple[int, int]:
-        """Every leading position is a row for both paths."""
+        """Every leading position is a row for both paths; ``ValueError`` when the input and the output gradient
+        have different leading positions (the call was not this Linear applied to its first argument)."""
         rows = x.numel() // x.shape[-1]
+        if grad_out.numel() // max(grad_out.shape[-1], 1) != rows:
+            raise ValueError(
+                f"layer {self.name!r}: a call's input has shape {tuple(x.shape)} and its output "
+                f"{tuple(grad_out.shape)}: not one output row per input row, so the call was not the layer "
+                "applied to its first argument"
+            )
         return rows, rows
 
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> FactoredRows:

@@ -13,8 +13,13 @@ W's last column and every activation row gets a trailing 1. From a mean-reduced 
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +28,86 @@ from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.rows import SampleRows
 from hylo.layers.sharded import grad_shard, is_sharded, local, unsupported_layout
 from hylo.numerics import working_dtype
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+#: The :class:`LayerMath` methods whose errors name the layer (:func:`named_error`), in every subclass too.
+NAMED_METHODS = (
+    "row_counts",
+    "lowrank_rows",
+    "empty_rows",
+    "row_work",
+    "kfac_factors",
+    "kaisa_ratio",
+    "exact_rows_math",
+    "grad_tensor",
+    "weight_grad",
+    "bias_grad",
+    "sharding_problem",
+    "grad_shard",
+    "grad_parts",
+    "weight_matrix",
+    "write_weight_matrix",
+    "grad_matrix",
+    "set_grad_matrix",
+)
+
+
+def named_error(err: Exception, name: str, kind: str) -> Exception | None:
+    """``err`` as an error whose message names the layer ``name`` (of module type ``kind``), or None when
+    its message names the layer already (docs/reliability.md, "Registration").
+
+    The new error is of ``err``'s type where that type takes a message alone (so that what catches
+    the type still does: ``torch.OutOfMemoryError``, ``LinAlgError``), a ``RuntimeError`` otherwise;
+    raise it ``from err``, which keeps the original and its traceback as the cause.
+    """
+    text = str(err)
+    if getattr(err, "hylo_layer", None) is not None or f"layer {name!r}" in text:
+        return None
+    message = f"layer {name!r} ({kind}): {text}"
+    try:
+        named = type(err)(message)
+    except Exception:
+        named = RuntimeError(message)
+    if str(named) != message:  # e.g. KeyError quotes its message
+        named = RuntimeError(message)
+    setattr(named, "hylo_layer", name)  # noqa: B010 (an attribute no exception class declares)
+    return named
+
+
+def _raise_named(math: LayerMath, err: Exception) -> None:
+    """Raise ``err`` renamed after ``math``'s layer (chained), or nothing when it names the layer already."""
+    module = getattr(math, "module", None)
+    named = named_error(err, getattr(math, "name", type(math).__name__), type(module).__name__)
+    if named is not None:
+        raise named from err
+
+
+@contextmanager
+def naming_layer(math: LayerMath) -> Iterator[None]:
+    """Errors raised inside name ``math``'s layer (:func:`named_error`)."""
+    try:
+        yield
+    except Exception as err:
+        _raise_named(math, err)
+        raise
+
+
+def _names_layer(method: _Method) -> _Method:
+    """``method`` of a :class:`LayerMath`, its errors naming the layer."""
+    if getattr(method, "_hylo_names_layer", False):
+        return method
+
+    @functools.wraps(method)
+    def named(self: LayerMath, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:
+            _raise_named(self, err)
+            raise
+
+    setattr(named, "_hylo_names_layer", True)  # noqa: B010
+    return named  # type: ignore[return-value]
 
 
 def with_ones(a: Tensor) -> Tensor:
@@ -41,7 +126,18 @@ class LayerMath(ABC):
     :meth:`grad_tensor`), and where the weight's gradient is not ∇W's weight part reshaped, how one
     maps to the other (:meth:`weight_matrix`, :meth:`write_weight_matrix`). The rest has defaults: :attr:`dense_rows`, :attr:`rows_form`,
     :meth:`kaisa_ratio`, :meth:`exact_rows_math`, :attr:`module_type`.
+
+    An error raised by one of these methods (:data:`NAMED_METHODS`, in a subclass too) names the
+    layer: it is re-raised as ``layer '<name>' (<module type>): <message>``, chained to the original
+    (docs/reliability.md, "Registration").
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in NAMED_METHODS:
+            method = cls.__dict__.get(name)
+            if isinstance(method, types.FunctionType):
+                setattr(cls, name, _names_layer(method))
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -217,3 +313,9 @@ class LayerMath(ABC):
         self.write_weight_matrix(weight_grad, matrix[:, :n_weight])
         if bias_grad is not None:
             bias_grad.copy_(matrix[:, n_weight].reshape(bias_grad.shape))
+
+
+for _name in NAMED_METHODS:
+    _method = LayerMath.__dict__[_name]
+    if not getattr(_method, "__isabstractmethod__", False):
+        setattr(LayerMath, _name, _names_layer(_method))

@@ -1,4 +1,4 @@
-"""Which modules hylo preconditions: the layer-type registry and the walk over a model.
+"""The layer-type registry: which module classes hylo knows and the math each one maps to.
 
 A layer type maps a module class to its :class:`~hylo.layers.math.LayerMath` (docs/extending.md,
 "Layer types"). The built-in types are ``nn.Linear``, the convolutions ``nn.Conv2d``,
@@ -7,37 +7,30 @@ left alone with its reason), ``nn.Embedding``, and ``nn.MultiheadAttention``, wh
 projections are registered as Linear layers through an attention tap
 (:mod:`hylo.layers.attention`). :func:`register_layer_type` adds a type from user code
 (docs/extending.md); a module's type is looked up along its class's method resolution order, so
-a subclass of a registered class is supported unless registered itself. Layer types of other
+a subclass of a registered class is supported unless registered itself, as long as it keeps that
+class's ``forward``: a subclass with a ``forward`` of its own (Hugging Face's learned position
+tables, which look up positions computed from their argument) is not assumed to compute the
+registered class's operation on its first argument, and stays with the optimizer with its reason
+until it is registered itself (docs/extending.md, "Subclasses"). Layer types of other
 packages (Hugging Face's ``Conv1D``) are registered through :func:`register_layer_type` once their
 module has been imported, never importing it (docs/extending.md, "Layers of other packages").
-A layer whose weight or bias is tied (held by another module too) stays with the optimizer
-(:mod:`hylo.layers.ties`).
+The walk over a model that applies the registry is :mod:`hylo.layers.walk`.
 """
 
 from __future__ import annotations
 
-import re
 import sys
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
-from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
-from torch.nn.utils import parametrize
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
+from torch import nn
 
-from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
-from hylo.layers.capture import LayerCapture
-from hylo.layers.compiled import unwrap_compiled
 from hylo.layers.conv import ConvMath
 from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
 from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
-from hylo.layers.ties import Holder, find_holders, own_attr, tied_reason
 
 if TYPE_CHECKING:
     from hylo.config import HyLoConfig
@@ -80,26 +73,59 @@ _LAYER_TYPES: dict[type[nn.Module], LayerType] = {}
 
 
 def register_layer_type(
-    module_class: type[nn.Module], math: MathFactory, *, unsupported: UnsupportedReason | None = None
+    module_class: type[nn.Module],
+    math: MathFactory | type[nn.Module],
+    *,
+    unsupported: UnsupportedReason | None = None,
 ) -> LayerTypeHandle:
     """Precondition modules of ``module_class`` (and of its subclasses) with ``math(module, config)``.
 
     ``math`` returns a :class:`~hylo.layers.math.LayerMath` for the module, or None when this
     instance cannot be preconditioned; ``unsupported(module)`` then says why (in ``summary()`` and
-    the constructor's warning). Registering a class again replaces its entry; the returned
-    handle's ``remove()`` undoes the registration. Preconditioners made before keep their layers.
+    the constructor's warning). ``math`` may instead be a registered class that ``module_class``
+    subclasses (``register_layer_type(MyEmbedding, nn.Embedding)``): its math and reason, as
+    registered now, for a subclass whose own ``forward`` computes that class's operation on its
+    first argument (docs/extending.md, "Subclasses"). A subclass of ``module_class`` with a
+    ``forward`` of its own is not covered: it must be registered itself. Registering a class again
+    replaces its entry; the returned handle's ``remove()`` undoes the registration. Preconditioners
+    made before keep their layers.
     """
     if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
         raise ValueError(f"register_layer_type needs an nn.Module subclass, got {module_class!r}")
-    if not callable(math):
-        raise ValueError(f"register_layer_type: math must be callable (module, config) -> LayerMath, got {math!r}")
     if unsupported is not None and not callable(unsupported):
         raise ValueError(f"register_layer_type: unsupported must be callable (module) -> str, got {unsupported!r}")
     if issubclass(module_class, nn.MultiheadAttention):
         raise ValueError("nn.MultiheadAttention is registered through its projections; it cannot be replaced")
+    factory: MathFactory
+    if isinstance(math, type) and issubclass(math, nn.Module):  # a class of math's own is a factory
+        base = _registered_base(module_class, math)
+        factory, unsupported = base.math, unsupported or base.unsupported
+    elif callable(math):
+        factory = cast(MathFactory, math)
+    else:
+        raise ValueError(f"register_layer_type: math must be callable (module, config) -> LayerMath, got {math!r}")
     previous = _LAYER_TYPES.get(module_class)
-    _LAYER_TYPES[module_class] = LayerType(module_class, math, unsupported)
+    _LAYER_TYPES[module_class] = LayerType(module_class, factory, unsupported)
     return LayerTypeHandle(module_class, previous)
+
+
+def _registered_base(module_class: type[nn.Module], base: type[nn.Module]) -> LayerType:
+    """The registered type of ``base``, a class that ``module_class`` subclasses, for ``register_layer_type(module_class,
+    base)``; ``ValueError`` when ``base`` is not such a class or is not registered."""
+    if not issubclass(module_class, base):
+        raise ValueError(
+            f"register_layer_type({module_class.__name__}, {base.__name__}): a class given as the math must be a "
+            f"registered class that {module_class.__name__} subclasses; pass a factory (module, config) -> LayerMath "
+            "otherwise"
+        )
+    _register_other_packages()
+    found = _class_type(base)
+    if found is None or not _keeps_forward(base, found):
+        raise ValueError(
+            f"register_layer_type({module_class.__name__}, {base.__name__}): {base.__name__} is not a registered "
+            f"layer type ({', '.join(supported_types())}){'' if found is None else ', nor a subclass of one that keeps its forward'}"
+        )
+    return found
 
 
 #: Layer types of other packages: (module, class name, math). Each is registered through
@@ -119,20 +145,58 @@ def _register_other_packages() -> None:
             register_layer_type(cls, math)
 
 
-def layer_type_of(module: nn.Module) -> LayerType | None:
-    """The registered type of ``module``: the first class of its method resolution order that is registered."""
-    _register_other_packages()
-    for cls in type(module).__mro__:
-        found = _LAYER_TYPES.get(cls)
+def _class_type(cls: type) -> LayerType | None:
+    """The registered type of ``cls``: the first class of its method resolution order that is registered."""
+    for base in cls.__mro__:
+        found = _LAYER_TYPES.get(base)
         if found is not None:
             return found
     return None
 
 
+def layer_type_of(module: nn.Module) -> LayerType | None:
+    """The registered type of ``module``: the first class of its method resolution order that is registered.
+
+    That type's math applies to the module only if :func:`own_forward` finds no ``forward`` of its own.
+    """
+    _register_other_packages()
+    return _class_type(type(module))
+
+
+def _keeps_forward(cls: type, layer_type: LayerType) -> bool:
+    """Whether ``cls`` is ``layer_type``'s class or a subclass of it that keeps its ``forward``."""
+    base = layer_type.module_class
+    return cls is base or getattr(cls, "forward", None) is getattr(base, "forward", None)
+
+
+def own_forward(module: nn.Module, layer_type: LayerType) -> str | None:
+    """Why ``module`` is not taken for ``layer_type``'s operation, or None when it is.
+
+    A module is its registered class's operation when its class is that class, or a subclass that
+    keeps its ``forward`` (one that only adds attributes or methods, or a wrapper class such as
+    ``fully_shard``'s, which adds none). A subclass with a ``forward`` of its own may compute anything
+    from anything (Hugging Face's learned position tables look up positions computed from a mask,
+    or ignore their argument's values), so the rows hylo would take from its first argument and its
+    output are not known to be its gradient's: it stays with the optimizer until registered itself
+    (docs/extending.md, "Subclasses").
+    """
+    kind, base = type(module), layer_type.module_class
+    if _keeps_forward(kind, layer_type):
+        return None
+    return (
+        f"{kind.__name__} subclasses {base.__name__} with a forward of its own, which hylo does not take for "
+        f"{base.__name__}'s operation on its first argument: it stays with the optimizer; if its forward is "
+        f"that operation, register it: hylo.register_layer_type({kind.__name__}, {base.__name__})"
+    )
+
+
 def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
-    """The math of ``module`` by its registered type, or None when its type is not registered or refuses it."""
+    """The math of ``module`` by its registered type, or None when its type is not registered, refuses it,
+    or the module's class is a subclass with a ``forward`` of its own (:func:`own_forward`)."""
     layer_type = layer_type_of(module)
-    math = None if layer_type is None else layer_type.math(module, config)
+    if layer_type is None or own_forward(module, layer_type) is not None:
+        return None
+    math = layer_type.math(module, config)
     if math is not None and not isinstance(math, LayerMath):
         raise ValueError(
             f"the math registered for {type(module).__name__} returned {type(math).__name__}, "
@@ -195,8 +259,12 @@ register_layer_type(nn.Embedding, _embedding, unsupported=_embedding_refused)
 def unsupported_reason(module: nn.Module) -> str:
     """Why a module with matrix parameters is left unregistered (for the summary and warning)."""
     layer_type = layer_type_of(module)
-    if layer_type is not None and layer_type.unsupported is not None:
-        return layer_type.unsupported(module)
+    if layer_type is not None:
+        own = own_forward(module, layer_type)
+        if own is not None:
+            return own
+        if layer_type.unsupported is not None:
+            return layer_type.unsupported(module)
     kind = type(module).__name__
     if isinstance(module, nn.EmbeddingBag):
         return (
@@ -204,261 +272,3 @@ def unsupported_reason(module: nn.Module) -> str:
             "optimizer; nn.Embedding is supported"
         )
     return f"{kind} is not a supported layer type ({', '.join(supported_types())}; see hylo.register_layer_type)"
-
-
-@dataclass(frozen=True)
-class FoundLayer:
-    """A module hylo preconditions: its name, its math and its capture hooks."""
-
-    name: str
-    math: LayerMath
-    capture: LayerCapture
-
-
-@dataclass
-class Registration:
-    """Result of walking a model: registered layers and the modules left alone, with reasons.
-
-    ``taps`` are the hooks of attention modules whose projections are registered layers.
-    """
-
-    layers: list[FoundLayer] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    unsupported: list[tuple[str, str]] = field(default_factory=list)
-    taps: list[AttentionTap] = field(default_factory=list)
-
-    def warn_unsupported(self) -> None:
-        """One warning listing the modules with matrix parameters hylo leaves alone, grouped by reason."""
-        if not self.unsupported:
-            return
-        by_reason: dict[str, list[str]] = {}
-        for name, why in self.unsupported:
-            by_reason.setdefault(why, []).append(name or "<root>")
-        listed = "; ".join(
-            f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-            for why, names in by_reason.items()
-        )
-        warnings.warn(
-            f"hylo leaves {len(self.unsupported)} modules unpreconditioned ({listed}); see summary()", stacklevel=4
-        )
-
-    def remove(self) -> None:
-        """Detach every hook of the registered layers and attention modules."""
-        for tap in self.taps:
-            tap.remove()
-        for layer in self.layers:
-            layer.capture.remove()
-
-
-def _matcher(patterns: tuple[str, ...]) -> Callable[[str, nn.Module], bool]:
-    """Whether a module's name or its class name fully matches one of ``patterns``."""
-    try:
-        compiled = [re.compile(pattern) for pattern in patterns]
-    except re.error as err:
-        raise ValueError(f"skip_layers holds an invalid regular expression: {err}") from err
-
-    def matches(name: str, module: nn.Module) -> bool:
-        cls = type(module).__name__
-        return any(rx.fullmatch(name) or rx.fullmatch(cls) for rx in compiled)
-
-    return matches
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel/DataParallel and ``torch.compile``'s wrapper, or ``model`` itself."""
-    model = unwrap_compiled(model)
-    inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module) and isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        return unwrap_compiled(inner)
-    return model
-
-
-def _snake(name: str) -> str:
-    """``_WeightNorm`` → ``weight_norm``: a parametrization's class name as the summary shows it."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
-
-
-def _parametrizations(module: nn.Module) -> nn.ModuleDict:
-    """The ``parametrizations`` container of a parametrized module."""
-    container = module.parametrizations
-    assert isinstance(container, nn.ModuleDict)
-    return container
-
-
-def _parametrized_reason(module: nn.Module) -> str | None:
-    """Why ``module``'s weight or bias is not the leaf Parameter hylo writes to, or None if it is.
-
-    Covers ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``,
-    ``orthogonal``, ...), the old hooks ``torch.nn.utils.weight_norm``/``spectral_norm`` and any
-    other weight or bias computed from other tensors.
-    """
-    for attr in ("weight", "bias"):
-        kinds: list[str] = []
-        if parametrize.is_parametrized(module, attr):
-            kinds = [_snake(type(p).__name__) for p in _parametrizations(module)[attr].children()]
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, WeightNorm) and hook.name == attr:
-                kinds.append("weight_norm")
-            elif isinstance(hook, SpectralNorm) and hook.name == attr:
-                kinds.append("spectral_norm")
-        if kinds:
-            return (
-                f"{attr} is parametrized ({', '.join(kinds)}): its gradient belongs to the parametrization's parameters"
-            )
-        value = getattr(module, attr, None)
-        if isinstance(value, Tensor) and not is_lazy(value) and not value.is_leaf:
-            return f"{attr} is computed from other tensors (not a leaf Parameter): hylo cannot write its gradient"
-    return None
-
-
-def _register_attention(
-    name: str,
-    attention: nn.MultiheadAttention,
-    skip: Callable[[str, nn.Module], bool],
-    holders: dict[int, list[Holder]],
-    result: Registration,
-) -> None:
-    """Register the q/k/v/out projections of one attention module as Linear layers (docs/transformers.md, "Attention").
-
-    A projection whose weight or bias is tied (``out_proj.weight``, ``in_proj_weight``, ``in_proj_bias`` or a
-    ``q/k/v_proj_weight`` held elsewhere too) stays with the optimizer, with the reason.
-    """
-    if skip(name, attention):
-        result.skipped.append((name, "skip_layers"))
-        return
-    if parametrize.is_parametrized(attention) or parametrize.is_parametrized(attention.out_proj):
-        result.unsupported.append((name, "MultiheadAttention with parametrized projections"))
-        return
-    captures: dict[str, LayerCapture] = {}
-    for part in PROJECTIONS:
-        layer_name = projection_name(name, part)
-        math: LayerMath = OutProjectionMath(attention) if part == "out" else ProjectionMath(attention, part)
-        math.name = layer_name
-        if skip(layer_name, attention.out_proj if part == "out" else attention):
-            result.skipped.append((layer_name, "skip_layers"))
-            continue
-        if part == "out":
-            parts = [("out_proj.weight", math.weight), ("out_proj.bias", math.bias)]
-        else:
-            packed = attention.in_proj_weight is not None
-            parts = [("in_proj_weight" if packed else f"{part}_proj_weight", math.weight), ("in_proj_bias", math.bias)]
-        tied = tied_reason(holders, attention, parts)
-        if tied is not None:
-            result.unsupported.append((layer_name, tied))
-            continue
-        if not math.weight.requires_grad:
-            result.skipped.append((layer_name, "weight does not require grad"))
-            continue
-        capture = LayerCapture(None, layer_name)
-        captures[part] = capture
-        result.layers.append(FoundLayer(layer_name, math, capture))
-    for extra in ("bias_k", "bias_v"):
-        if getattr(attention, extra, None) is not None:
-            result.skipped.append((f"{name}.{extra}" if name else extra, "a bias vector: stays with the optimizer"))
-    if captures:
-        result.taps.append(AttentionTap(attention, captures, name or "<root>"))
-
-
-_NORMALISATIONS: tuple[type[nn.Module], ...] = tuple(
-    kind
-    for kind in (
-        nn.modules.batchnorm._NormBase,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        getattr(nn, "RMSNorm", None),  # torch >= 2.4
-        nn.LocalResponseNorm,
-    )
-    if kind is not None
-)
-
-
-def _stays_with_optimizer(module: nn.Module) -> str | None:
-    """Why a module's parameters are left to the optimizer by design (normalisation, vectors only), or None."""
-    if isinstance(module, _NORMALISATIONS):
-        return f"{type(module).__name__}: normalisation scales and biases stay with the optimizer"
-    if all(p.dim() <= 1 for p in module.parameters(recurse=False)):
-        return f"{type(module).__name__}: only vector parameters (scales, biases), which stay with the optimizer"
-    return None
-
-
-def _internal_modules(model: nn.Module) -> set[int]:
-    """Ids of modules used only inside another: a MultiheadAttention's projections, parametrizations."""
-    inner: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, nn.MultiheadAttention):
-            inner.update(id(sub) for sub in module.modules() if sub is not module)
-        if parametrize.is_parametrized(module):
-            inner.update(id(sub) for sub in _parametrizations(module).modules())
-    return inner
-
-
-def _check_lazy(model: nn.Module, skip: Callable[[str, nn.Module], bool], inner: set[int]) -> None:
-    """Raise ``ValueError`` naming the non-skipped layers whose parameters are still uninitialized."""
-    lazy = [
-        name or "<root>"
-        for name, module in model.named_modules()
-        if id(module) not in inner
-        and any(is_lazy(p) for p in module.parameters(recurse=False))
-        and not skip(name, module)
-    ]
-    if lazy:
-        raise ValueError(
-            f"layers {lazy} have uninitialized (lazy) parameters: run one forward pass of the model "
-            "(a dry run on a batch) before creating the HyLoPreconditioner"
-        )
-
-
-def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
-    """Hook every supported, trainable, non-skipped layer of ``model``; list the rest.
-
-    A layer captures at the steps its capture's ``active`` flag is set for (by the planner).
-    """
-    skip = _matcher(config.skip_layers)
-    model = _unwrap(model)
-    inner = _internal_modules(model)
-    _check_lazy(model, skip, inner)
-    holders = find_holders(model)
-    result = Registration()
-    try:
-        for name, module in model.named_modules():
-            if id(module) in inner:
-                continue
-            if isinstance(module, nn.MultiheadAttention):
-                _register_attention(name, module, skip, holders, result)
-                continue
-            parametrized = _parametrized_reason(module)
-            if parametrized is None and next(module.parameters(recurse=False), None) is None:
-                continue
-            if skip(name, module):
-                result.skipped.append((name, "skip_layers"))
-                continue
-            if parametrized is not None:
-                result.unsupported.append((name, parametrized))
-                continue
-            math = layer_math(module, config)
-            kept = None if math is not None else _stays_with_optimizer(module)
-            if kept is not None:
-                result.skipped.append((name, kept))
-                continue
-            if math is None:
-                result.unsupported.append((name, unsupported_reason(module)))
-                continue
-            parts = [
-                (own_attr(module, tensor, role), tensor)
-                for role, tensor in (("weight", math.weight), ("bias", math.bias))
-                if tensor is not None
-            ]
-            tied = tied_reason(holders, module, parts)
-            if tied is not None:
-                result.unsupported.append((name, tied))
-                continue
-            math.name = name
-            if not math.weight.requires_grad:
-                result.skipped.append((name, "weight does not require grad"))
-                continue
-            capture = LayerCapture(module, name)
-            result.layers.append(FoundLayer(name, math, capture))
-    except BaseException:
-        result.remove()  # leave no hooks behind
-        raise
-    return result

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from hylo.layers.math import LayerMath
+from hylo.layers.math import LayerMath, naming_layer
 from hylo.layers.rows import DenseRows, FactoredRows, SampleRows, concat_rows
 
 T = TypeVar("T")
@@ -196,15 +196,17 @@ def capture_call(math: LayerMath, x: Tensor, grad_out: Tensor, plan: CapturePlan
 
     The rule keeps a Linear's low-rank calls raw (its rows are its input and output gradient) and
     reduces a convolution's (its rows and factors are far smaller than its feature maps), except
-    where a K-FAC factor (d_a² numbers) outweighs a small batch's feature maps.
+    where a K-FAC factor (d_a² numbers) outweighs a small batch's feature maps. An error raised here
+    (in the backward that runs the hook) names the layer.
     """
-    rows, kfac_rows = math.row_counts(x, grad_out)
-    if plan is None:
-        return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
-    statistics = sorted(plan.statistics, key=lambda statistic: statistic.name)
-    numbers = sum(statistic.numbers(math, rows, kfac_rows) for statistic in statistics)
-    raw_bytes = x.numel() * x.element_size() + grad_out.numel() * grad_out.element_size()
-    if numbers * math.dtype.itemsize >= raw_bytes:
-        return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
-    reduced = {statistic: statistic.of_call(math, x, grad_out, plan.scale) for statistic in statistics}
-    return CapturedCall(rows, kfac_rows, reduced=reduced, scale=plan.scale)
+    with naming_layer(math):
+        rows, kfac_rows = math.row_counts(x, grad_out)
+        if plan is None:
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
+        statistics = sorted(plan.statistics, key=lambda statistic: statistic.name)
+        numbers = sum(statistic.numbers(math, rows, kfac_rows) for statistic in statistics)
+        raw_bytes = x.numel() * x.element_size() + grad_out.numel() * grad_out.element_size()
+        if numbers * math.dtype.itemsize >= raw_bytes:
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
+        reduced = {statistic: statistic.of_call(math, x, grad_out, plan.scale) for statistic in statistics}
+        return CapturedCall(rows, kfac_rows, reduced=reduced, scale=plan.scale)

@@ -20,6 +20,7 @@ payload needs.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from abc import ABC, abstractmethod
@@ -40,6 +41,83 @@ def _nbytes(tensors: Mapping[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` gives (row-major; a dimension of size 0 or 1 counted as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_canonical(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is laid out as every held state's tensors are (docs/reliability.md, "One layout"): dense
+    row-major strides, at offset 0 of a storage that holds exactly its bytes (no other tensor's data beside them).
+    A sparse tensor counts as canonical (a state never holds one: ``from_dict`` refuses it)."""
+    if tensor.layout != torch.strided:
+        return True
+    return (
+        tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+        and (1 not in tensor.shape or tensor.stride() == _row_major(tensor.shape))
+    )
+
+
+def canonical(tensor: Tensor) -> Tensor:
+    """``tensor`` itself when :func:`is_canonical`, else a copy in that layout (a fresh allocation, detached)."""
+    if is_canonical(tensor):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device).copy_(tensor.detach())
+
+
+#: Values that hold no tensor (a tuple: ``isinstance`` with a ``|`` union would build the union at every call).
+_PLAIN = (int, float, str, bool, type(None))
+#: Init fields of each dataclass type :func:`canonical_held` has walked (a state is rebuilt at every kfac_adam step).
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _init_fields(kind: type) -> tuple[str, ...]:
+    names = _INIT_FIELDS.get(kind)
+    if names is None:
+        names = _INIT_FIELDS[kind] = tuple(spec.name for spec in dataclasses.fields(kind) if spec.init)
+    return names
+
+
+def _changed_fields(value: Any) -> dict[str, Any]:
+    """The init fields of the dataclass instance ``value`` whose :func:`canonical_held` is a new object."""
+    changed = {}
+    for name in _init_fields(type(value)):
+        item = getattr(value, name)
+        if (held := canonical_held(item)) is not item:
+            changed[name] = held
+    return changed
+
+
+def canonical_held(value: Any) -> Any:
+    """``value`` with every tensor it holds :func:`canonical`: a tensor, a mapping's values (a new dict where one
+    changed), a dataclass instance's init fields (``dataclasses.replace`` where one changed, e.g. a state's
+    :class:`~hylo.layers.rows.SampleRows`); anything else as it is. The same object where nothing changed."""
+    if isinstance(value, Tensor):
+        return canonical(value)
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Mapping):
+        held = {key: canonical_held(item) for key, item in value.items()}
+        return held if any(held[key] is not item for key, item in value.items()) else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = _changed_fields(value)
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
+
+
+def canonicalize(state: object) -> None:
+    """Put every tensor the dataclass instance ``state`` holds in the canonical layout, in place
+    (:func:`canonical_held` of each init field; no copy of a tensor already canonical)."""
+    for name, held in _changed_fields(state).items():
+        object.__setattr__(state, name, held)
+
+
 class LayerState(ABC):
     """A layer's solved curvature: applied to its gradient at every step until the next update."""
 
@@ -51,6 +129,14 @@ class LayerState(ABC):
     #: Keys :meth:`to_dict` adds to a checkpoint entry beyond ``damping`` and ``tensors``.
     entry_keys: ClassVar[frozenset[str]] = frozenset()
     damping: float
+
+    def __post_init__(self) -> None:
+        """Every tensor of the state in the one layout whichever way it was built — an update's ``assemble``, a
+        refresh or a step that advances it (``dataclasses.replace``), ``from_dict`` — so that its products round
+        alike and a resumed run continues bit for bit (docs/reliability.md, "One layout"); ``copy.deepcopy`` keeps
+        that layout. Run by a dataclass state's ``__init__``; a subclass that defines its own calls this one."""
+        if dataclasses.is_dataclass(self):
+            canonicalize(self)
 
     @abstractmethod
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
@@ -134,6 +220,10 @@ class RemoteState:
 
     family: str
     carried_tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """The carried tensors in the one layout, as a solved state's (docs/reliability.md, "One layout")."""
+        canonicalize(self)
 
     def carried(self) -> dict[str, Tensor]:
         """What the owner's state would carry to the next update."""

@@ -57,7 +57,7 @@ import torch
 from hylo_scripts import argtypes, timing
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
 from hylo_scripts.devices import describe
-from hylo_scripts.hylo_options import ADAPTIVE, ADAPTIVE_LR, solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, TRAINER_LRS, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
@@ -167,16 +167,12 @@ def first_reach(result: RunResult, threshold: float) -> tuple[int, float] | None
     return None
 
 
-#: The classification runs' peak lr of a natural-gradient solver (an adaptive one's: ``ADAPTIVE_LR``), unless ``--lr``.
-NATURAL_LR = 0.1
-
-
 def classification_lr(args: argparse.Namespace, solver: str) -> float:
-    """The peak lr of ``solver``'s classification runs: ``--lr``, else :data:`NATURAL_LR` or, for an adaptive solver
-    (its step is Adam-scaled), ``ADAPTIVE_LR``."""
+    """The peak lr of ``solver``'s classification runs: ``--lr``, else train.py's default for its solver family
+    (``TRAINER_LRS["classification"]``: 0.1, or ``ADAPTIVE_LR`` for an adaptive solver, whose step is Adam-scaled)."""
     if args.lr is not None:
         return float(args.lr)
-    return ADAPTIVE_LR if solver in ADAPTIVE else NATURAL_LR
+    return TRAINER_LRS["classification"].of(solver)
 
 
 #: The solvers whose runs repeat for each ``--rank-ratio`` (they keep r of n rows; hybrid picks KID/KIS).

@@ -26,7 +26,7 @@ import torch
 
 from hylo_scripts.data import DataOptions, load_dataset
 from hylo_scripts.hylo_flags import add_hylo_arguments, given_options
-from hylo_scripts.hylo_options import ADAPTIVE, ADAPTIVE_LR, solver_choices
+from hylo_scripts.hylo_options import ADAPTIVE, TRAINER_LRS, solver_choices
 from hylo_scripts.loop import RunResult, train
 from hylo_scripts.options import add_run_arguments, run_fields
 from hylo_scripts.runconfig import RunConfig
@@ -44,11 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="runs to make: 'sgd' is plain SGD (over the --sgd-lrs grid), the rest are hylo solvers",
     )
     add_run_arguments(parser, epochs=15)
-    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the hylo runs")
+    parser.add_argument(
+        "--lr", type=float, default=TRAINER_LRS["classification"].natural, help="peak learning rate of the hylo runs"
+    )
     parser.add_argument(
         "--adaptive-lr",
         type=float,
-        default=ADAPTIVE_LR,
+        default=TRAINER_LRS["classification"].adaptive,
         help="peak learning rate of kfac_adam, whose step is Adam-scaled (default %(default)s)",
     )
     parser.add_argument(

@@ -66,6 +66,39 @@ ADAPTIVE: tuple[str, ...] = tuple(
 ADAPTIVE_LR = 0.01
 
 
+@dataclass(frozen=True)
+class PeakLR:
+    """A trainer's default peak learning rate per solver family, where the scale of the step differs.
+
+    ``natural``: plain runs and the natural-gradient solvers (kfac, sngd, kid, kis, hybrid), whose direction the
+    run's optimizer scales; ``adaptive``: the :data:`ADAPTIVE` solvers (``kfac_adam``), whose result is the whole
+    Adam-scaled step, applied by SGD without momentum (at SGD's 0.1 it diverges).
+    """
+
+    natural: float
+    adaptive: float
+
+    def of(self, solver: str | None) -> float:
+        """The default peak lr of a run with ``solver`` (None or ``"none"``: the plain optimizer)."""
+        return self.adaptive if solver in ADAPTIVE else self.natural
+
+    def describe(self) -> str:
+        """The defaults as ``--help`` states them."""
+        if self.adaptive == self.natural:
+            return f"{self.natural:g} with every solver"
+        return f"{self.natural:g}; {self.adaptive:g} with --solver {'/'.join(ADAPTIVE)}, whose step is Adam-scaled"
+
+
+#: The trainers' default peak lr by task, per solver family (the one place they are set; ``--lr`` always wins):
+#: the image trainers (SGD) take :data:`ADAPTIVE_LR` with an adaptive solver; the language model's AdamW lr is
+#: Adam's scale already, the same for every solver.
+TRAINER_LRS: dict[str, PeakLR] = {
+    "classification": PeakLR(natural=0.1, adaptive=ADAPTIVE_LR),
+    "segmentation": PeakLR(natural=0.1, adaptive=ADAPTIVE_LR),
+    "lm": PeakLR(natural=1e-3, adaptive=1e-3),
+}
+
+
 def user_options() -> list[hylo.config.OptionSpec]:
     """The options a run gives in ``RunConfig.hylo`` (every option but the engine's and ``solver``), hylo's order."""
     return [spec for spec in hylo.config.options() if spec.name not in ENGINE_OPTIONS and spec.name != RUN_OPTION]

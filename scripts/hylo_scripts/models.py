@@ -309,8 +309,10 @@ class DecoderLM(nn.Module):
         length = x.shape[1]
         if length > self.context:
             raise ValueError(f"a sequence of {length} tokens exceeds the context of {self.context}")
-        mask = nn.Transformer.generate_square_subsequent_mask(length, device=x.device)
         h = self.tokens(x) + self.positions(torch.arange(length, device=x.device))
+        # the mask in the activations' dtype: torch 2.13's CPU attention kernel for AVX2 processors reads a float32
+        # mask beside float64 queries wrongly (docs/transformers.md, "Attention")
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=x.device, dtype=h.dtype)
         for block in self.blocks:
             h = block(h, mask)
         return self.head(self.ln(h))

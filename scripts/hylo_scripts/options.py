@@ -31,6 +31,7 @@ from hylo_scripts.hylo_flags import (
     study_misuse,
     study_options,
 )
+from hylo_scripts.hylo_options import TRAINER_LRS
 from hylo_scripts.loop import train
 from hylo_scripts.models import MODELS
 from hylo_scripts.process import BACKENDS, distributed
@@ -172,8 +173,8 @@ def build_parser(
     opt.add_argument(
         "--lr",
         type=float,
-        default=run_default("lr"),
-        help="peak learning rate, after the warm-up (default %(default)s)",
+        default=None,
+        help=f"peak learning rate, after the warm-up (default: {TRAINER_LRS[task].describe()})",
     )
     opt.add_argument(
         "--lr-schedule",
@@ -264,7 +265,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         optimizer=args.optimizer,
         solver=None if solver == "none" else solver,
         max_steps=args.max_steps,
-        lr=args.lr,
+        lr=TRAINER_LRS[DATASETS[args.dataset].task].of(solver) if args.lr is None else args.lr,
         lr_schedule=args.lr_schedule,
         lr_decay=run_default("lr_decay") if args.lr_decay is None else args.lr_decay,
         milestones=tuple(args.milestone or ()),

@@ -39,8 +39,7 @@ DEFAULTS = {
     "epochs": 2,
     "batch_size": 32,
     "max_bytes": 300_000,
-    "optimizer": "adamw",
-    "lr": 1e-3,
+    "optimizer": "adamw",  # its lr: hylo_options.TRAINER_LRS["lm"]
     "lr_schedule": "cosine",
     "warmup_epochs": 0.2,
     "weight_decay": 0.01,
