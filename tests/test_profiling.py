@@ -381,9 +381,10 @@ def test_files_at_two_ranks(tmp_path: Path) -> None:
         # the step's traffic is the layers' plus control messages (counts, flags), studies excluded
         for row in update_rows.itertuples():
             assert row.bytes_sent >= timing[timing.step == row.step].bytes_sent.sum()
-        # "inverse": between updates only the step's agreement (int32 flags: finite, usable, options as
-        # last compared, and per layer "has a gradient" and "has no rows"), no layer traffic
-        assert (steps[steps.kind == "apply"].bytes_sent == 4 * (3 + 2 * len(LAYERS))).all()
+        # "inverse": between updates only the step's agreement (int32 flags: finite, usable, no gradients added
+        # onto the last step's, options as last compared, and per layer "has a gradient" and "has no rows"),
+        # no layer traffic
+        assert (steps[steps.kind == "apply"].bytes_sent == 4 * (4 + 2 * len(LAYERS))).all()
         # both updates exchange the same payloads; only step 0 also runs the studies, whose traffic is left out
         assert list(steps.study_ms > 0) == [True, False, False, False]
         # ... but the first step also compares the ranks' fingerprints: 2 int64 per field (hylo's version,
