@@ -13,7 +13,6 @@ that seal a training script's own checkpoint files; docs/reliability.md, "Checks
 other module is internal and may change between releases.
 """
 
-from hylo.checkpoint import load_checkpoint, save_checkpoint
 from hylo.config import (
     ConvConfig,
     DistributedConfig,
@@ -26,6 +25,7 @@ from hylo.config import (
 from hylo.distributed import CommunicationError
 from hylo.layers import LayerMath, register_layer_type
 from hylo.memory import MemoryUsage
+from hylo.pipeline.checkpoint import load_checkpoint, save_checkpoint
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
 from hylo.solvers import RowReduction, register_family, register_variant

@@ -350,6 +350,12 @@ class HyLoConfig(Section):
         "carries over and solver='kfac' takes KAISA's eigen-method step",
         fixed=True,
     )
+    grouped: bool = option(
+        True,
+        doc="apply the states per group of equal layers, one batched kernel each; False: layer by layer, the "
+        "reference path (same results to round-off)",
+        rule=Rule(lambda x: isinstance(x, bool), "a bool"),
+    )
     kfac: KFACConfig = field(default_factory=KFACConfig)
     kfac_adam: KFACAdamConfig = field(default_factory=KFACAdamConfig)
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)

@@ -23,10 +23,10 @@ import torch
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
-from hylo.guard import Guard
-from hylo.planner import Planner
+from hylo.pipeline.guard import Guard
+from hylo.pipeline.planner import Planner
+from hylo.pipeline.step import StepValues
 from hylo.state import RegisteredLayer
-from hylo.step import StepValues
 from hylo.version import __version__
 
 #: Options each rank may set for itself: where its own files go, and the seed of its own draws.
@@ -131,7 +131,7 @@ def _layer_difference(per_rank: list[list[list[object]]]) -> str:
 
 class Fingerprint:
     """When the ranks compare their fingerprints: at the first step, before any other collective (the ranks'
-    collectives may not match), and again at a step where some rank's options changed (:meth:`~hylo.guard.Guard.agree`
+    collectives may not match), and again at a step where some rank's options changed (:meth:`~hylo.pipeline.guard.Guard.agree`
     says so)."""
 
     def __init__(self, comm: Communicator, layers: Sequence[RegisteredLayer], guard: Guard, planner: Planner) -> None:

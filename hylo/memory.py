@@ -18,7 +18,8 @@ class MemoryUsage:
     state: dict[str, int]
     #: Calls captured for the next ``step()`` per layer: 0 between steps.
     captured: dict[str, int]
-    #: The hybrid policy's gradient-norm EMAs and the per-layer fallback counters.
+    #: The apply plan's stacked copies of the states (docs/design.md, "The apply plan"), the hybrid policy's
+    #: gradient-norm EMAs and the per-layer fallback counters.
     bookkeeping: int
     #: Number of distinct tensor storages held.
     tensors: int

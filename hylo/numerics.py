@@ -14,6 +14,7 @@ FSDP2 (docs/reliability.md, "Fallbacks").
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -257,32 +258,96 @@ def result_terms(grad: GradMatrix, result: Tensor, norm: Tensor, damping: float 
     return torch.stack([total[0] / s64, total[1] / s64**2])
 
 
-def sound_results(
-    terms: Tensor, norms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]
-) -> Tensor:
-    """Per layer, whether its result may be applied, from its (summed) :func:`result_terms` row and its ‖∇W‖
-    ``norms`` (float64): finite, a descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ
-    (1 + slack), which (F̃ + λI)⁻¹ with F̃ PSD guarantees for every solver (docs/solvers.md, "Numerics"). λ = 0
-    skips the bound; a damping of None checks finiteness only (a result another rank computed and checked,
-    ``strategy="gradient"``). No host sync."""
+def check_limits(
+    dampings: Sequence[float | None], dtypes: Sequence[torch.dtype], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Per layer, the λ its result is checked against (NaN: finiteness only) and 1 + the length bound's slack for
+    its dtype, as float64 tensors on ``device`` (built on the host and copied without a stream synchronisation:
+    docs/design.md, "Host synchronisation")."""
     limits = [
         (float("nan") if damping is None else damping, 1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps))
         for damping, dtype in zip(dampings, dtypes, strict=True)
     ]
-    # built on the host and copied without a stream synchronisation (docs/design.md, "Host synchronisation")
-    damping, slack = torch.tensor(limits, dtype=torch.float64).to(terms.device, non_blocking=True).unbind(dim=1)
-    finite = torch.isfinite(terms).all(dim=1)
-    descent = (terms[:, 0] > 0) | (norms == 0)
-    bounded = terms[:, 1].sqrt() * damping <= norms * slack
-    return finite & (damping.isnan() | (descent & bounded))
+    damping, slack = torch.tensor(limits, dtype=torch.float64).to(device, non_blocking=True).unbind(dim=1)
+    return damping, slack
+
+
+def sound(terms: Tensor, norms: Tensor, damping: Tensor, slack: Tensor, unbounded: Tensor | None = None) -> Tensor:
+    """Per layer, whether its result may be applied, from its (summed) :func:`result_terms` row, its ‖∇W‖ ``norms``
+    (float64) and its :func:`check_limits` (``unbounded``: where λ is NaN, made once by the caller that can):
+    finite, a descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ (1 + slack), which (F̃ +
+    λI)⁻¹ with F̃ PSD guarantees for every solver (docs/solvers.md, "Numerics"); where λ is NaN, finite only; λ =
+    0 skips the length bound. A finite ⟨∇W, V̂⟩ and a finite ‖V̂‖² within the bound mean every entry is finite
+    (NaN fails every comparison), so no separate test of the sums is needed: twelve operations whatever the
+    number of layers, no host sync."""
+    dot, square = terms[:, 0], terms[:, 1]
+    finite = dot.abs() < math.inf
+    bounded = ((dot > 0) | (norms == 0)) & (square.sqrt() * damping <= norms * slack)
+    return finite & ((damping.isnan() if unbounded is None else unbounded) | bounded)
+
+
+def sound_results(
+    terms: Tensor, norms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]
+) -> Tensor:
+    """:func:`sound` with the limits of ``dampings`` (None: finiteness only, a result another rank computed and
+    checked, ``strategy="gradient"``) and the results' ``dtypes``."""
+    return sound(terms, norms, *check_limits(dampings, dtypes, terms.device))
+
+
+def unit_scales(
+    norms: Tensor, bound: Tensor, spans: Sequence[tuple[int, int, torch.dtype]]
+) -> tuple[list[Tensor], Tensor]:
+    """:func:`result_scale` of many layers at once (``bound``: each layer's c): per span (start, stop, dtype) of
+    ``norms`` (float64) the scales in its dtype, and all of them in float64, clamped to each span's dtype range as
+    the cast ones are (they differ by the cast's rounding, a relative 2⁻²⁴ in float32: what the check's sums,
+    divided by them, then carry)."""
+    raw = bound / (norms * norms.clamp(*NORM_CLAMP))
+    dtypes = list(dict.fromkeys(dtype for _, _, dtype in spans))
+    if len(dtypes) == 1:
+        info = torch.finfo(dtypes[0])
+        clamped = raw.clamp(info.tiny, info.max)
+        scale = clamped.to(dtypes[0])
+        return [scale[start:stop] for start, stop, _ in spans], clamped
+    pieces = []
+    for start, stop, dtype in spans:
+        info = torch.finfo(dtype)
+        pieces.append(raw[start:stop].clamp(info.tiny, info.max))
+    return [piece.to(dtype) for piece, (_, _, dtype) in zip(pieces, spans, strict=True)], torch.cat(pieces)
+
+
+def checked_results(
+    grads: Sequence[GradMatrix],
+    results: Sequence[Tensor],
+    norms: Sequence[Tensor],
+    dampings: Sequence[float | None],
+    clip: tuple[float, float] | None,
+    combine: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[list[Tensor], Tensor]:
+    """The layer-by-layer check (docs/reliability.md, "Fallbacks"): each layer's :func:`result_terms` (summed over
+    ranks by ``combine``, where each holds rows of ∇W), :func:`sound_results`, the raw gradient where a result is
+    not sound and ``kl_clip`` (``clip`` = (kl_clip, lr)) over them all; the results and 1 per layer that fell back.
+    The grouped step (:mod:`hylo.pipeline.apply`) runs the same check over stacked layers."""
+    terms = torch.stack([result_terms(*item) for item in zip(grads, results, norms, dampings, strict=True)])
+    if combine is not None:
+        terms = combine(terms)
+    norm_values = torch.stack(list(norms))
+    ok = sound_results(terms, norm_values, dampings, [grad.weight.dtype for grad in grads])
+    written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, results, strict=True))]
+    if clip is not None:
+        written = kl_clipped(written, terms, norm_values, ok, *clip)
+    return written, (~ok).long()
+
+
+def kl_scale(terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> Tensor:
+    """min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region (0-dim float64), with ⟨∇W, v̂⟩ from
+    each layer's :func:`result_terms` (‖∇W‖² from ``norms`` where it fell back, ``ok`` false)."""
+    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr * lr  # a tensor product: inf, never an error
+    return torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
 
 
 def kl_clipped(
     results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
 ) -> list[Tensor]:
-    """``results`` scaled by min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region, with
-    ⟨∇W, v̂⟩ from each layer's :func:`~hylo.numerics.result_terms` (‖∇W‖² from ``norms`` where it fell back,
-    ``ok`` false)."""
-    vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr * lr  # a tensor product: inf, never an error
-    scale = torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
+    """``results`` scaled by :func:`kl_scale`."""
+    scale = kl_scale(terms, norms, ok, kl_clip, lr)
     return [v * scale.to(v.dtype) for v in results]

@@ -1,10 +1,10 @@
 """HyLoPreconditioner: runs a step — check, decide, update stage, precondition, commit — and nothing else.
 
 docs/design.md, "Data path of one step". Its collaborators each do one job: the
-:class:`~hylo.planner.Planner` (cadence and what hooks keep), the :class:`~hylo.guard.Guard`
+:class:`~hylo.pipeline.planner.Planner` (cadence and what hooks keep), the :class:`~hylo.pipeline.guard.Guard`
 (gradients, finiteness, agreement across ranks), the :class:`~hylo.policy.SolverPolicy`, the
-:class:`~hylo.stage.UpdateStage` (solver families and collectives),
-:mod:`hylo.checkpoint`, :mod:`hylo.memory` and :class:`~hylo.telemetry.monitor.Telemetry`. The
+:class:`~hylo.pipeline.stage.UpdateStage` (solver families and collectives),
+:mod:`hylo.pipeline.checkpoint`, :mod:`hylo.memory` and :class:`~hylo.telemetry.monitor.Telemetry`. The
 configuration has one holder, :attr:`HyLoPreconditioner.config`; every collaborator receives it
 per call, so :meth:`~HyLoPreconditioner.reconfigure` and ``load_state_dict`` reach all of them.
 """
@@ -20,12 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo import checkpoint, memory, sharding
-from hylo.checkpoint import OptionsOnLoad
+from hylo import memory
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
 from hylo.fingerprint import Fingerprint
-from hylo.guard import Agreement, Guard
 from hylo.layers.batch import LayerBatch
 from hylo.layers.capture import KeptCalls
 from hylo.layers.gradmatrix import GradMatrix
@@ -33,12 +31,17 @@ from hylo.layers.registry import supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.layers.walk import register_layers
 from hylo.memory import MemoryUsage
-from hylo.planner import STATISTICS, Planner
+from hylo.pipeline import checkpoint, sharding
+from hylo.pipeline.apply import write_back
+from hylo.pipeline.checkpoint import OptionsOnLoad
+from hylo.pipeline.guard import Agreement, Guard
+from hylo.pipeline.placement import placement_for
+from hylo.pipeline.planner import STATISTICS, Planner
+from hylo.pipeline.stage import UpdateStage
+from hylo.pipeline.step import Outcome, StepValues, precondition, refresh, update
 from hylo.policy import SolverPolicy, check_kfac_budget
 from hylo.records import Decision, LayerInfo, format_summary
-from hylo.stage import UpdateStage
 from hylo.state import RegisteredLayer, layer_parameters, registered_layers
-from hylo.step import Outcome, StepValues, precondition, refresh, update
 from hylo.telemetry import recording
 from hylo.telemetry.monitor import Telemetry
 from hylo.version import __version__
@@ -125,7 +128,10 @@ class HyLoPreconditioner:
         self._policy = SolverPolicy([layer.name for layer in self._layers])
         self._planner = Planner(self._layers, self._policy, self.comm.world_size, self._config)
         try:  # FSDP2-sharded layers: checked here, before any step (docs/distributed.md, "FSDP2")
-            self._guard = Guard(self._layers, self.comm, sharding.check(self._layers, self._config, self.comm))
+            sharded = sharding.check(self._layers, self._config, self.comm)
+            self._guard = Guard(self._layers, self.comm, sharded)
+            #: Where the apply runs, chosen once (docs/design.md, "Placements")
+            self._placement = placement_for(self._stage, sharded, self._config)
             self._telemetry = Telemetry.open(self._config, self.comm, self._layers, __version__)
         except Exception:
             self.remove()  # a refused profile_dir or sharding leaves the model without hylo's hooks
@@ -292,15 +298,14 @@ class HyLoPreconditioner:
             if p and g is not None and outcome.solved(layer, config, self.comm.world_size)
         ]
         if ready:
-            norms = [agreed.norms[self._index[layer.name]] for layer, _ in ready]
-            outcome.written, fallbacks = precondition(
-                self._stage, ready, norms, outcome, values, config, self._telemetry.watch
+            indices = [self._index[layer.name] for layer, _ in ready]
+            outcome.written, outcome.fallbacks = precondition(
+                self._placement, ready, indices, agreed.norms, outcome, values, config, self._telemetry.watch
             )
-            outcome.fallbacks = ([self._index[layer.name] for layer, _ in ready], fallbacks)
         return outcome
 
     def _update(self, step: int, config: HyLoConfig, values: StepValues, outcome: Outcome, agreed: Agreement) -> None:
-        """Decide the solvers of the layers with rows and run the update stage on them (:func:`hylo.step.update`)."""
+        """Decide the solvers of the layers with rows and run the update stage on them (:func:`hylo.pipeline.step.update`)."""
         batch_of = dict(zip([layer.name for layer in outcome.worked], outcome.batches, strict=True))
         outcome.decisions = self._planner.decide(step, config, batch_of, agreed.gives, self.comm, self._guard.device)
         self._telemetry.watch.lap("decide")
@@ -324,9 +329,7 @@ class HyLoPreconditioner:
             self._guard.count_fallbacks(*outcome.fallbacks)
         if outcome.kind == "update":
             self._guard.report_fallbacks(step)
-        for layer in self._layers:
-            if layer.name in outcome.written:
-                layer.math.set_grad_matrix(outcome.written[layer.name])
+        write_back(self._layers, outcome.written)
         self._guard.mark_seen(bool(outcome.written))
         self._telemetry.watch.lap("precondition")
         if outcome.kind == "update":
@@ -368,8 +371,8 @@ class HyLoPreconditioner:
         "Memory"); during a step's forward and backward, ``captured`` is what the hooks keep for ``step()``;
         after a step that raised, it also counts that step's calls, kept for a retry until the next ``step()``.
         """
-        moments = self._policy.trend.moments
-        return memory.breakdown(self._layers, [self._guard.fallbacks] + ([] if moments is None else [moments]))
+        held = [*self._guard.tensors(), *self._placement.tensors(), *self._policy.trend.tensors()]
+        return memory.breakdown(self._layers, held)
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone."""

@@ -46,6 +46,19 @@ class GradNormTrend:
         self.critical = [True] * n_layers
         self.last_trend: list[float | None] = [None] * n_layers
         self.last_noise: list[float | None] = [None] * n_layers
+        self._exponents: Tensor | None = None  # (1, 2) as a column, made once per device by _powers
+
+    def tensors(self) -> list[Tensor]:
+        """What the trend keeps between steps: its EMAs and the exponents :meth:`observe` uses."""
+        held = [] if self.moments is None else [self.moments]
+        return held if self._exponents is None else [*held, self._exponents]
+
+    def _powers(self, device: torch.device) -> Tensor:
+        """The column (1, 2) of exponents :meth:`observe` raises the norms to, made once per device."""
+        powers = self._exponents
+        if powers is None or powers.device != device:
+            powers = self._exponents = torch.tensor([[1.0], [2.0]], dtype=torch.float64).to(device)
+        return powers
 
     @property
     def ema(self) -> Tensor | None:
@@ -64,7 +77,7 @@ class GradNormTrend:
         :data:`NORM_CAP` (or an infinite one) counts as :data:`NORM_CAP`: the EMAs stay finite.
         """
         norms = norms.detach().to(torch.float64).clamp(max=NORM_CAP)
-        moments = torch.stack((norms, norms * norms))
+        moments = norms.unsqueeze(0).pow(self._powers(norms.device))  # (‖∇W‖, ‖∇W‖²) in one operation
         if self.moments is None:
             self.moments = moments
             return

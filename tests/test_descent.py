@@ -15,6 +15,7 @@ docs/reliability.md, "Fallbacks").
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -110,14 +111,14 @@ def test_duplicated_rows_measurement() -> None:
 
 
 # --------------------------------------------------------------------------- the check and its fallback
-def _corrupt(state: KFACState, how: str) -> None:
-    """Eigenvalues that make (A ⊗ G + λI) indefinite (uphill) or nearly singular (longer than ‖∇W‖/λ)."""
-    if how == "uphill":
-        state.evals_a.fill_(-1.0)
-        state.evals_g.fill_(10.0)  # e_g e_a + λ = −10 + λ: V̂ ≈ −∇W/10
-    else:
-        state.evals_a.fill_(1.0)
-        state.evals_g.fill_(-0.99 * state.damping)  # e_g e_a + λ = λ/100: V̂ = 100 ∇W/λ
+def _corrupt(state: KFACState, how: str) -> KFACState:
+    """The state with eigenvalues that make (A ⊗ G + λI) indefinite (uphill) or nearly singular (longer than
+    ‖∇W‖/λ); a new state, as an update or a load makes one (a held state is never changed in place)."""
+    if how == "uphill":  # e_g e_a + λ = −10 + λ: V̂ ≈ −∇W/10
+        evals_a, evals_g = torch.full_like(state.evals_a, -1.0), torch.full_like(state.evals_g, 10.0)
+    else:  # e_g e_a + λ = λ/100: V̂ = 100 ∇W/λ
+        evals_a, evals_g = torch.ones_like(state.evals_a), torch.full_like(state.evals_g, -0.99 * state.damping)
+    return dataclasses.replace(state, evals_a=evals_a, evals_g=evals_g)
 
 
 @pytest.mark.parametrize("how", ["uphill", "too long"])
@@ -132,7 +133,7 @@ def test_an_unsound_result_falls_back_to_the_raw_gradient_with_a_warning(how: st
     pre.step()  # update: states built
     state = pre._layers[0].state
     assert isinstance(state, KFACState)
-    _corrupt(state, how)
+    pre._layers[0].state = _corrupt(state, how)
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     raw = [grad_matrix(model[0]), grad_matrix(model[2])]

@@ -14,7 +14,7 @@ run forks three ways, all fed the same data and stepped by SGD with momentum:
 
 Property: at every one of :data:`STEPS` steps the preconditioned gradients and then the parameters of every fork
 are bit-equal to the live run's, and so are the held states at the end. Before the layout was made one (every
-state tensor row-major at offset 0 of its own storage, :func:`hylo.solvers.base.canonical`), the ``relaid`` fork
+state tensor row-major at offset 0 of its own storage, :func:`hylo.solvers.layout.canonical`), the ``relaid`` fork
 drifted for K-FAC, its inverse method, kfac_adam, the low-rank solvers and hybrid.
 
 ``test_resume`` runs a bounded, derandomized set of examples per solver configuration; ``test_resume_many``
@@ -44,8 +44,9 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from hylo.integrity import seal
-from hylo.solvers import base
-from hylo.solvers.base import HeldState, LayerState, RemoteState, canonical, canonical_held, is_canonical
+from hylo.solvers import layout
+from hylo.solvers.base import HeldState, LayerState, RemoteState
+from hylo.solvers.layout import canonical, canonical_held, is_canonical
 from tests.kit.checks import assert_same_tensors, state_snapshot
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -372,7 +373,7 @@ def test_only_updates_copy(solver: str, monkeypatch: pytest.MonkeyPatch) -> None
             copied.append(tuple(tensor.shape))
         return held
 
-    monkeypatch.setattr(base, "canonical", counted)
+    monkeypatch.setattr(layout, "canonical", counted)
     case = _equal_layers_case(solver, "row-major")  # update_freq=2: updates at steps 0 and 2
     model, sample = _model(case)
     run = Run(model, _optimizer(model), HyLoPreconditioner(model, **_options(case)))

@@ -377,7 +377,8 @@ class _Concatenations(TorchFunctionMode):
 
 @pytest.mark.parametrize("solver", ["kfac", "sngd", "kis"])
 def test_steps_read_the_bias_without_concatenating_the_gradient(solver: str) -> None:
-    """∇W = [weight | bias] is read part by part: no step between updates concatenates a gradient."""
+    """∇W = [weight | bias] is read part by part: no step between updates concatenates a gradient (the only
+    concatenation is of the check's two sums per layer)."""
     model = _conv_mlp()
     pre = HyLoPreconditioner(model, solver=solver, update_freq=3, damping=0.1)
     for step in range(3):
@@ -389,7 +390,7 @@ def test_steps_read_the_bias_without_concatenating_the_gradient(solver: str) -> 
         with _Concatenations() as mode:
             pre.step()
         if step:
-            assert mode.sizes == [], mode.sizes
+            assert all(size <= 2 * len(pre._layers) for size in mode.sizes), mode.sizes
             for layer, v in zip(pre._layers, expected, strict=True):
                 err = rel_err(grad_matrix(layer.math.module), v)
                 assert err <= tolerances().float32, (layer.name, err)

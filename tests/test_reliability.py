@@ -352,8 +352,8 @@ def test_huge_finite_gradients_are_preconditioned_not_skipped(solver: str) -> No
     for layer, g in zip(pre._layers, raw, strict=True):
         assert isinstance(layer.state, LayerState)
         expected = layer.state.precondition(as_parts(g, layer.math.bias is not None))
-        assert torch.isfinite(expected).all()
-        torch.testing.assert_close(layer.math.grad_matrix(), expected, rtol=0, atol=0)
+        assert torch.isfinite(expected).all()  # the grouped step's products round otherwise: float32's resolution
+        torch.testing.assert_close(layer.math.grad_matrix(), expected, rtol=1e-5, atol=0)
     assert pre._policy.trend.ema is not None and torch.isfinite(pre._policy.trend.ema).all()
 
 

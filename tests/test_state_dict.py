@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 import hylo
 from hylo import HyLoPreconditioner
-from hylo.checkpoint import READ_FORMATS, STATE_FORMAT
 from hylo.integrity import seal
+from hylo.pipeline.checkpoint import READ_FORMATS, STATE_FORMAT
 from hylo.solvers import LayerState, RemoteState
 from hylo.state import UNSOLVED
 from tests.kit.checks import assert_same_tensors, grads, rel_err, state_snapshot

@@ -1,6 +1,8 @@
 """Solver families and their variants (docs/design.md, "Solver families").
 
-- :mod:`~hylo.solvers.base`: the family interface the update stage calls, and the states it keeps;
+- :mod:`~hylo.solvers.base`: the family interface the update stage calls, the states it keeps and the group
+  kernels (a family's batched apply of equal layers between updates); :mod:`~hylo.solvers.layout`: the one
+  layout of a state's tensors;
 - :mod:`~hylo.solvers.kfac`: the K-FAC family; :mod:`~hylo.solvers.lowrank`: the low-rank family
   and its variants (:class:`RowReduction`), with :mod:`~hylo.solvers.reduce` (KIS sampling, the
   KID skeleton) and :mod:`~hylo.solvers.smw` (the Sherman–Morrison–Woodbury solve);
@@ -10,7 +12,7 @@
 
 from __future__ import annotations
 
-from hylo.solvers.base import HeldState, LayerState, RemoteState, SolverFamily, UpdateContext
+from hylo.solvers.base import GroupKernel, HeldState, LayerState, LoopKernel, RemoteState, SolverFamily, UpdateContext
 from hylo.solvers.lowrank import RowReduction
 from hylo.solvers.registry import (
     FAMILIES,
@@ -18,6 +20,7 @@ from hylo.solvers.registry import (
     LAYER_SOLVERS,
     FamilyHandle,
     VariantHandle,
+    family_named,
     family_of,
     register_family,
     register_variant,
@@ -30,8 +33,10 @@ __all__ = [
     "FAMILIES",
     "HYBRID",
     "LAYER_SOLVERS",
+    "GroupKernel",
     "HeldState",
     "LayerState",
+    "LoopKernel",
     "LowRankUpdate",
     "RemoteState",
     "RowReduction",
@@ -39,6 +44,7 @@ __all__ = [
     "UpdateContext",
     "FamilyHandle",
     "VariantHandle",
+    "family_named",
     "family_of",
     "register_family",
     "register_variant",

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -35,87 +35,11 @@ from hylo.distributed.payload import Payload, PayloadKey
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.statistics import CallStatistic
+from hylo.solvers.layout import canonicalize
 
 
 def _nbytes(tensors: Mapping[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    """The strides ``torch.empty(shape)`` gives (row-major; a dimension of size 0 or 1 counted as 1)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def is_canonical(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is laid out as every held state's tensors are (docs/reliability.md, "One layout"): dense
-    row-major strides, at offset 0 of a storage that holds exactly its bytes (no other tensor's data beside them).
-    A sparse tensor counts as canonical (a state never holds one: ``from_dict`` refuses it)."""
-    if tensor.layout != torch.strided:
-        return True
-    return (
-        tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and tensor.untyped_storage().nbytes() == tensor.nbytes
-        and (1 not in tensor.shape or tensor.stride() == _row_major(tensor.shape))
-    )
-
-
-def canonical(tensor: Tensor) -> Tensor:
-    """``tensor`` itself when :func:`is_canonical`, else a copy in that layout (a fresh allocation, detached)."""
-    if is_canonical(tensor):
-        return tensor
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device).copy_(tensor.detach())
-
-
-#: Values that hold no tensor (a tuple: ``isinstance`` with a ``|`` union would build the union at every call).
-_PLAIN = (int, float, str, bool, type(None))
-#: Init fields of each dataclass type :func:`canonical_held` has walked (a state is rebuilt at every kfac_adam step).
-_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _init_fields(kind: type) -> tuple[str, ...]:
-    names = _INIT_FIELDS.get(kind)
-    if names is None:
-        names = _INIT_FIELDS[kind] = tuple(spec.name for spec in dataclasses.fields(kind) if spec.init)
-    return names
-
-
-def _changed_fields(value: Any) -> dict[str, Any]:
-    """The init fields of the dataclass instance ``value`` whose :func:`canonical_held` is a new object."""
-    changed = {}
-    for name in _init_fields(type(value)):
-        item = getattr(value, name)
-        if (held := canonical_held(item)) is not item:
-            changed[name] = held
-    return changed
-
-
-def canonical_held(value: Any) -> Any:
-    """``value`` with every tensor it holds :func:`canonical`: a tensor, a mapping's values (a new dict where one
-    changed), a dataclass instance's init fields (``dataclasses.replace`` where one changed, e.g. a state's
-    :class:`~hylo.layers.rows.SampleRows`); anything else as it is. The same object where nothing changed."""
-    if isinstance(value, Tensor):
-        return canonical(value)
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, Mapping):
-        held = {key: canonical_held(item) for key, item in value.items()}
-        return held if any(held[key] is not item for key, item in value.items()) else value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changed = _changed_fields(value)
-        return dataclasses.replace(value, **changed) if changed else value
-    return value
-
-
-def canonicalize(state: object) -> None:
-    """Put every tensor the dataclass instance ``state`` holds in the canonical layout, in place
-    (:func:`canonical_held` of each init field; no copy of a tensor already canonical)."""
-    for name, held in _changed_fields(state).items():
-        object.__setattr__(state, name, held)
 
 
 class LayerState(ABC):
@@ -156,6 +80,12 @@ class LayerState(ABC):
     @abstractmethod
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor of the state, by name (what ``state_dict`` saves)."""
+
+    def plan_parts(self) -> tuple[object, ...]:
+        """The objects whose identity says that a group kernel built on this state (its stacked copies) still
+        holds: the state itself, which an update, a refresh or a load replaces; a state that :attr:`advances`
+        names the parts its successors keep (docs/design.md, "The apply plan")."""
+        return (self,)
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
         """Under FSDP2, this rank's share of what :meth:`precondition` needs from the other ranks' rows (or
@@ -367,6 +297,49 @@ class UpdateContext:
     rank_energy: float | None = None
 
 
+def stacked(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``tensors`` stacked in ``dtype`` for a group kernel: a view, no copy, of a group of one in its own dtype."""
+    if len(tensors) == 1:
+        return tensors[0].unsqueeze(0).to(dtype)
+    return torch.stack(list(tensors)).to(dtype)
+
+
+class GroupKernel(ABC):
+    """The batched apply of a group of states (docs/design.md, "The apply plan"): built once from the states
+    (their tensors stacked), then applied at every step until they change."""
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors the kernel holds (its stacked copies; counted by ``memory_breakdown``)."""
+        return [value for value in vars(self).values() if isinstance(value, Tensor)]
+
+    @abstractmethod
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """V̂ of every layer of the group from its stacked gradients ``grads`` (k, d_g, d_a), in the working dtype
+        the kernel was built in (bias last), and each state's successor (itself unless it :attr:`~LayerState.
+        advances`); ``states``: the group's states now, in the order the kernel was built with."""
+
+    @classmethod
+    def apply_all(
+        cls, kernels: Sequence[GroupKernel], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
+    ) -> list[tuple[Tensor, list[LayerState]]]:
+        """:meth:`apply` of every group whose kernel is of this type, in one call: by default group by group; a
+        kernel whose per-step work is elementwise (Adam's moments) runs it over every group's layers at once."""
+        return [kernel.apply(g, s) for kernel, g, s in zip(kernels, grads, states, strict=True)]
+
+
+class LoopKernel(GroupKernel):
+    """Each state's own :meth:`LayerState.advance`, layer by layer: what a family without a group kernel gets."""
+
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """Every state advanced on its gradient, the results stacked."""
+        results, successors = [], []
+        for grad, state in zip(grads.unbind(0), states, strict=True):
+            result, successor = state.advance(grad)
+            results.append(result.to(grads.dtype))
+            successors.append(successor)
+        return torch.stack(results), successors
+
+
 PreparedT = TypeVar("PreparedT")
 
 
@@ -445,6 +418,16 @@ class SolverFamily(ABC, Generic[PreparedT]):
     ) -> LayerState:
         """A state saved by ``to_dict``; ``ValueError`` unless it fits a (d_g, d_a) layer computing in ``dtype``."""
         return self.state_type.from_dict(entry, d_a, d_g, dtype, device)
+
+    def group_key(self, state: LayerState) -> Hashable:
+        """What states must share, beyond their gradients' shape, dtype and device, for one :meth:`group_kernel` to
+        apply them together (docs/design.md, "The apply plan"); by default their type."""
+        return type(state)
+
+    def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
+        """The batched apply of ``states`` (equal :meth:`group_key`, gradients of one shape) on gradients stacked
+        in ``dtype``; by default :class:`LoopKernel`, each state's own ``advance``, so that a family needs none."""
+        return LoopKernel()
 
     #: Whether the family keeps running statistics that steps between updates refresh
     #: (``factor_update_freq``): such steps run :meth:`contribute`, the collective and :meth:`refresh`.

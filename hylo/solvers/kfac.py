@@ -30,6 +30,7 @@ from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     Exchange,
+    GroupKernel,
     HeldState,
     LayerState,
     RemoteState,
@@ -40,6 +41,7 @@ from hylo.solvers.base import (
     checked_tensors,
     positive_number,
 )
+from hylo.solvers.kfac_kernels import EigenKernel, InverseKernel
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
 EIGH_COST = 4.0
@@ -171,6 +173,10 @@ class KFACState(LayerState):
         """Factors and eigendecompositions by name."""
         return {name: getattr(self, name) for name in eigen_shapes(0, 0)}
 
+    def plan_parts(self) -> tuple[object, ...]:
+        """The eigendecompositions and λ (a refresh, which replaces only the factors, keeps the group kernel)."""
+        return (self.evals_a, self.evecs_a, self.evals_g, self.evecs_g, self.damping)
+
     def carried(self) -> dict[str, Tensor]:
         """The running factors, which the next update blends with its batch factors."""
         return {"factor_a": self.factor_a, "factor_g": self.factor_g}
@@ -244,6 +250,10 @@ class KFACInverseState(LayerState):
         if shard.axis == 0:
             return received[shard.start : shard.stop].to(grad.dtype)
         return received[:, shard.start : shard.stop].to(grad.dtype)
+
+    def plan_parts(self) -> tuple[object, ...]:
+        """The damped inverses and λ (a refresh, which replaces only the factors, keeps the group kernel)."""
+        return (self.inverse_a, self.inverse_g, self.damping)
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and damped inverses by name."""
@@ -455,6 +465,16 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
         """:func:`kfac_state_bytes` (the eigen method's, the larger)."""
         return kfac_state_bytes(d_a, d_g, itemsize)
+
+    def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
+        """:class:`~hylo.solvers.kfac_kernels.EigenKernel` or :class:`~hylo.solvers.kfac_kernels.InverseKernel`
+        (the group key is the state's type), in the states' dtype (``dtype``, the layers' working dtype)."""
+        inverse = [state for state in states if isinstance(state, KFACInverseState)]
+        if len(inverse) == len(states):
+            return InverseKernel([s.inverse_a for s in inverse], [s.inverse_g for s in inverse])
+        eigen = [state for state in states if isinstance(state, KFACState)]
+        divisors = [torch.outer(s.evals_g, s.evals_a).add_(s.damping) for s in eigen]
+        return EigenKernel([s.evecs_a for s in eigen], [s.evecs_g for s in eigen], divisors)
 
     refreshes = True
 

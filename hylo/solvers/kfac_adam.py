@@ -12,7 +12,7 @@ update the moments are carried into the new basis (m exactly, v by ``moment_carr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -28,6 +28,7 @@ from hylo.rules import Rule, Section, is_real, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
+    GroupKernel,
     HeldState,
     LayerState,
     SolverFamily,
@@ -36,6 +37,7 @@ from hylo.solvers.base import (
     checked_tensors,
     own_part,
     positive_number,
+    stacked,
 )
 from hylo.solvers.kfac import (
     KFACFamily,
@@ -198,6 +200,10 @@ class KFACAdamState(LayerState):
         result, state = self.advance(received if shard.axis == 0 else received.mT)
         return own_part(result, shard), state
 
+    def plan_parts(self) -> tuple[object, ...]:
+        """The eigendecompositions, λ and the rule, which every step's successor keeps (its moments change)."""
+        return (self.evals_a, self.evecs_a, self.evals_g, self.evecs_g, self.damping, self.rule)
+
     def tensors(self) -> dict[str, Tensor]:
         """Factors, eigendecompositions and moments by name."""
         return {name: getattr(self, name) for name in (*eigen_shapes(0, 0), "exp_avg", "exp_avg_sq")}
@@ -261,6 +267,79 @@ class KFACAdamState(LayerState):
     ) -> dict[str, Tensor]:
         """K-FAC's: the running factors A (d_a × d_a) and G (d_g × d_g) in ``dtype``, else ``ValueError``."""
         return KFACState.carried_from_dict(carried, d_a, d_g, dtype, device)
+
+
+class AdamKernel(GroupKernel):
+    """A group of :class:`KFACAdamState` with one rule: Q_a, Q_g (and with ``second_moment="factors"`` the
+    denominators v̂^p + ε) stacked once. A step rotates each group's gradients in two batched products, updates
+    the moments of every layer of every group at once as lists (``torch._foreach_*``, :meth:`apply_all`: each
+    successor holds its own tensors) and rotates each group back in two: the arithmetic of :func:`adapted`."""
+
+    def __init__(self, states: Sequence[KFACAdamState], dtype: torch.dtype) -> None:
+        self.rule = states[0].rule
+        self.evecs_a = stacked([state.evecs_a for state in states], dtype)
+        self.evecs_g = stacked([state.evecs_g for state in states], dtype)
+        self.denominators: Tensor | None = None
+        if self.rule.second_moment == "factors":
+            v_hat = torch.stack([torch.outer(state.evals_g, state.evals_a) for state in states]).to(dtype)
+            power = v_hat.sqrt_() if self.rule.exponent == 0.5 else v_hat.pow_(self.rule.exponent)
+            self.denominators = power.add_(self.rule.eps)
+
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """V̂ of every layer and its state with this step's moments."""
+        return self.apply_all([self], [grads], [states])[0]
+
+    @classmethod
+    def apply_all(
+        cls, kernels: Sequence[GroupKernel], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
+    ) -> list[tuple[Tensor, list[LayerState]]]:
+        """Every group at once: the elementwise moments over all their layers in one ``torch._foreach_*`` each."""
+        out: dict[int, tuple[Tensor, list[LayerState]]] = {}
+        by_rule: dict[tuple[AdamRule, bool], list[int]] = {}
+        adams = [kernel for kernel in kernels if isinstance(kernel, AdamKernel)]
+        assert len(adams) == len(kernels)
+        for i, kernel in enumerate(adams):
+            by_rule.setdefault((kernel.rule, kernel.denominators is None), []).append(i)
+        for (rule, _), members in by_rule.items():
+            mine = [adams[i] for i in members]
+            adam = [[state for state in states[i] if isinstance(state, KFACAdamState)] for i in members]
+            rotated = [
+                torch.bmm(kernel.evecs_g.mT, torch.bmm(grads[i], kernel.evecs_a))
+                for kernel, i in zip(mine, members, strict=True)
+            ]
+            rows = [row for group in rotated for row in group.unbind(0)]
+            flat = [state for group in adam for state in group]
+            first = list(torch._foreach_lerp(rows, [state.exp_avg for state in flat], rule.beta1))
+            second: list[Tensor]
+            denominators: list[Tensor]
+            if mine[0].denominators is None:
+                squares = torch._foreach_mul(rows, rows)
+                torch._foreach_clamp_max_(squares, torch.finfo(rows[0].dtype).max)
+                second = list(torch._foreach_lerp(squares, [state.exp_avg_sq for state in flat], rule.beta2))
+                v_hat = torch._foreach_div(second, [1.0 - rule.beta2 ** (state.steps + 1) for state in flat])
+                powers = (
+                    torch._foreach_sqrt(v_hat) if rule.exponent == 0.5 else torch._foreach_pow(v_hat, rule.exponent)
+                )
+                torch._foreach_add_(powers, rule.eps)
+                denominators = list(powers)
+            else:
+                second = [state.exp_avg_sq for state in flat]
+                denominators = [
+                    d for kernel in mine if kernel.denominators is not None for d in kernel.denominators.unbind(0)
+                ]
+            steps = torch._foreach_div(first, denominators)
+            torch._foreach_mul_(steps, [1.0 / (1.0 - rule.beta1 ** (state.steps + 1)) for state in flat])
+            begin = 0
+            for kernel, i, group in zip(mine, members, adam, strict=True):
+                stop = begin + len(group)
+                step = torch.stack(steps[begin:stop])
+                successors: list[LayerState] = [
+                    dataclasses.replace(state, exp_avg=m, exp_avg_sq=v, steps=state.steps + 1)
+                    for state, m, v in zip(group, first[begin:stop], second[begin:stop], strict=True)
+                ]
+                out[i] = torch.bmm(torch.bmm(kernel.evecs_g, step), kernel.evecs_a.mT), successors
+                begin = stop
+        return [out[i] for i in range(len(kernels))]
 
 
 @dataclass
@@ -380,6 +459,14 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """The running factors blended with this step's batch factors; the bases and moments kept."""
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         return refreshed_states(jobs, factors, (KFACAdamState,), self.name)
+
+    def group_key(self, state: LayerState) -> Hashable:
+        """The state's type and its rule (the kernel applies one rule)."""
+        return type(state), getattr(state, "rule", None)
+
+    def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
+        """:class:`AdamKernel`."""
+        return AdamKernel([state for state in states if isinstance(state, KFACAdamState)], dtype)
 
     def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
         """K-FAC's state and the two moments (d_g·d_a numbers each)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -30,19 +30,22 @@ from torch import Tensor
 
 from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerBatch, LayerShape
-from hylo.layers.rows import SampleRows, rows_from_fields
+from hylo.layers.rows import FactoredRows, OneHotRows, SampleRows, rows_from_fields
 from hylo.layers.statistics import ROWS
 from hylo.rules import COUNT, RATIO, Rule, Section, is_bool, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     Exchange,
+    GroupKernel,
+    LayerState,
+    LoopKernel,
     SolverFamily,
     UpdateContext,
     UpdateJob,
 )
 from hylo.solvers.reduce import dropped_mass, kid_skeleton, kis_select, priority_sample, sketched_rank
-from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
+from hylo.solvers.smw import FactoredKernel, LowRankState, LowRankUpdate, OneHotKernel, smw_inners
 
 #: ``rank_ratio``'s value that lets each layer's kernel spectrum choose its rank (docs/solvers.md, "Adaptive rank").
 ADAPTIVE = "auto"
@@ -390,3 +393,19 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
     def carried(self, prepared: LowRankUpdate) -> dict[str, Tensor]:
         """Nothing: every update starts from its own batch."""
         return {}
+
+    def group_key(self, state: LayerState) -> Hashable:
+        """The state's type, its rows' form (factored rows of any count share a group: they are padded) and λ
+        (one per group: the layers of one update share it)."""
+        rows = state.rows if isinstance(state, LowRankState) else None
+        return type(state), type(rows), state.damping
+
+    def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
+        """:class:`~hylo.solvers.smw.FactoredKernel` on factored rows, :class:`~hylo.solvers.smw.OneHotKernel` on
+        an embedding's; dense rows (a convolution's exact per-sample gradients) apply layer by layer."""
+        held = [state for state in states if isinstance(state, LowRankState)]
+        if len(held) == len(states) and all(type(state.rows) is FactoredRows for state in held):
+            return FactoredKernel(held, dtype)
+        if len(held) == len(states) and all(type(state.rows) is OneHotRows for state in held):
+            return OneHotKernel(held, dtype)
+        return LoopKernel()

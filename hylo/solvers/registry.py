@@ -46,6 +46,14 @@ def family_of(solver: str) -> SolverFamily:
     raise ValueError(f"unknown solver {solver!r}; expected one of {solver_names()}")
 
 
+def family_named(name: str) -> SolverFamily:
+    """The registered family called ``name`` (what a state's ``family`` names); ``ValueError`` for an unknown one."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown solver family {name!r}; expected one of {[family.name for family in FAMILIES]}")
+
+
 def variant_names() -> tuple[str, ...]:
     """The low-rank variants (the solvers that work on per-sample rows)."""
     return LOWRANK.solvers

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.rows import EXACT_FLOAT32_INTEGERS, SampleRows, rows_from_fields
+from hylo.layers.rows import EXACT_FLOAT32_INTEGERS, FactoredRows, OneHotRows, SampleRows, rows_from_fields
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.solvers.base import Exchange, LayerState, checked_tensors, positive_number
+from hylo.solvers.base import Exchange, GroupKernel, LayerState, checked_tensors, positive_number, stacked
 
 
 @dataclass
@@ -130,6 +130,71 @@ class LowRankState(LayerState):
         if tokens is not None and not bool(((tokens == tokens.round()) & (tokens >= -1) & (tokens < d_a)).all()):
             raise ValueError(f"state_dict entry's tokens must be integers in [-1, {d_a})")
         return cls(rows_from_fields(t, d_g, d_a), t["inner"], divisor, damping)
+
+
+class FactoredKernel(GroupKernel):
+    """A group of :class:`LowRankState` on factored rows (U_i = g_i a_iᵀ): every layer's rows, zero-padded to the
+    group's most rows m (a padded row adds nothing: its coefficient is 0), and M·(−1/λ)/D stacked once; V̂ =
+    ∇W/λ − Σ c_k U_k/(λD), c = M z, z_k = g_kᵀ ∇W a_k, in six batched operations for the whole group."""
+
+    def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
+        rows = [state.rows for state in states]
+        assert all(isinstance(r, FactoredRows) for r in rows)
+        m = max(r.count for r in rows)
+        device = rows[0].device
+        self.inner = torch.zeros(len(states), m, m, dtype=torch.float64, device=device)
+        for i, state in enumerate(states):
+            n = state.rows.count
+            self.inner[i, :n, :n] = state.inner * (-1.0 / state.damping / state.divisor)
+        fields = [r.fields() for r in rows]
+        if all(r.count == m for r in rows):  # no padding: a group of one keeps its rows, no copy
+            self.a, self.g = (stacked([f[key] for f in fields], dtype) for key in ("a", "g"))
+        else:
+            self.a, self.g = (
+                torch.zeros(len(states), m, fields[0][key].shape[1], dtype=dtype, device=device) for key in ("a", "g")
+            )
+            for i, f in enumerate(fields):
+                self.a[i, : f["a"].shape[0]] = f["a"]
+                self.g[i, : f["g"].shape[0]] = f["g"]
+        self.inverse_damping = 1.0 / states[0].damping  # one λ per group (LowRankFamily.group_key)
+
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """∇W/λ − Gᵀ diag(c) A/λ of every layer at once."""
+        projections = torch.bmm(self.g, grads).mul_(self.a).sum(dim=-1, keepdim=True)
+        coefficients = torch.bmm(self.inner, projections.to(torch.float64)).to(grads.dtype)
+        return torch.baddbmm(grads, self.g.mT, self.a * coefficients, beta=self.inverse_damping), list(states)
+
+
+class OneHotKernel(GroupKernel):
+    """A group of :class:`LowRankState` on one-hot rows (embeddings, docs/solvers.md, "Embeddings"): each row's
+    column of ∇W, its g_i (zero for padding and for the rows added to pad the group to its most rows m) and
+    M·(−1/λ)/D stacked once; V̂ = ∇W/λ − Σ c_i g_i e_{t_i}ᵀ/(λD) by one gather and one scatter-add per group."""
+
+    def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
+        rows = [state.rows for state in states]
+        assert all(isinstance(r, OneHotRows) for r in rows)
+        m = max(r.count for r in rows)
+        first = rows[0]
+        device, d_g = first.device, first.fields()["g"].shape[1]
+        self.inner = torch.zeros(len(states), m, m, dtype=torch.float64, device=device)
+        self.g = torch.zeros(len(states), m, d_g, dtype=dtype, device=device)
+        self.columns = torch.zeros(len(states), 1, m, dtype=torch.long, device=device)
+        for i, (state, r) in enumerate(zip(states, rows, strict=True)):
+            assert isinstance(r, OneHotRows)
+            n = r.count
+            self.inner[i, :n, :n] = state.inner * (-1.0 / state.damping / state.divisor)
+            present = r.tokens >= 0
+            self.g[i, :n] = r.g * present.to(r.g.dtype).unsqueeze(1)
+            self.columns[i, 0, :n] = r.tokens.clamp_min(0)
+        self.inverse_damping = 1.0 / states[0].damping  # one λ per group (LowRankFamily.group_key)
+
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """∇W/λ with c_i g_i/(−λD) added into column t_i, for every layer at once."""
+        index = self.columns.expand(-1, grads.shape[1], -1)
+        projections = (torch.gather(grads, 2, index).mT * self.g).sum(dim=-1, keepdim=True)  # (k, m, 1)
+        coefficients = torch.bmm(self.inner, projections.to(torch.float64)).to(grads.dtype)
+        out = grads * self.inverse_damping
+        return out.scatter_add_(2, index, (self.g * coefficients).mT), list(states)
 
 
 def smw_inners(updates: Sequence[LowRankUpdate], damping: float) -> list[Tensor]:

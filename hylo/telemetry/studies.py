@@ -31,11 +31,11 @@ from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import LayerMath
 from hylo.layers.rows import SampleRows
+from hylo.pipeline.stage import UpdateStage
 from hylo.solvers import family_of
 from hylo.solvers.base import LayerState, UpdateContext, UpdateJob
 from hylo.solvers.lowrank import ADAPTIVE
 from hylo.solvers.smw import LowRankState
-from hylo.stage import UpdateStage
 
 #: Shares of the trace at which rank-analysis.csv reports the numerical rank.
 RANK_LEVELS = (0.9, 0.99, 0.999)

@@ -68,7 +68,7 @@ AUTOCAST = {"off": None, "bf16": torch.bfloat16}
 LLAMA_DEFAULTS = (1024, 128)
 
 
-def _workload(
+def workload(
     model_name: str, batch: int, image: int | None, classes: int | None, model_options: Mapping[str, int] | None
 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, bool]:
     """The model (from seed 0), a random batch and its targets, and whether it is a language model."""
@@ -123,7 +123,7 @@ def iteration_time(
     if profile_dir is not None and solver is None:
         raise ValueError("profile_dir profiles hylo: it needs a solver")
     device = device or torch.device("cpu")
-    model, x, y, lm = _workload(model_name, batch, image, classes, model_options)
+    model, x, y, lm = workload(model_name, batch, image, classes, model_options)
     model, x, y = model.to(device), x.to(device), y.to(device)
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")

@@ -29,14 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hylo import sharding
 from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.distributed.payload import Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
-from hylo.numerics import result_terms, sound_results
+from hylo.numerics import checked_results
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
 from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
@@ -191,66 +190,66 @@ class UpdateStage:
             flags = self.comm.all_true(flags)
         return [job.name for job, ok in zip(jobs, flags.tolist(), strict=True) if not ok]
 
-    # ---------------------------------------------------------------- every step
-    def precondition(
+    # ---------------------------------------------------------------- every step, layer by layer
+    def apply_layers(
+        self, items: Sequence[tuple[str, LayerState, GradMatrix]], watch: Clock
+    ) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
+        """V̂ of every (layer, state, ∇W) item, each state applied on its own (the reference the grouped step is
+        checked against, docs/design.md, "The apply plan"), and the successors of the states that
+        :attr:`~hylo.solvers.base.LayerState.advances` (not yet stored). An error names its layer
+        (docs/reliability.md, "Registration")."""
+        results: dict[str, Tensor] = {}
+        successors: dict[str, LayerState] = {}
+        for name, state, grad in items:
+            try:
+                results[name], successor = state.advance(grad)
+            except Exception as err:
+                named = named_error(err, name, type(state).__name__)
+                if named is None:
+                    raise
+                raise named from err
+            if successor is not state:
+                successors[name] = successor
+            watch.lap("precondition", name)
+        return results, successors
+
+    def apply_owned(
         self,
         items: Sequence[tuple[str, HeldState, int, GradMatrix]],
         norms: dict[str, Tensor],
-        strategy: Strategy,
         watch: Clock,
     ) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
-        """V̂ of every (layer, state, owner, ∇W) item, by layer, and the successors of the states that
-        :attr:`~hylo.solvers.base.LayerState.advances` (not yet stored); owners broadcast under "gradient", having
-        checked their results against each layer's ‖∇W‖ in ``norms`` (float64).
+        """``strategy="gradient"`` with P > 1: V̂ of every (layer, state, owner, ∇W) item, each applied by its
+        owner, checked there against its ‖∇W‖ in ``norms`` (float64) and broadcast, so that every rank applies the
+        same result (docs/reliability.md, "Fallbacks"); a state that advances is applied on every rank (each
+        holds it). The successors of those states, not yet stored.
 
         Every rank must pass the same layers in the same order (the preconditioner agrees on them).
         """
-        if any(grad.shard is not None for _, _, _, grad in items):  # FSDP2: every rank holds every state
-            held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
-            return sharding.precondition(self.comm, held, watch)
-        results: dict[str, Tensor] = {}
-        successors: dict[str, LayerState] = {}
-        for name, state, _, grad in items:
-            if isinstance(state, LayerState):
-                try:
-                    results[name], successor = state.advance(grad)
-                except Exception as err:  # the error names the layer (docs/reliability.md, "Registration")
-                    named = named_error(err, name, type(state).__name__)
-                    if named is None:
-                        raise
-                    raise named from err
-                if successor is not state:
-                    successors[name] = successor
-                watch.lap("precondition", name)
-        if strategy == "gradient" and self.comm.world_size > 1:
-            # the owner checks its results before sending them (docs/reliability.md, "Fallbacks"): every rank
-            # then applies the same result, and a rank that holds no state for the layer checks finiteness only
-            checked = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
-            if checked:
-                dampings = [state.bound for _, state, _ in checked]
-                terms = torch.stack(
-                    [
-                        result_terms(grad, results[name], norms[name], damping)
-                        for (name, _, grad), damping in zip(checked, dampings, strict=True)
-                    ]
-                )
-                dtypes = [grad.weight.dtype for _, _, grad in checked]
-                mine = torch.stack([norms[name] for name, _, _ in checked])
-                sound = sound_results(terms, mine, dampings, dtypes)
-                for i, (name, _, grad) in enumerate(checked):
-                    results[name] = grad.fill_where_not(sound[i], results[name])
-            for src in range(self.comm.world_size):  # (every rank computed an advancing state's result itself)
-                owned = [(name, grad) for name, _, owner, grad in items if owner == src and name not in successors]
-                payload = Payload(
-                    {
-                        (name, "grad"): results.get(name, torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
-                        for name, grad in owned
-                    }
-                )
-                received = self.comm.broadcast(payload, src)
-                results.update((name, received[(name, "grad")]) for name, _ in owned)
-                names = [name for name, _ in owned]
-                watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
+        held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
+        results, successors = self.apply_layers(held, watch)
+        if held:  # a rank that holds no state for a layer checks finiteness only, after the broadcast
+            grads = [grad for _, _, grad in held]
+            written, _ = checked_results(
+                grads,
+                [results[name] for name, _, _ in held],
+                [norms[name] for name, _, _ in held],
+                [state.bound for _, state, _ in held],
+                None,
+            )
+            results.update((name, v) for (name, _, _), v in zip(held, written, strict=True))
+        for src in range(self.comm.world_size):  # (every rank computed an advancing state's result itself)
+            owned = [(name, grad) for name, _, owner, grad in items if owner == src and name not in successors]
+            payload = Payload(
+                {
+                    (name, "grad"): results.get(name, torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+                    for name, grad in owned
+                }
+            )
+            received = self.comm.broadcast(payload, src)
+            results.update((name, received[(name, "grad")]) for name, _ in owned)
+            names = [name for name, _ in owned]
+            watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return results, successors
 
 

@@ -26,7 +26,7 @@ from hylo import integrity
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.integrity import CHECKSUM_KEY
-from hylo.planner import Planner
+from hylo.pipeline.planner import Planner
 from hylo.policy import SolverPolicy
 from hylo.rules import is_index
 from hylo.solvers import HeldState, RemoteState, family_of, solver_names

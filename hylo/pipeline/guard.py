@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hylo import sharding
 from hylo.distributed import Communicator
 from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
+from hylo.pipeline import sharding
 from hylo.state import RegisteredLayer
 
 #: Steps taken by any torch optimizer in this process (:func:`optimizer_steps`).
@@ -80,6 +80,8 @@ class Guard:
         #: Per layer, steps whose preconditioned gradient fell back to the raw gradient since the last report
         #: (not finite, or not a descent direction within its damping: docs/reliability.md, "Fallbacks").
         self.fallbacks = torch.zeros(len(self.layers), dtype=torch.long)
+        self._indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+        self._empty: dict[torch.device, Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -134,18 +136,59 @@ class Guard:
         check needs exact: docs/reliability.md, "Fallbacks"): when one is not finite or that small (but
         not 0), :meth:`_safe_norms` re-measures them all in a form that cannot.
         """
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        norms = torch.stack(
-            [
-                zero if g is None else g.norm(layer.math.dtype).to(torch.float64)
-                for layer, g in zip(self.layers, grads, strict=True)
-            ]
-        )
+        norms = self._measured(grads)
         if self.sharded:  # each rank measured its rows: one all-reduce (docs/distributed.md, "FSDP2")
             norms = sharding.global_norms(self.comm, norms)
         small = max(math.sqrt(torch.finfo(layer.math.dtype).tiny) * 1e4 for layer in self.layers)
-        exact = (norms == 0) | (norms >= small)
-        return norms, (torch.isfinite(norms) & exact).all()
+        # finite (NaN fails every comparison) and exact: three comparisons instead of isfinite's four operations
+        return norms, (((norms >= small) & (norms < math.inf)) | (norms == 0)).all()
+
+    def _measured(self, grads: Sequence[GradMatrix | None]) -> Tensor:
+        """Per-layer ‖∇W‖ in the layer's working dtype, as float64 (0 where absent): per working dtype one
+        ``torch._foreach_norm`` over every weight part and every bias part (an empty tensor for a layer without a
+        bias), the two norms of a layer folded by one ``vector_norm`` over the (2, layers) stack: four operations
+        whatever the number of layers (docs/design.md, "The apply plan")."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (layer, grad) in enumerate(zip(self.layers, grads, strict=True)):
+            if grad is not None:
+                by_dtype.setdefault(layer.math.dtype, []).append(i)
+        pieces: list[tuple[list[int], Tensor]] = []
+        for dtype, members in by_dtype.items():
+            parts = [grad for i in members if (grad := grads[i]) is not None]
+            weights = [part.weight for part in parts]
+            if any(part.bias is not None for part in parts):
+                nothing = self._nothing(weights[0].device)
+                biases = [nothing if part.bias is None else part.bias for part in parts]
+                stacked = torch.stack(torch._foreach_norm(weights + biases, 2, dtype=dtype)).view(2, len(parts))
+                values = torch.linalg.vector_norm(stacked, dim=0)
+            else:
+                values = torch.stack(torch._foreach_norm(weights, 2, dtype=dtype))
+            pieces.append((members, values.to(torch.float64)))
+        if len(pieces) == 1 and len(pieces[0][0]) == len(self.layers):
+            return pieces[0][1]
+        norms = torch.zeros(len(self.layers), dtype=torch.float64, device=self.device)
+        for members, values in pieces:
+            norms.index_copy_(0, self._index(members, norms.device), values)
+        return norms
+
+    def _nothing(self, device: torch.device) -> Tensor:
+        """An empty tensor on ``device`` (the bias part of a layer without one: its norm is 0), made once."""
+        empty = self._empty.get(device)
+        if empty is None:
+            empty = self._empty[device] = torch.empty(0, device=device)
+        return empty
+
+    def tensors(self) -> list[Tensor]:
+        """What the guard keeps between steps: the fallback counters and its index tensors."""
+        return [self.fallbacks, *self._indices.values(), *self._empty.values()]
+
+    def _index(self, positions: list[int], device: torch.device) -> Tensor:
+        """``positions`` as a long tensor on ``device``, made once per distinct list (no copy at every step)."""
+        key = (tuple(positions), device)
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = torch.tensor(positions, dtype=torch.long).to(device)
+        return index
 
     def agree(
         self,
@@ -296,16 +339,20 @@ class Guard:
             stacklevel=4,
         )
 
-    def count_fallbacks(self, indices: list[int], counts: Tensor) -> None:
-        """Add a step's fallbacks (1 per layer whose result was not applied), without a host sync."""
+    def count_fallbacks(self, indices: list[int] | Tensor | None, counts: Tensor) -> None:
+        """Add a step's fallbacks (1 or True per layer whose result was not applied) at ``indices`` (a list, a device
+        tensor, or None for every layer in order), without a host sync."""
         self.fallbacks = self.fallbacks.to(counts.device)
+        if isinstance(indices, list):
+            if indices == list(range(len(self.layers))):  # every layer, in order (the usual step): no index
+                indices = None
+            else:  # copied from the host without a stream synchronisation (docs/design.md, "Host synchronisation")
+                indices = torch.tensor(indices, dtype=torch.long).to(counts.device, non_blocking=True)
         counts = counts.to(self.fallbacks.dtype)
-        if indices == list(range(len(self.layers))):  # every layer, in order (the usual step): no index
+        if indices is None:
             self.fallbacks += counts
-            return
-        # the index copied from the host without a stream synchronisation (docs/design.md, "Host synchronisation")
-        index = torch.tensor(indices, dtype=torch.long).to(counts.device, non_blocking=True)
-        self.fallbacks.index_add_(0, index, counts)
+        else:
+            self.fallbacks.index_add_(0, indices, counts)
 
     def report_fallbacks(self, step: int) -> None:
         """Warn (at an update, where the host syncs anyway) about layers that fell back to their raw gradient."""

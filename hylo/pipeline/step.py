@@ -13,18 +13,16 @@ import dataclasses
 import warnings
 from collections.abc import Collection, Sequence
 
-import torch
 from torch import Tensor
 
-from hylo import sharding
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import kl_clipped, result_terms, sound_results
+from hylo.pipeline.placement import Fallbacks, Placement, Ready
+from hylo.pipeline.stage import UpdateStage
 from hylo.records import Decision
-from hylo.solvers import HeldState, LayerState, RemoteState, UpdateContext
+from hylo.solvers import HeldState, RemoteState, UpdateContext
 from hylo.solvers.base import UpdateJob
-from hylo.stage import UpdateStage
 from hylo.state import UNSOLVED, RegisteredLayer
 from hylo.telemetry.monitor import StudyResult
 from hylo.telemetry.profiling import Stopwatch
@@ -82,8 +80,9 @@ class Outcome:
     chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     #: Layers whose new state this update rejected (non-finite): they keep their previous one.
     rejected: list[str] = dataclasses.field(default_factory=list)
-    #: Indices of the preconditioned layers and 1 where a result fell back to the raw gradient.
-    fallbacks: tuple[list[int], Tensor] | None = None
+    #: Indices of the preconditioned layers (a device tensor, or None for all in order) and where a result fell
+    #: back to the raw gradient (1 or True).
+    fallbacks: Fallbacks | None = None
     study: StudyResult | None = None
 
     def state_of(self, layer: RegisteredLayer) -> HeldState | None:
@@ -155,54 +154,34 @@ def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCo
 
 
 def precondition(
-    stage: UpdateStage,
+    placement: Placement,
     ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
-    norms: Sequence[Tensor],
+    indices: Sequence[int],
+    norms: Tensor,
     outcome: Outcome,
     values: StepValues,
     config: HyLoConfig,
     watch: Stopwatch,
-) -> tuple[dict[str, Tensor], Tensor]:
+) -> tuple[dict[str, Tensor], Fallbacks]:
     """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back,
-    and 1 per ready layer whose result fell back to its raw gradient. ``norms``: each ready layer's ‖∇W‖ (0-dim,
-    float64, over every rank's rows: the guard's).
+    and the fallbacks: the layers' indices (``indices``: each ready layer's among the registered ones) and where
+    a result fell back to its raw gradient. ``norms``: every registered layer's ‖∇W‖ (float64, over every
+    rank's rows: the guard's). The placement chosen at construction runs it (:mod:`hylo.pipeline.placement`).
 
     A layer whose result is not finite although its gradient is (an overflow in the solve's
     arithmetic), or that is not a descent direction no longer than ‖∇W‖/λ as its damped system
-    guarantees (:func:`~hylo.numerics.sound_results`), keeps its raw gradient this step, decided on
+    guarantees (:func:`~hylo.numerics.sound`), keeps its raw gradient this step, decided on
     device (docs/reliability.md, "Fallbacks").
     """
-    items = [
-        (layer.name, state, outcome.owners.get(layer.name, layer.owner), grad)
-        for layer, grad in ready
-        if (state := outcome.state_of(layer)) is not None
-    ]
-    norm_of = {layer.name: norm for (layer, _), norm in zip(ready, norms, strict=True)}
-    results, successors = stage.precondition(items, norm_of, config.distributed.strategy, watch)
-    outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
     clip = None
     if values.kl_clip is not None:
         assert values.lr is not None
         clip = values.kl_clip, values.lr
-    grads = [grad for _, grad in ready]
-    outputs = [results[layer.name] for layer, _ in ready]
-    # λ of the system each result solves. Under "gradient" with P > 1 the owners checked their results before
-    # sending them (UpdateStage.precondition): every rank then checks finiteness only, with one scale for all,
-    # so that every rank computes the same ⟨∇W, V̂⟩ for kl_clip and the ranks' weights stay equal bit for bit
-    shared = config.distributed.strategy == "gradient" and stage.comm.world_size > 1
-    dampings = [
-        state.bound if not shared and isinstance(state := outcome.state_of(layer), LayerState) else None
-        for layer, _ in ready
-    ]
-    if ready[0][1].shard is not None:  # FSDP2: decided over every rank's rows (docs/distributed.md, "FSDP2")
-        written, fallbacks = sharding.agree_results(stage.comm, grads, outputs, norms, dampings, clip)
-        watch.lap("precondition", [layer.name for layer, _ in ready])
-        return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, fallbacks
-    terms = torch.stack([result_terms(*item) for item in zip(grads, outputs, norms, dampings, strict=True)])
-    norm_values = torch.stack(list(norms))
-    ok = sound_results(terms, norm_values, dampings, [grad.weight.dtype for grad in grads])
-    written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, outputs, strict=True))]
-    if clip is not None:
-        written = kl_clipped(written, terms, norm_values, ok, *clip)
-    watch.lap("precondition", [layer.name for layer, _ in ready])
-    return {layer.name: v for (layer, _), v in zip(ready, written, strict=True)}, (~ok).long()
+    states = [state for layer, _ in ready if (state := outcome.state_of(layer)) is not None]
+    assert len(states) == len(ready), "a ready layer holds a state"
+    owners = [outcome.owners.get(layer.name, layer.owner) for layer, _ in ready]
+    results, fallbacks, successors = placement.precondition(
+        Ready(ready, states, owners, indices, norms, clip, config, watch)
+    )
+    outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
+    return {layer.name: v for (layer, _), v in zip(ready, results, strict=True)}, fallbacks

@@ -27,7 +27,7 @@ from hylo.distributed import Communicator
 from hylo.distributed.payload import CONTROL, Payload
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded, local
-from hylo.numerics import kl_clipped, result_terms, sound_results
+from hylo.numerics import checked_results
 from hylo.solvers import LayerState
 from hylo.solvers.base import Clock, Exchange
 from hylo.state import RegisteredLayer
@@ -148,12 +148,9 @@ def agree_results(
     same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with :func:`~hylo.numerics.sound_results`, so all decide alike,
     and the fallback's ⟨∇W, ∇W⟩ is the norm's square (no second collective).
     """
-    local = torch.stack([result_terms(*item) for item in zip(grads, results, norms, dampings, strict=True)])
     key = (CONTROL, "results")
-    total = comm.all_reduce(Payload({key: local}), "sum").wait()[key]
-    norm_values = torch.stack(list(norms))
-    ok = sound_results(total, norm_values, dampings, [g.weight.dtype for g in grads])
-    written = [g.fill_where_not(ok[i], v) for i, (g, v) in enumerate(zip(grads, results, strict=True))]
-    if clip is not None:
-        written = kl_clipped(written, total, norm_values, ok, *clip)
-    return written, (~ok).long()
+
+    def summed(local: Tensor) -> Tensor:
+        return comm.all_reduce(Payload({key: local}), "sum").wait()[key]
+
+    return checked_results(grads, results, norms, dampings, clip, summed)

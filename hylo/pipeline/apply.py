@@ -1,0 +1,298 @@
+"""The step between updates per group of equal layers (docs/design.md, "The apply plan").
+
+The math is written per layer (each state's :meth:`~hylo.solvers.base.LayerState.advance`); it is executed per
+group. An :class:`ApplyPlan` is built from the held states when they change (an update, a refresh, a load:
+the states' :meth:`~hylo.solvers.base.LayerState.plan_parts` say so) and used by every step until then: the
+preconditioned layers grouped by (family, the family's :meth:`~hylo.solvers.base.SolverFamily.group_key`,
+∇W's shape and bias, working dtype, device), each group's states stacked once by the family's
+:meth:`~hylo.solvers.base.SolverFamily.group_kernel`, and the check's per-layer limits made device tensors
+once. A step then costs O(groups) operations, not O(layers): every group's gradients stacked by two
+``torch._foreach_copy_`` for the whole step, one batched apply per group, one batched product of the check's
+two sums per group, one vector decision for all layers (:func:`~hylo.numerics.sound`), one ``where`` per
+group for the raw-gradient fallback, one ``torch._foreach_mul_`` for ``kl_clip``, and the results written
+back by two ``torch._foreach_copy_`` (:func:`write_back`). No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.numerics import STACK_CAP_MB, check_limits, kl_scale, sound, unit_scales
+from hylo.solvers import LayerState, family_named
+from hylo.solvers.base import GroupKernel, SolverFamily
+from hylo.state import RegisteredLayer
+
+
+@dataclasses.dataclass
+class Group:
+    """Layers applied by one kernel: positions ``start:stop`` of the plan's order, ``members`` of the ready list."""
+
+    members: list[int]
+    start: int
+    stop: int
+    kernel: GroupKernel
+    #: The working dtype the gradients are stacked in.
+    dtype: torch.dtype
+    #: ∇W's (d_g, d_a) and the width of its weight part (d_a − 1 with a bias).
+    shape: tuple[int, int]
+    d_w: int
+
+
+@dataclasses.dataclass
+class ApplyPlan:
+    """The ready layers grouped, their kernels and the check's limits, for as long as their states hold."""
+
+    #: What the plan was built for: per ready layer, its name, gradient layout and state's plan parts.
+    key: list[tuple[Any, ...]]
+    groups: list[Group]
+    #: Each layer's index among all registered layers, in plan order (None: all of them, in their order).
+    order: Tensor | None
+    #: Per layer in plan order: the check's c (λ, or 1 without a length bound), λ (NaN: no bound), 1 + slack.
+    bound: Tensor
+    damping: Tensor
+    slack: Tensor
+    #: Per layer in plan order, whether only finiteness is checked (λ NaN: the state gives no bound).
+    unbounded: Tensor
+    #: 0 and 1 (long, 0-dim): a fallback counted without a cast.
+    zero: Tensor
+    one: Tensor
+    #: [1, 2]: the powers of each layer's scale s that divide its check's two sums (⟨∇W, sV̂⟩, ‖sV̂‖²).
+    powers: Tensor
+    #: Positions in plan order of each ready layer (the inverse of ``order``).
+    position: list[int]
+
+
+def _layout(grad: GradMatrix) -> tuple[Any, ...]:
+    return grad.shape, grad.bias is not None, grad.dtype, grad.device
+
+
+def plan_key(
+    ready: Sequence[tuple[RegisteredLayer, GradMatrix]], states: Sequence[LayerState]
+) -> list[tuple[Any, ...]]:
+    """Per ready layer what a plan depends on (compared by identity for the states' parts)."""
+    return [(layer.name, _layout(grad), state.plan_parts()) for (layer, grad), state in zip(ready, states, strict=True)]
+
+
+def _same(key: list[tuple[Any, ...]], other: list[tuple[Any, ...]]) -> bool:
+    if len(key) != len(other):
+        return False
+    for (name, layout, parts), (name2, layout2, parts2) in zip(key, other, strict=True):
+        if name != name2 or layout != layout2 or len(parts) != len(parts2):
+            return False
+        if any(a is not b for a, b in zip(parts, parts2, strict=True)):
+            return False
+    return True
+
+
+def build_plan(
+    ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+    states: Sequence[LayerState],
+    indices: Sequence[int],
+    total: int,
+    key: list[tuple[Any, ...]],
+) -> ApplyPlan:
+    """Group the ready layers and build each group's kernel; groups are cut at :data:`~hylo.numerics.STACK_CAP_MB`
+    of stacked gradients (twice that is stacked: ∇W and the check's scaled V̂)."""
+    buckets: dict[tuple[Hashable, ...], list[int]] = {}
+    families: dict[tuple[Hashable, ...], SolverFamily[Any]] = {}
+    for i, ((layer, grad), state) in enumerate(zip(ready, states, strict=True)):
+        family = family_named(state.family)
+        bucket: tuple[Hashable, ...] = (state.family, family.group_key(state), _layout(grad), layer.math.dtype)
+        buckets.setdefault(bucket, []).append(i)
+        families[bucket] = family
+    groups: list[Group] = []
+    order: list[int] = []
+    for bucket, members in buckets.items():
+        first, grad = ready[members[0]]
+        dtype = first.math.dtype
+        d_g, d_a = grad.shape
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_chunk = max(1, int(STACK_CAP_MB * 2**20 // max(1, 2 * d_g * d_a * itemsize)))
+        for begin in range(0, len(members), per_chunk):
+            chunk = members[begin : begin + per_chunk]
+            kernel = families[bucket].group_kernel([states[i] for i in chunk], dtype)
+            start = len(order)
+            order.extend(chunk)
+            groups.append(Group(chunk, start, len(order), kernel, dtype, (d_g, d_a), int(grad.weight.shape[1])))
+    device = ready[0][1].device
+    in_order = [states[i] for i in order]
+    bounds = [state.bound for state in in_order]
+    damping, slack = check_limits(bounds, [ready[i][0].math.dtype for i in order], device)
+    bound = torch.tensor([b if b else 1.0 for b in bounds], dtype=torch.float64).to(device)
+    position = [0] * len(order)
+    for place, i in enumerate(order):
+        position[i] = place
+    full = [indices[i] for i in order]
+    index = None if full == list(range(total)) else torch.tensor(full, dtype=torch.long).to(device)
+    powers = torch.tensor([1.0, 2.0], dtype=torch.float64).to(device)
+    zero, one = torch.tensor([0, 1], dtype=torch.long).to(device).unbind(0)
+    return ApplyPlan(key, groups, index, bound, damping, slack, damping.isnan(), zero, one, powers, position)
+
+
+class GroupedApply:
+    """The step between updates of the layers every rank holds whole (one process, or DDP with
+    ``strategy="inverse"``), per group; it keeps the plan between steps."""
+
+    def __init__(self) -> None:
+        self.plan: ApplyPlan | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors the plan holds (its kernels' stacked copies and the check's limits)."""
+        plan = self.plan
+        if plan is None:
+            return []
+        limits = [plan.bound, plan.damping, plan.slack, plan.order, plan.unbounded, plan.powers, plan.zero, plan.one]
+        return [t for group in plan.groups for t in group.kernel.tensors()] + [t for t in limits if t is not None]
+
+    def plan_for(
+        self,
+        ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+        states: Sequence[LayerState],
+        indices: Sequence[int],
+        total: int,
+    ) -> ApplyPlan:
+        """The current plan, rebuilt when the ready layers, their gradients' layout or their states changed."""
+        key = plan_key(ready, states)
+        if self.plan is None or not _same(self.plan.key, key):
+            self.plan = build_plan(ready, states, indices, total, key)
+        return self.plan
+
+    def precondition(
+        self,
+        ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+        states: Sequence[LayerState],
+        indices: Sequence[int],
+        norms: Tensor,
+        clip: tuple[float, float] | None,
+    ) -> tuple[list[Tensor], tuple[Tensor | None, Tensor], dict[str, LayerState]]:
+        """Every ready layer's V̂ (a view of its group's result, in the working dtype, kl_clip applied), the
+        fallbacks (the registered layers' indices in plan order, None for all in order, and true where a result
+        fell back to its raw gradient) and the successors of the states that advance.
+        ``indices``: each ready layer's index among the registered layers; ``norms``: every registered layer's
+        ‖∇W‖ (float64). Raises what a kernel raises (the caller names the layer by running the per-layer path)."""
+        plan = self.plan_for(ready, states, indices, len(norms))
+        stacks = _buffers(plan.groups, norms.device)
+        weights: list[tuple[Tensor, Tensor]] = []
+        biases: list[tuple[Tensor, Tensor]] = []
+        for group, stack in zip(plan.groups, stacks, strict=True):
+            for j, i in enumerate(group.members):
+                grad = ready[i][1]
+                weights.append((stack[j, 0, :, : group.d_w], grad.weight))
+                if grad.bias is not None:
+                    biases.append((stack[j, 0, :, group.d_w], grad.bias))
+        for pairs in (weights, biases):
+            if pairs:
+                torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+        if plan.order is not None:
+            norms = norms.index_select(0, plan.order)
+        scales, scale64 = unit_scales(norms, plan.bound, [(g.start, g.stop, g.dtype) for g in plan.groups])
+        members = [[states[i] for i in group.members] for group in plan.groups]
+        applied = _apply_all(plan.groups, [stack[:, 0] for stack in stacks], members)
+        sums: list[Tensor] = []
+        successors: dict[str, LayerState] = {}
+        for group, stack, scale, before, (result, after) in zip(
+            plan.groups, stacks, scales, members, applied, strict=True
+        ):
+            for i, old, new in zip(group.members, before, after, strict=True):
+                if new is not old:
+                    successors[ready[i][0].name] = new
+            torch.mul(result, scale.view(-1, 1, 1), out=stack[:, 1])
+            flat = stack.flatten(2)  # [⟨U, ∇W⟩, ‖U‖²] of every layer of the group in one batched product
+            sums.append(torch.bmm(flat[:, 1:], flat.mT).flatten(1))
+        terms = torch.cat(sums).to(torch.float64) / scale64.unsqueeze(1).pow(plan.powers)
+        ok = sound(terms, norms, plan.damping, plan.slack, plan.unbounded)
+        written = [
+            torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0])
+            for group, (result, _), stack in zip(plan.groups, applied, stacks, strict=True)
+        ]
+        if clip is not None:
+            torch._foreach_mul_(written, kl_scale(terms, norms, ok, *clip))
+        by_place = [w for stack in written for w in stack.unbind(0)]
+        return (
+            [by_place[place] for place in plan.position],
+            (plan.order, torch.where(ok, plan.zero, plan.one)),
+            successors,
+        )
+
+
+def _buffers(groups: Sequence[Group], device: torch.device) -> list[Tensor]:
+    """Each group's (k, 2, d_g, d_a) stack: ∇W, then the check's scaled V̂; one allocation per dtype."""
+    sizes = [(g.stop - g.start) * 2 * g.shape[0] * g.shape[1] for g in groups]
+    flat: dict[torch.dtype, Tensor] = {}
+    for dtype in dict.fromkeys(g.dtype for g in groups):
+        total = sum(size for size, g in zip(sizes, groups, strict=True) if g.dtype == dtype)
+        flat[dtype] = torch.empty(total, dtype=dtype, device=device)
+    offsets = dict.fromkeys(flat, 0)
+    stacks = []
+    for size, g in zip(sizes, groups, strict=True):
+        begin = offsets[g.dtype]
+        offsets[g.dtype] = begin + size
+        stacks.append(flat[g.dtype][begin : begin + size].view(g.stop - g.start, 2, *g.shape))
+    return stacks
+
+
+def _apply_all(
+    groups: Sequence[Group], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
+) -> list[tuple[Tensor, list[LayerState]]]:
+    """Every group's kernel applied, the groups of one kernel type in one :meth:`GroupKernel.apply_all`."""
+    by_type: dict[type[GroupKernel], list[int]] = {}
+    for i, group in enumerate(groups):
+        by_type.setdefault(type(group.kernel), []).append(i)
+    out: dict[int, tuple[Tensor, list[LayerState]]] = {}
+    for kind, members in by_type.items():
+        results = kind.apply_all(
+            [groups[i].kernel for i in members], [grads[i] for i in members], [states[i] for i in members]
+        )
+        out.update(zip(members, results, strict=True))
+    return [out[i] for i in range(len(groups))]
+
+
+def write_back(layers: Sequence[RegisteredLayer], written: Mapping[str, Tensor]) -> None:
+    """Write every layer's result into its ``.grad`` in place: two ``torch._foreach_copy_`` for the layers whose ∇W
+    parts are views of their ``.grad`` (every built-in layer type but transposed convolutions), the layer's own
+    ``set_grad_matrix`` for the others (and for a type that writes its own way)."""
+    weights: list[tuple[Tensor, Tensor]] = []
+    biases: list[tuple[Tensor, Tensor]] = []
+    for layer in layers:
+        result = written.get(layer.name)
+        if result is None:
+            continue
+        parts = layer.math.grad_parts() if _hylo_writer(type(layer.math)) else None
+        if parts is None or parts.shard is not None or not _writes_through(layer, parts):
+            layer.math.set_grad_matrix(result)
+            continue
+        d_w = parts.weight.shape[1]
+        weights.append((parts.weight, result[:, :d_w]))
+        if parts.bias is not None:
+            biases.append((parts.bias, result[:, d_w]))
+    for pairs in (weights, biases):
+        if pairs:
+            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+
+
+@functools.cache
+def _hylo_writer(kind: type) -> bool:
+    """Whether a layer type writes its gradient as hylo's own types do (a type of another package that overrides
+    ``set_grad_matrix`` or ``write_weight_matrix`` has it called: its writing may do more than a copy)."""
+    return all(
+        getattr(kind, name).__module__.startswith("hylo.") for name in ("set_grad_matrix", "write_weight_matrix")
+    )
+
+
+def _writes_through(layer: RegisteredLayer, parts: GradMatrix) -> bool:
+    """Whether ∇W's parts are views of the parameters' ``.grad`` (writing them writes the gradient)."""
+    weight_grad, bias_grad = layer.math.weight_grad(), layer.math.bias_grad()
+    if weight_grad is None or not _shares(parts.weight, weight_grad):
+        return False
+    return parts.bias is None or (bias_grad is not None and _shares(parts.bias, bias_grad))
+
+
+def _shares(view: Tensor, tensor: Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()

@@ -1,0 +1,101 @@
+"""The shape of a step's cost between updates: O(groups), not O(layers) (docs/design.md, "The apply plan").
+
+Counted, not timed: the aten operations ``step()`` dispatches (:class:`hylo_scripts.bench_ops.OpCounter`) on a
+step between curvature updates. A stack of 16 equal Linear layers issues at most 16 operations more than a stack
+of 4 (one group either way), where the per-layer path (``grouped=False``) issues dozens more per layer; the plan
+is built once per update and reused by the steps between.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torch import nn
+
+from hylo import HyLoPreconditioner
+from hylo_scripts.bench_ops import OpCounter, count, stack, step_counts
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def between_updates(layers: int, solver: str, grouped: bool = True) -> tuple[OpCounter, HyLoPreconditioner]:
+    """The operations of the step after the first update (between updates) on a stack of ``layers`` equal
+    Linear(64, 64) layers (``scripts/bench_ops.py --model stack``'s), batch 32."""
+    model, x, y, _ = stack(layers, 32)
+    pre = HyLoPreconditioner(model, solver=solver, update_freq=10, damping=0.1, grouped=grouped)
+    counted = OpCounter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if step == 1:
+                counted = count(pre.step)
+            else:
+                pre.step()
+    return counted, pre
+
+
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kis", "kfac_adam"])
+def test_sixteen_layers_cost_four_layers_plus_a_constant(solver: str) -> None:
+    """16 equal layers: at most 16 operations more than 4, one group either way; per layer, many more."""
+    four, _ = between_updates(4, solver)
+    sixteen, pre = between_updates(16, solver)
+    assert sixteen.total <= four.total + 16, (four.counts, sixteen.counts)
+    plan = pre._placement.grouped.plan
+    assert plan is not None and len(plan.groups) == 1
+    per_layer, _ = between_updates(16, solver, grouped=False)
+    assert per_layer.total >= 5 * sixteen.total, (per_layer.total, sixteen.total)
+
+
+def test_the_plan_is_reused_between_updates_and_rebuilt_after_one() -> None:
+    """Between updates the plan is the same object; an update (new states) or a load rebuilds it."""
+    model, x, y, _ = stack(3, 8)
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=3, damping=0.1)
+    plans = []
+    for _ in range(7):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        plans.append(pre._placement.grouped.plan)
+    assert plans[0] is plans[1] is plans[2]  # step 0 updates, 1 and 2 reuse its plan
+    assert plans[3] is not plans[2] and plans[3] is plans[4] is plans[5]  # step 3 updated
+    pre.load_state_dict(pre.state_dict())
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    assert pre._placement.grouped.plan is not plans[6]  # the loaded states are new objects
+
+
+def test_memory_breakdown_counts_the_plan() -> None:
+    """The plan's stacked copies are part of what the preconditioner holds."""
+    _, pre = between_updates(4, "kfac")
+    plan = pre._placement.grouped.plan
+    assert plan is not None
+    held = pre.memory_breakdown()
+    kernel = sum(t.numel() * t.element_size() for t in plan.groups[0].kernel.tensors())
+    assert kernel > 0
+    assert held.bookkeeping >= kernel
+
+
+#: Operations of a step between updates the benchmarks' workloads must stay within (docs/benchmarks.md,
+#: "Operations per step"): (model, its options, solver, hylo options) → the most operations.
+TARGETS = [
+    ("transformer", {"layers": 2, "width": 128}, "kfac", {"kfac_method": "inverse"}, 80),
+    ("transformer", {"layers": 2, "width": 128}, "kfac_adam", {}, 100),
+    ("resnet32", {}, "kfac", {}, 150),
+    ("resnet32", {}, "hybrid", {}, 150),
+    ("resnet32", {}, "kfac_adam", {}, 180),
+]
+
+
+@pytest.mark.parametrize(("model", "sizes", "solver", "options", "most"), TARGETS, ids=lambda v: str(v))
+def test_the_benchmarks_step_stays_within_its_operations(
+    model: str, sizes: dict[str, int], solver: str, options: dict[str, str], most: int
+) -> None:
+    """The LM bench decoder and ResNet-32, counted as ``scripts/bench_ops.py`` counts them (small batches: the
+    count does not depend on the batch), each phase counted once."""
+    fwd_bwd, update, between = step_counts(model, solver, 2, 10, 8, model_options=sizes, options=options)
+    assert 0 < fwd_bwd.total and between.total < update.total
+    assert between.total <= most, between.counts
