@@ -208,8 +208,8 @@ class GroupedApply:
             sums.append(torch.bmm(flat[:, 1:], flat.mT).flatten(1))
         terms = torch.cat(sums).to(torch.float64) / scale64.unsqueeze(1).pow(plan.powers)
         ok = sound(terms, norms, plan.damping, plan.slack, plan.unbounded)
-        written = [
-            torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0])
+        written = [  # in place: a kernel's result is its own (GroupKernel.apply)
+            torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0], out=result)
             for group, (result, _), stack in zip(plan.groups, applied, stacks, strict=True)
         ]
         if clip is not None:

@@ -315,8 +315,9 @@ class GroupKernel(ABC):
     @abstractmethod
     def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
         """V̂ of every layer of the group from its stacked gradients ``grads`` (k, d_g, d_a), in the working dtype
-        the kernel was built in (bias last), and each state's successor (itself unless it :attr:`~LayerState.
-        advances`); ``states``: the group's states now, in the order the kernel was built with."""
+        the kernel was built in (bias last), as a new tensor the caller may overwrite, and each state's successor
+        (itself unless it :attr:`~LayerState.advances`); ``states``: the group's states now, in the order the
+        kernel was built with."""
 
     @classmethod
     def apply_all(
