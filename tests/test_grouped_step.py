@@ -11,7 +11,8 @@ per group) or False (layer by layer, the reference).
 Property: at every step the preconditioned gradients, then the parameters, of the grouped fork equal the
 reference's to 1e-12 in float64 (relative to each tensor's largest entry), the fallback counts are equal, and so
 are the held states at the end (kfac_adam's moments advance in both). In bf16 (parameters and gradients), the
-same to bf16's resolution.
+same to bf16's resolution. A family without a kernel of its own (the default ``LoopKernel``) gives the per-layer results
+in its groups.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from hylo.solvers import LayerState
+from hylo.solvers import FAMILIES, LayerState, LoopKernel, SolverFamily
 from hylo.solvers.kfac import KFACInverseState, KFACState
 from hylo.solvers.kfac_adam import KFACAdamState
 from hylo.solvers.smw import LowRankState
@@ -259,3 +260,21 @@ def test_faults_fire() -> None:
     assert {case.front for case in CASES} == {"conv", "embedding", "none"}
     assert {case.bias for case in CASES} == {"all", "none", "alternate"}
     assert {case.kl_clip for case in CASES} == {True, False}
+
+
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "sngd", "mixed"])
+def test_a_family_without_a_kernel_of_its_own_is_applied_layer_by_layer_in_its_groups(
+    solver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default ``SolverFamily.group_kernel`` (what a registered family without one gets) is
+    :class:`~hylo.solvers.LoopKernel`: each state's own ``advance`` in the grouped step, the per-layer results."""
+    for family in FAMILIES:
+        monkeypatch.setattr(type(family), "group_kernel", SolverFamily.group_kernel)
+    case = dataclasses.replace(draw(random.Random(f"loop-{solver}"), solver), front="conv")
+    run_case(case, torch.float64, 1e-12)
+    grouped, _ = forks(case, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(case, grouped, 0, torch.float64)
+    plan = grouped.pre._placement.grouped.plan  # type: ignore[attr-defined]
+    assert plan is not None and all(isinstance(group.kernel, LoopKernel) for group in plan.groups)
