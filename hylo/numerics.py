@@ -187,9 +187,18 @@ def result_scale(norm: Tensor, damping: float | None, dtype: torch.dtype) -> Ten
     """The check's scale s = c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, c = λ (1 where there is no
     length bound: ``damping`` None or 0), in float64 then clamped into ``dtype``'s finite positive range and cast
     to it (0-dim, on ``norm``'s device, no host sync)."""
+    return _in_range(_raw_scales(norm, damping or 1.0), dtype).to(dtype)
+
+
+def _raw_scales(norms: Tensor, bound: Tensor | float) -> Tensor:
+    """c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, in float64 (``bound``: c)."""
+    return bound / (norms * norms.clamp(*NORM_CLAMP))
+
+
+def _in_range(scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """``scales`` clamped into ``dtype``'s finite positive range (still in float64)."""
     info = torch.finfo(dtype)
-    scale = (damping or 1.0) / (norm * norm.clamp(*NORM_CLAMP))
-    return scale.clamp(info.tiny, info.max).to(dtype)
+    return scales.clamp(info.tiny, info.max)
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -301,18 +310,14 @@ def unit_scales(
     ``norms`` (float64) the scales in its dtype, and all of them in float64, clamped to each span's dtype range as
     the cast ones are (they differ by the cast's rounding, a relative 2⁻²⁴ in float32: what the check's sums,
     divided by them, then carry)."""
-    raw = bound / (norms * norms.clamp(*NORM_CLAMP))
-    dtypes = list(dict.fromkeys(dtype for _, _, dtype in spans))
-    if len(dtypes) == 1:
-        info = torch.finfo(dtypes[0])
-        clamped = raw.clamp(info.tiny, info.max)
-        scale = clamped.to(dtypes[0])
-        return [scale[start:stop] for start, stop, _ in spans], clamped
-    pieces = []
-    for start, stop, dtype in spans:
-        info = torch.finfo(dtype)
-        pieces.append(raw[start:stop].clamp(info.tiny, info.max))
-    return [piece.to(dtype) for piece, (_, _, dtype) in zip(pieces, spans, strict=True)], torch.cat(pieces)
+    raw = _raw_scales(norms, bound)
+    clamped = {dtype: _in_range(raw, dtype) for dtype in dict.fromkeys(dtype for _, _, dtype in spans)}
+    cast = {dtype: scales.to(dtype) for dtype, scales in clamped.items()}
+    if len(clamped) == 1:
+        applied = next(iter(clamped.values()))
+    else:
+        applied = torch.cat([clamped[dtype][start:stop] for start, stop, dtype in spans])
+    return [cast[dtype][start:stop] for start, stop, dtype in spans], applied
 
 
 def checked_results(

@@ -329,7 +329,7 @@ class HyLoPreconditioner:
             self._guard.count_fallbacks(*outcome.fallbacks)
         if outcome.kind == "update":
             self._guard.report_fallbacks(step)
-        write_back(self._layers, outcome.written)
+        write_back(self._layers, outcome.written, outcome.grads)
         self._guard.mark_seen(bool(outcome.written))
         self._telemetry.watch.lap("precondition")
         if outcome.kind == "update":

@@ -254,18 +254,20 @@ def _apply_all(
     return [out[i] for i in range(len(groups))]
 
 
-def write_back(layers: Sequence[RegisteredLayer], written: Mapping[str, Tensor]) -> None:
-    """Write every layer's result into its ``.grad`` in place: two ``torch._foreach_copy_`` for the layers whose ∇W
-    parts are views of their ``.grad`` (every built-in layer type but transposed convolutions), the layer's own
-    ``set_grad_matrix`` for the others (and for a type that writes its own way)."""
+def write_back(
+    layers: Sequence[RegisteredLayer], written: Mapping[str, Tensor], grads: Mapping[str, GradMatrix]
+) -> None:
+    """Write every layer's result into its ``.grad`` in place: two ``torch._foreach_copy_`` into the ∇W parts the
+    step read (``grads``) where they are views of the ``.grad`` (every built-in layer type but transposed
+    convolutions), the layer's own ``set_grad_matrix`` for the others (and for a type that writes its own way)."""
     weights: list[tuple[Tensor, Tensor]] = []
     biases: list[tuple[Tensor, Tensor]] = []
     for layer in layers:
         result = written.get(layer.name)
         if result is None:
             continue
-        parts = layer.math.grad_parts() if _hylo_writer(type(layer.math)) else None
-        if parts is None or parts.shard is not None or not _writes_through(layer, parts):
+        parts = grads[layer.name]
+        if parts.shard is not None or not _hylo_writer(type(layer.math)) or not _writes_through(layer, parts):
             layer.math.set_grad_matrix(result)
             continue
         d_w = parts.weight.shape[1]

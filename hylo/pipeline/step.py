@@ -76,6 +76,8 @@ class Outcome:
     states: dict[str, HeldState] = dataclasses.field(default_factory=dict)
     owners: dict[str, int] = dataclasses.field(default_factory=dict)
     written: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: The ∇W each written result replaces, by layer (the gradients the step read: the write-back's targets).
+    grads: dict[str, GradMatrix] = dataclasses.field(default_factory=dict)
     #: Each low-rank layer's (rows, rows kept) per rank at this update (:attr:`UpdateResult.chosen`).
     chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     #: Layers whose new state this update rejected (non-finite): they keep their previous one.
@@ -184,4 +186,5 @@ def precondition(
         Ready(ready, states, owners, indices, norms, clip, config, watch)
     )
     outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
+    outcome.grads = {layer.name: grad for layer, grad in ready}
     return {layer.name: v for (layer, _), v in zip(ready, results, strict=True)}, fallbacks

@@ -132,67 +132,72 @@ class LowRankState(LayerState):
         return cls(rows_from_fields(t, d_g, d_a), t["inner"], divisor, damping)
 
 
-class FactoredKernel(GroupKernel):
-    """A group of :class:`LowRankState` on factored rows (U_i = g_i a_iᵀ): every layer's rows, zero-padded to the
-    group's most rows m (a padded row adds nothing: its coefficient is 0), and M·(−1/λ)/D stacked once; V̂ =
-    ∇W/λ − Σ c_k U_k/(λD), c = M z, z_k = g_kᵀ ∇W a_k, in six batched operations for the whole group."""
+class _SMWKernel(GroupKernel):
+    """What the low-rank kernels share: every layer's M·(−1/λ)/D zero-padded to the group's most rows m (a padded
+    row's coefficient is 0), the group's 1/λ (one per group: LowRankFamily.group_key), and c·(−1/λ) = M z/D·(−1/λ)
+    from the projections z in float64, as a layer's own apply solves it."""
 
-    def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
-        rows = [state.rows for state in states]
-        assert all(isinstance(r, FactoredRows) for r in rows)
-        m = max(r.count for r in rows)
-        device = rows[0].device
-        self.inner = torch.zeros(len(states), m, m, dtype=torch.float64, device=device)
+    def __init__(self, states: Sequence[LowRankState]) -> None:
+        self.rows = max(state.rows.count for state in states)
+        self.inner = torch.zeros(len(states), self.rows, self.rows, dtype=torch.float64, device=states[0].rows.device)
         for i, state in enumerate(states):
             n = state.rows.count
             self.inner[i, :n, :n] = state.inner * (-1.0 / state.damping / state.divisor)
+        self.inverse_damping = 1.0 / states[0].damping
+
+    def coefficients(self, projections: Tensor, dtype: torch.dtype) -> Tensor:
+        """c·(−1/λ) of every layer, (k, m, 1) in ``dtype``, from its projections (k, m, 1)."""
+        return torch.bmm(self.inner, projections.to(torch.float64)).to(dtype)
+
+
+class FactoredKernel(_SMWKernel):
+    """A group of :class:`LowRankState` on factored rows (U_i = g_i a_iᵀ): every layer's rows, zero-padded to the
+    group's most rows m, and M·(−1/λ)/D stacked once; V̂ = ∇W/λ − Σ c_k U_k/(λD), c = M z, z_k = g_kᵀ ∇W a_k, in
+    six batched operations for the whole group."""
+
+    def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
+        super().__init__(states)
+        rows = [state.rows for state in states]
+        assert all(isinstance(r, FactoredRows) for r in rows)
         fields = [r.fields() for r in rows]
-        if all(r.count == m for r in rows):  # no padding: a group of one keeps its rows, no copy
+        if all(r.count == self.rows for r in rows):  # no padding: a group of one keeps its rows, no copy
             self.a, self.g = (stacked([f[key] for f in fields], dtype) for key in ("a", "g"))
         else:
             self.a, self.g = (
-                torch.zeros(len(states), m, fields[0][key].shape[1], dtype=dtype, device=device) for key in ("a", "g")
+                self.inner.new_zeros(len(states), self.rows, fields[0][key].shape[1], dtype=dtype) for key in ("a", "g")
             )
             for i, f in enumerate(fields):
                 self.a[i, : f["a"].shape[0]] = f["a"]
                 self.g[i, : f["g"].shape[0]] = f["g"]
-        self.inverse_damping = 1.0 / states[0].damping  # one λ per group (LowRankFamily.group_key)
 
     def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
         """∇W/λ − Gᵀ diag(c) A/λ of every layer at once."""
-        projections = torch.bmm(self.g, grads).mul_(self.a).sum(dim=-1, keepdim=True)
-        coefficients = torch.bmm(self.inner, projections.to(torch.float64)).to(grads.dtype)
+        coefficients = self.coefficients(torch.bmm(self.g, grads).mul_(self.a).sum(dim=-1, keepdim=True), grads.dtype)
         return torch.baddbmm(grads, self.g.mT, self.a * coefficients, beta=self.inverse_damping), list(states)
 
 
-class OneHotKernel(GroupKernel):
+class OneHotKernel(_SMWKernel):
     """A group of :class:`LowRankState` on one-hot rows (embeddings, docs/solvers.md, "Embeddings"): each row's
     column of ∇W, its g_i (zero for padding and for the rows added to pad the group to its most rows m) and
     M·(−1/λ)/D stacked once; V̂ = ∇W/λ − Σ c_i g_i e_{t_i}ᵀ/(λD) by one gather and one scatter-add per group."""
 
     def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
+        super().__init__(states)
         rows = [state.rows for state in states]
-        assert all(isinstance(r, OneHotRows) for r in rows)
-        m = max(r.count for r in rows)
-        first = rows[0]
-        device, d_g = first.device, first.fields()["g"].shape[1]
-        self.inner = torch.zeros(len(states), m, m, dtype=torch.float64, device=device)
-        self.g = torch.zeros(len(states), m, d_g, dtype=dtype, device=device)
-        self.columns = torch.zeros(len(states), 1, m, dtype=torch.long, device=device)
-        for i, (state, r) in enumerate(zip(states, rows, strict=True)):
+        d_g = rows[0].fields()["g"].shape[1]
+        self.g = self.inner.new_zeros(len(states), self.rows, d_g, dtype=dtype)
+        self.columns = self.inner.new_zeros(len(states), 1, self.rows, dtype=torch.long)
+        for i, r in enumerate(rows):
             assert isinstance(r, OneHotRows)
-            n = r.count
-            self.inner[i, :n, :n] = state.inner * (-1.0 / state.damping / state.divisor)
             present = r.tokens >= 0
-            self.g[i, :n] = r.g * present.to(r.g.dtype).unsqueeze(1)
-            self.columns[i, 0, :n] = r.tokens.clamp_min(0)
-        self.inverse_damping = 1.0 / states[0].damping  # one λ per group (LowRankFamily.group_key)
+            self.g[i, : r.count] = r.g * present.to(r.g.dtype).unsqueeze(1)
+            self.columns[i, 0, : r.count] = r.tokens.clamp_min(0)
 
     def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
         """∇W/λ with c_i g_i/(−λD) added into column t_i, for every layer at once."""
         index = self.columns.expand(-1, grads.shape[1], -1)
         projections = (torch.gather(grads, 2, index).mT * self.g).sum(dim=-1, keepdim=True)  # (k, m, 1)
-        coefficients = torch.bmm(self.inner, projections.to(torch.float64)).to(grads.dtype)
+        coefficients = self.coefficients(projections, grads.dtype)
         out = grads * self.inverse_damping
         return out.scatter_add_(2, index, (self.g * coefficients).mT), list(states)
 
