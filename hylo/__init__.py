@@ -29,7 +29,7 @@ from hylo.pipeline.checkpoint import load_checkpoint, save_checkpoint
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
 from hylo.solvers import RowReduction, register_family, register_variant
-from hylo.solvers.kfac_adam import KFACAdamConfig
+from hylo.solvers.adam_rule import KFACAdamConfig
 from hylo.version import __version__
 
 __all__ = [

@@ -45,8 +45,8 @@ from hylo.rules import (
     window_decay,
 )
 from hylo.solvers import HYBRID, solver_names, variant_names
+from hylo.solvers.adam_rule import KFACAdamConfig
 from hylo.solvers.kfac import KFACConfig
-from hylo.solvers.kfac_adam import KFACAdamConfig
 from hylo.solvers.lowrank import ADAPTIVE, LowRankConfig
 from hylo.solvers.registry import adapts_rank, solver_rule, variant_rule
 

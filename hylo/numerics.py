@@ -34,8 +34,11 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _grouped(mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]) -> list[list[Tensor]]:
-    """Apply ``fn`` to stacks of equally shaped matrices; return per-matrix results."""
+def _grouped(
+    mats: Sequence[Tensor], fn: Callable[..., list[Tensor]], beside: Sequence[Sequence[Tensor]] = ()
+) -> list[list[Tensor]]:
+    """Apply ``fn`` to stacks of equally shaped matrices (and the stacks of the same members of each list in
+    ``beside``, which match ``mats`` one to one); return per-matrix results."""
     groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
     for i, m in enumerate(mats):
         groups[(m.shape, m.dtype, m.device)].append(i)
@@ -45,7 +48,9 @@ def _grouped(mats: Sequence[Tensor], fn: Callable[[Tensor], list[Tensor]]) -> li
         per_batch = max(1, int(STACK_CAP_MB * 2**20 // max(1, first.numel() * first.element_size())))
         for start in range(0, len(group), per_batch):
             indices = group[start : start + per_batch]
-            results = fn(torch.stack([mats[i] for i in indices]))
+            stacks = [torch.stack([mats[i] for i in indices])]
+            stacks += [torch.stack([more[i] for i in indices]) for more in beside]
+            results = fn(*stacks)
             for j, i in enumerate(indices):
                 out[i] = [r[j] for r in results]
     return out
@@ -162,19 +167,74 @@ def eigh_many(mats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """
 
     def decompose(stack: Tensor) -> list[Tensor]:
-        sym = (stack + stack.mT).mul_(0.5)
-        pair = _eigh_torch(sym)
-        if pair is None:
-            evals, evecs = torch.empty_like(sym[..., 0]), torch.empty_like(sym)
-            failed = list(range(sym.shape[0]))
-        else:
-            evals, evecs = pair
-            failed = torch.nonzero(~_sound_eigh(evals, evecs)).flatten().tolist()
-        for k in failed:
-            evals[k], evecs[k] = _repaired_eigh(sym[k])
-        return [evals.clamp_min(0.0), evecs]
+        return list(_checked_eigh((stack + stack.mT).mul_(0.5)))
 
     return [(r[0], r[1]) for r in _grouped(mats, decompose)]
+
+
+def _checked_eigh(sym: Tensor) -> tuple[Tensor, Tensor]:
+    """A stack of symmetric matrices decomposed in one batched call, each result checked and a failed one redone
+    by :func:`_repaired_eigh`; eigenvalues clamped at zero."""
+    pair = _eigh_torch(sym)
+    if pair is None:
+        evals, evecs = torch.empty_like(sym[..., 0]), torch.empty_like(sym)
+        failed = list(range(sym.shape[0]))
+    else:
+        evals, evecs = pair
+        failed = torch.nonzero(~_sound_eigh(evals, evecs)).flatten().tolist()
+    for k in failed:
+        evals[k], evecs[k] = _repaired_eigh(sym[k])
+    return evals.clamp_min(0.0), evecs
+
+
+#: Multiply-adds per d³ of :func:`power_refresh_many`'s refresh of one (d × d) matrix: the product F Q and a QR
+#: (Householder, with Q formed). Its CPU time is 0.45–0.7× :data:`~hylo.solvers.kfac.EIGH_COST`'s eigendecomposition
+#: (docs/solvers.md, "The warm-started basis").
+POWER_COST = 2.5
+
+
+def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Warm-started eigenbases of symmetric PSD matrices F from their previous bases Q (columns in ascending order of
+    their eigenvalues, as :func:`eigh_many` leaves them), batched by shape: SOAP's refresh, one step of power
+    iteration and a QR (docs/solvers.md, "The warm-started basis").
+
+    Per matrix: the Rayleigh quotients e = diag(Qᵀ F Q), Q's columns sorted by them in descending order (the order
+    in which a QR of F Q converges to the leading eigenvectors), Q' = qr(F Q_sorted) with each column's sign
+    making R's diagonal ≥ 0 (Q' ≈ Q where Q already diagonalises F); returned as (e ascending and clamped at zero,
+    Q' in that order, ``order``: column j of Q' refines column ``order[j]`` of Q). A result that fails the check of
+    :func:`eigh_many` (finite, orthogonal) is redone by its eigendecomposition, with ``order`` the identity. One
+    host sync per group (the check).
+    """
+
+    def refresh(stack: Tensor, basis: Tensor) -> list[Tensor]:
+        sym = (stack + stack.mT).mul_(0.5)
+        basis = basis.to(sym.dtype)
+        power = torch.bmm(sym, basis)
+        quotients = (basis * power).sum(dim=-2)
+        order = torch.argsort(quotients, dim=-1, descending=True)
+        power = power.gather(-1, order.unsqueeze(-2).expand_as(power))
+        try:
+            evecs, upper = torch.linalg.qr(power)
+        except torch.linalg.LinAlgError:
+            evals, evecs = _checked_eigh(sym)
+            return [evals, evecs, _identity_orders(sym)]
+        signs = torch.where(torch.diagonal(upper, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(evecs.dtype)
+        evecs = evecs.mul_(signs.unsqueeze(-2)).flip(-1)
+        evals = quotients.gather(-1, order).flip(-1).clamp_min(0.0)
+        order = order.flip(-1)
+        failed = torch.nonzero(~_sound_eigh(evals, evecs)).flatten()
+        if failed.numel():
+            evals[failed], evecs[failed] = _checked_eigh(sym[failed])
+            order[failed] = _identity_orders(sym[failed])
+        return [evals, evecs, order]
+
+    return [(r[0], r[1], r[2]) for r in _grouped(mats, refresh, [bases])]
+
+
+def _identity_orders(stack: Tensor) -> Tensor:
+    """``arange(d)`` for each matrix of a (b, d, d) stack."""
+    d = stack.shape[-1]
+    return torch.arange(d, device=stack.device).expand(stack.shape[0], d).clone()
 
 
 #: Relative slack of the length bound ‖V̂‖ ≤ ‖∇W‖/λ (at least 8 ε of the gradient's dtype).

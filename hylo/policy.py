@@ -157,8 +157,9 @@ class SolverPolicy:
         average_work = update_freq * sum(shape.step_work for shape in shapes) / max(len(shapes), 1)
         budget = config.policy.fidelity_budget * average_work
         decisions = []
+        kfac_method, basis_refresh = config.kfac.kfac_method, config.kfac_adam.basis_refresh
         for i, name in enumerate(self.names):
-            shape = shapes[i]
+            shape = dataclasses.replace(shapes[i], kfac_method=kfac_method, basis_refresh=basis_refresh)
             costs = {
                 solver: family_of(solver).cost(shape, solver).per_period(update_freq, flops_per_byte)
                 for solver in solver_names()

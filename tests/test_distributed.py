@@ -52,6 +52,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac-inverse": ("kfac", {"kfac_method": "inverse"}),
     "kfac_adam": ("kfac_adam", {"adam_eps": 1e-3}),
     "kfac_adam-full-rank": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",)}),
+    "kfac_adam-power": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",), "basis_refresh": "power"}),
 }
 
 
@@ -174,14 +175,15 @@ def test_ddp_ranks_agree(solver: str, strategy: str, backend: str) -> None:
     ids=["2-inverse", "4-inverse", "4-gradient"],
 )
 @pytest.mark.parametrize("backend", backends(2))
-@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse", "kfac_adam-full-rank"])
+@pytest.mark.parametrize("solver", ["kfac", "sngd", "kfac-inverse", "kfac_adam-full-rank", "kfac_adam-power"])
 def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str, backend: str) -> None:
     """docs/distributed.md, "Distribution invariant": DDP on the split global batch == one process on the whole batch (float64).
 
     With 4 ranks and 3 layers one rank owns no layer; ``strategy="gradient"`` has owners
     broadcast preconditioned gradients instead of solved states; ``kfac-inverse`` is K-FAC with
     ``kfac_method="inverse"`` (its owners broadcast the damped inverses); ``kfac_adam``'s moments advance on
-    every rank, under either strategy. Under NCCL the ranks run on GPUs and the one process on the CPU.
+    every rank, under either strategy (``kfac_adam-power``: its owners refresh the bases from the previous ones and
+    broadcast them with the column orders the moments are re-sorted by). Under NCCL the ranks run on GPUs and the one process on the CPU.
     """
     steps, batch = 3, 8
     xs, ys = make_data(steps, batch, torch.float64)

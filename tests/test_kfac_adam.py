@@ -27,8 +27,9 @@ from torch import Tensor, nn
 import hylo
 from hylo.integrity import seal
 from hylo.solvers import FAMILIES, register_family, solver_names
+from hylo.solvers.adam_rule import AdamRule
 from hylo.solvers.kfac import KFACFamily
-from hylo.solvers.kfac_adam import AdamRule, KFACAdamFamily, KFACAdamState, carried_moments
+from hylo.solvers.kfac_adam import KFACAdamFamily, KFACAdamState, carried_moments
 from tests.kit.cases import conv_case
 from tests.kit.checks import DT, assert_rel_close, rel_err
 from tests.kit.models import fixed_target, one_step

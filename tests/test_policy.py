@@ -15,6 +15,7 @@ policy options in test_config.py, the hybrid ``state_dict`` round trip in test_c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections import OrderedDict
 from typing import Any
@@ -27,9 +28,10 @@ from torch import Tensor, nn
 import hylo.preconditioner as preconditioner_module
 from hylo import HyLoConfig, HyLoPreconditioner, LayerStats
 from hylo.layers import LayerShape
+from hylo.numerics import POWER_COST
 from hylo.policy import SolverPolicy, is_dynamic
 from hylo.solvers import LAYER_SOLVERS, family_of
-from hylo.solvers.kfac import EIGH_COST
+from hylo.solvers.kfac import EIGH_COST, INVERSE_COST
 from hylo.solvers.lowrank import PIVOT_WORK_WEIGHT
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.harness import run_distributed
@@ -139,6 +141,33 @@ def test_cost_formulas_recomputed_by_hand() -> None:
     assert family_of("sngd").cost(shape, "sngd").per_period(f) == sngd == 6_125_780_992
     # The per-step terms scale with update_freq.
     assert family_of("kid").cost(shape, "kid").per_period(2 * f) - kid == apply
+
+
+def test_the_cost_model_prices_the_method_the_run_solves_k_fac_by() -> None:
+    """``kfac_method="inverse"``: Cholesky inverses (d_a³ + d_g³) and two products a step instead of four; kfac_adam
+    with ``basis_refresh="power"``: a product and a QR per factor (POWER_COST d³) instead of an eigendecomposition.
+    The policy sets the methods on the shapes it prices from the config."""
+    d_a, d_g, n = 513, 128, 2048
+    shape = LayerShape(d_a, d_g, n, n, 0)
+    eigen = family_of("kfac").cost(shape, "kfac")
+    inverse = family_of("kfac").cost(dataclasses.replace(shape, kfac_method="inverse"), "kfac")
+    cubes = float(d_a) ** 3 + float(d_g) ** 3
+    assert (eigen.solve, inverse.solve) == (EIGH_COST * cubes, INVERSE_COST * cubes)
+    assert (eigen.apply, inverse.apply) == (2.0 * d_a * d_g * (d_a + d_g), 1.0 * d_a * d_g * (d_a + d_g))
+    assert inverse.build == eigen.build
+    adam = family_of("kfac_adam").cost(shape, "kfac_adam")
+    warm = family_of("kfac_adam").cost(dataclasses.replace(shape, basis_refresh="power"), "kfac_adam")
+    assert (adam.solve, warm.solve) == (EIGH_COST * cubes, POWER_COST * cubes)
+    assert adam.apply == warm.apply > eigen.apply  # the eigen method's rotations and the moments
+    # the policy prices what the config runs
+    model = nn.Sequential(nn.Linear(512, 128))
+    for method, priced in (("eigen", eigen), ("inverse", inverse)):
+        pre = HyLoPreconditioner(model, solver="hybrid", kfac_method=method, update_freq=1)
+        model.zero_grad()
+        model(torch.randn(n, 512)).square().sum().backward()
+        pre.step()
+        pre.remove()
+        assert pre.decision_log[-1].costs["kfac"] == priced.per_period(1)
 
 
 def test_exact_conv_rows_are_charged_for_their_width_and_traffic_when_distributed() -> None:

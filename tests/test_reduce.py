@@ -7,12 +7,15 @@ and the greedy ``pivoted_cholesky`` both rest on.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import scipy.linalg.interpolative as sli
 import torch
 from scipy import stats
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hylo.layers.rows import DenseRows, FactoredRows, sample_kernel
 from hylo.solvers.reduce import kid_skeleton, kis_select, pivoted_cholesky
@@ -231,6 +234,34 @@ def test_pivoted_cholesky_is_greedy_on_residual_diagonal() -> None:
     _, full_factor, full_alive = pivoted_cholesky(FactoredRows(a, g), 25)
     assert full_alive[:20].all() and not full_alive[20:].any()  # rank(U) = min(25, 5·4) = 20
     torch.testing.assert_close(full_factor @ full_factor.mT, kernel, rtol=0, atol=1e-10 * float(kernel.abs().max()))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: every read of a tensor's value by the host (``item``, ``int``,
+    ``bool``), which on a GPU waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stop", [None, 1e-3], ids=["rank-r", "auto"])
+def test_pivoted_cholesky_off_the_cpu_reads_nothing_back_per_pivot(stop: float | None) -> None:
+    """The path other devices take (``lookahead=False``) keeps the pivots, the threshold and the residual on the
+    device: no host read in the loop over 40 pivots, one with ``stop_below`` (where to cut, after the loop); the CPU
+    path reads each pivot (free there)."""
+    gen = torch.Generator().manual_seed(2)
+    rows = FactoredRows(torch.randn(200, 9, generator=gen, dtype=DT), torch.randn(200, 7, generator=gen, dtype=DT))
+    with _HostReads() as device_path:
+        pivoted_cholesky(rows, 40, lookahead=False, stop_below=stop)
+    assert device_path.reads == (0 if stop is None else 1)
+    with _HostReads() as cpu_path:
+        pivoted_cholesky(rows, 40, lookahead=True, stop_below=stop)
+    assert cpu_path.reads >= 40  # the counter sees host reads (the check above is not vacuous)
 
 
 @pytest.mark.parametrize("structure", ["scaled", "duplicated", "low-rank", "non-finite"])

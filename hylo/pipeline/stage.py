@@ -22,6 +22,7 @@ the family interface only; it never tests a solver's name.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -176,16 +177,21 @@ class UpdateStage:
         return states
 
     def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], strategy: Strategy) -> list[str]:
-        """Layers whose new state is non-finite, agreed on by all ranks (one host sync)."""
+        """Layers whose new state is non-finite, agreed on by all ranks (one host sync): every floating tensor's
+        largest |entry| by one ``torch._foreach_norm`` (NaN or inf where any entry is), folded per layer."""
         device = jobs[0].batch.math.weight.device
-        flags = torch.stack(
-            [
-                torch.stack([torch.isfinite(t).all() for t in tensors.values()]).all()
-                if (tensors := states[job.name].tensors())
-                else torch.tensor(True, device=device)
-                for job in jobs
-            ]
-        )
+        by_dtype: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[int]]] = {}
+        for i, job in enumerate(jobs):
+            for t in states[job.name].tensors().values():
+                if t.is_floating_point():
+                    tensors, owner = by_dtype.setdefault((t.dtype, t.device), ([], []))
+                    tensors.append(t)
+                    owner.append(i)
+        bad = torch.zeros(len(jobs), device=device)
+        for tensors, owner in by_dtype.values():
+            largest = torch.stack(torch._foreach_norm(tensors, math.inf)).to(device)
+            bad.index_add_(0, torch.tensor(owner).to(device), (~torch.isfinite(largest)).to(bad.dtype))
+        flags = bad == 0
         if self.comm.world_size > 1 and strategy == "gradient":
             flags = self.comm.all_true(flags)
         return [job.name for job, ok in zip(jobs, flags.tolist(), strict=True) if not ok]

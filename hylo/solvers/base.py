@@ -290,7 +290,7 @@ class UpdateContext:
     kis_estimator: str = "unbiased"
     #: How K-FAC layers are solved: ``"eigen"`` or ``"inverse"`` (docs/solvers.md, "The inverse method").
     kfac_method: str = "eigen"
-    #: The kfac_adam family's options (:class:`hylo.solvers.kfac_adam.KFACAdamConfig`; None: its defaults).
+    #: The kfac_adam family's options (:class:`hylo.solvers.adam_rule.KFACAdamConfig`; None: its defaults).
     kfac_adam: Any = None
     #: Under ``rank_ratio="auto"``, the share of the damped kernel's trace the kept rows explain (None: fixed rank;
     #: docs/solvers.md, "Adaptive rank").

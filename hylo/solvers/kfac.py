@@ -393,17 +393,20 @@ class KFACFamily(SolverFamily[KFACFactors]):
         return [KFACFactors(factor_a, factor_g, context.kfac_method) for factor_a, factor_g in factors]
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
-        """Factors n_k(d_a² + d_g²), eigendecompositions 4(d_a³ + d_g³), rotations 2 d_a d_g (d_a + d_g) a step.
+        """Factors n_k(d_a² + d_g²); by ``shape.kfac_method``, eigendecompositions 4(d_a³ + d_g³) and rotations
+        2 d_a d_g (d_a + d_g) a step, or damped inverses (d_a³ + d_g³) and two products d_a d_g (d_a + d_g).
 
         With P > 1 a rank sends and receives about 3(d_a² + d_g²) numbers per update: the
-        all-reduce of A and G (twice their size) and the broadcast of the eigenvectors.
+        all-reduce of A and G (twice their size) and the broadcast of the eigenvectors (or inverses).
         """
         d_a, d_g = shape.d_a, shape.d_g
         exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
+        inverse = shape.kfac_method == "inverse"
+        cubes = float(d_a) ** 3 + float(d_g) ** 3
         return CostEstimate(
             build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=eigh_work(d_a, d_g),
-            apply=2.0 * d_a * d_g * (d_a + d_g),
+            solve=INVERSE_COST * cubes if inverse else eigh_work(d_a, d_g),
+            apply=(1.0 if inverse else 2.0) * d_a * d_g * (d_a + d_g),
             bytes=exchanged * shape.itemsize,
         )
 

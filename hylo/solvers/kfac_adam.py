@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -23,8 +23,8 @@ from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerShape
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
-from hylo.numerics import eigh_many
-from hylo.rules import Rule, Section, is_real, option
+from hylo.numerics import POWER_COST, eigh_many, power_refresh_many
+from hylo.solvers.adam_rule import AdamRule, KFACAdamConfig, adapted
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
@@ -51,100 +51,6 @@ from hylo.solvers.kfac import (
 
 #: Elementwise operations of one step on every entry of R (moments, bias correction, the division).
 ELEMENTWISE_COST = 8.0
-#: Where the second moment v̂ comes from (see :class:`KFACAdamConfig`).
-SecondMoment = Literal["gradient", "factors"]
-#: What becomes of v when the basis changes at an update (see :class:`KFACAdamConfig`).
-MomentCarry = Literal["keep", "project"]
-#: The basis the moments live in (see :class:`KFACAdamConfig`).
-Basis = Literal["kfac", "identity"]
-
-
-def _betas(value: object) -> bool:
-    return (
-        isinstance(value, tuple | list)
-        and len(value) == 2
-        and all(is_real(b) for b in value)
-        and 0.0 <= value[0] < 1.0
-        and 0.0 <= value[1] < 1.0
-    )
-
-
-@dataclass(frozen=True)
-class KFACAdamConfig(Section):
-    """The adaptive family's options (docs/solvers.md, "Adam in the K-FAC eigenbasis"); read at each update."""
-
-    section_name: ClassVar[str | None] = "kfac_adam"
-
-    adam_betas: tuple[float, float] = option(
-        (0.9, 0.999),
-        doc="(β₁, β₂) of the moments of the rotated gradient R: β₁ 0 keeps no momentum (the step of this "
-        "gradient alone); takes effect at the next update",
-        rule=Rule(_betas, "a pair (β₁, β₂) of numbers in [0, 1)"),
-    )
-    adam_eps: float = option(
-        1e-8, doc="ε of m̂ / (v̂^p + ε)", rule=Rule(lambda x: is_real(x) and 0 < x < float("inf"), "a finite number > 0")
-    )
-    adam_exponent: float = option(
-        0.5,
-        doc="p of m̂ / (v̂^p + ε): 0.5 is Adam's scaling; 1 with second_moment='factors', β₁ 0 and ε = λ is K-FAC",
-        rule=Rule(lambda x: is_real(x) and 0 < x <= 1, "a number in (0, 1]"),
-    )
-    second_moment: SecondMoment = option(
-        "gradient",
-        doc="'gradient': v is the running mean of R² (Adam's, SOAP's estimate); 'factors': v̂ = e_g e_aᵀ, the "
-        "products of the running factors' eigenvalues (K-FAC's own estimate; no v is kept)",
-    )
-    moment_carry: MomentCarry = option(
-        "keep",
-        doc="v when the basis changes at an update: 'keep' each entry with its eigenvector pair (SOAP's choice), "
-        "'project' through the squared basis change, (P_g∘P_g)ᵀ v (P_a∘P_a) with P = Q_oldᵀ Q_new; m is always "
-        "re-projected exactly",
-    )
-    adam_basis: Basis = option(
-        "kfac",
-        doc="'kfac': the running factors' eigenvectors; 'identity': no rotation (Adam on the layer's matrix, "
-        "the ablation that shows what the basis buys)",
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._set("adam_betas", (float(self.adam_betas[0]), float(self.adam_betas[1])))
-
-
-@dataclass(frozen=True)
-class AdamRule:
-    """The per-step hyperparameters a state was assembled with (from :class:`KFACAdamConfig`)."""
-
-    beta1: float
-    beta2: float
-    eps: float
-    exponent: float
-    second_moment: str
-
-    @classmethod
-    def of(cls, config: KFACAdamConfig) -> AdamRule:
-        """The rule of ``config``."""
-        beta1, beta2 = config.adam_betas
-        return cls(beta1, beta2, config.adam_eps, config.adam_exponent, config.second_moment)
-
-
-def adapted(
-    rotated: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, steps: int, rule: AdamRule, evals: tuple[Tensor, Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One step of the moments of the rotated gradient R: (m̂ / (v̂^p + ε), m, v), new tensors.
-
-    m = β₁ m + (1 − β₁) R and, with ``second_moment="gradient"``, v = β₂ v + (1 − β₂) R² (R² clamped at the dtype's
-    largest finite value, so that v stays finite); ``steps`` counts this step (≥ 1) for the bias corrections
-    1 − β^steps. With ``"factors"`` v̂ = e_g e_aᵀ (``evals``) and v is kept."""
-    m = torch.lerp(rotated, exp_avg, rule.beta1)
-    if rule.second_moment == "factors":
-        v = exp_avg_sq
-        v_hat = torch.outer(evals[0], evals[1])
-    else:
-        v = torch.lerp(rotated.square().clamp_(max=torch.finfo(rotated.dtype).max), exp_avg_sq, rule.beta2)
-        v_hat = v / (1.0 - rule.beta2**steps)
-    denominator = v_hat.sqrt_() if rule.exponent == 0.5 else v_hat.pow_(rule.exponent)
-    return torch.div(m, denominator.add_(rule.eps)).mul_(1.0 / (1.0 - rule.beta1**steps)), m, v
 
 
 @dataclass
@@ -353,10 +259,16 @@ class KFACAdamInputs:
 
 
 def carried_moments(
-    previous: KFACAdamState | None, evecs_a: Tensor, evecs_g: Tensor, carry: str
+    previous: KFACAdamState | None,
+    evecs_a: Tensor,
+    evecs_g: Tensor,
+    carry: str,
+    orders: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Moments (m, v) in the new basis and the step count: zeros and 0 without a previous state; else m exactly
-    re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v kept or projected by ``carry``."""
+    re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v kept or projected by ``carry``. ``orders`` (order_a,
+    order_g): which old column each new column of a warm-started basis refines (:func:`power_refresh_many`), by
+    which a kept v is re-sorted so that each entry stays with its eigenvector pair."""
     d_g, d_a = evecs_g.shape[0], evecs_a.shape[0]
     if previous is None:
         zeros = evecs_a.new_zeros(d_g, d_a)
@@ -364,8 +276,19 @@ def carried_moments(
     p_a = previous.evecs_a.mT @ evecs_a
     p_g = previous.evecs_g.mT @ evecs_g
     m = p_g.mT @ previous.exp_avg @ p_a
-    v = previous.exp_avg_sq if carry == "keep" else p_g.square().mT @ previous.exp_avg_sq @ p_a.square()
+    if carry != "keep":
+        v = p_g.square().mT @ previous.exp_avg_sq @ p_a.square()
+    elif orders is not None:
+        v = previous.exp_avg_sq.index_select(0, orders[1]).index_select(1, orders[0])
+    else:
+        v = previous.exp_avg_sq
     return m, v, previous.steps
+
+
+def _warm_started(prepared: KFACAdamInputs) -> bool:
+    """Whether this update refines the layer's previous basis (``basis_refresh="power"``, a state held before)."""
+    options = prepared.options
+    return options.adam_basis == "kfac" and options.basis_refresh == "power" and prepared.previous is not None
 
 
 class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
@@ -401,23 +324,42 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         ]
 
     def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
-        """K-FAC's estimate (eigen method) plus the moments' elementwise work on the d_g·d_a entries a step."""
-        kfac = self.kfac.cost(shape, "kfac")
-        return dataclasses.replace(kfac, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
+        """K-FAC's estimate with the eigen method, its solve the warm-started refresh's where ``shape.basis_refresh``
+        is ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
+        entries a step."""
+        kfac = self.kfac.cost(dataclasses.replace(shape, kfac_method="eigen"), "kfac")
+        solve = kfac.solve
+        if shape.basis_refresh == "power":
+            solve = POWER_COST * (float(shape.d_a) ** 3 + float(shape.d_g) ** 3)
+        return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
-        """The eigendecompositions' cost (none for the identity basis)."""
+        """The eigendecompositions' cost, or the warm-started refresh's (none for the identity basis)."""
         if prepared.options.adam_basis == "identity":
             return 0.0
-        return eigh_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0])
+        d_a, d_g = prepared.factor_a.shape[0], prepared.factor_g.shape[0]
+        if _warm_started(prepared):
+            return POWER_COST * (float(d_a) ** 3 + float(d_g) ** 3)
+        return eigh_work(d_a, d_g)
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
-        """Eigendecompositions of every A and G batched by shape (identity bases and unit eigenvalues for
-        ``adam_basis="identity"``)."""
+        """Eigendecompositions of every A and G batched by shape, or with ``basis_refresh="power"`` from a layer's
+        second update on, its bases refined from the previous ones (:func:`~hylo.numerics.power_refresh_many`,
+        batched by shape, with the column orders the moments are re-sorted by); identity bases and unit
+        eigenvalues for ``adam_basis="identity"``."""
         out: list[dict[str, Tensor]] = []
-        rotated = [p for p in prepared if p.options.adam_basis == "kfac"]
+        rotated = [p for p in prepared if p.options.adam_basis == "kfac" and not _warm_started(p)]
         decompositions = iter(eigh_many([m for p in rotated for m in (p.factor_a, p.factor_g)]))
+        warm = [p for p in prepared if _warm_started(p)]
+        bases = [q for p in warm if p.previous is not None for q in (p.previous.evecs_a, p.previous.evecs_g)]
+        refreshed = iter(power_refresh_many([m for p in warm for m in (p.factor_a, p.factor_g)], bases))
         for p in prepared:
+            if _warm_started(p):
+                (ea, qa, order_a), (eg, qg, order_g) = next(refreshed), next(refreshed)
+                out.append(
+                    {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg, "order_a": order_a, "order_g": order_g}
+                )
+                continue
             if p.options.adam_basis == "kfac":
                 (ea, qa), (eg, qg) = next(decompositions), next(decompositions)
             else:
@@ -429,14 +371,20 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         return out
 
     def solution_template(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
-        """Buffers for another rank's eigendecompositions."""
-        return eigen_template(prepared.factor_a, prepared.factor_g)
+        """Buffers for another rank's eigendecompositions (and a warm-started refresh's column orders)."""
+        template = eigen_template(prepared.factor_a, prepared.factor_g)
+        if _warm_started(prepared):
+            device = prepared.factor_a.device
+            template["order_a"] = torch.empty(prepared.factor_a.shape[0], dtype=torch.long, device=device)
+            template["order_g"] = torch.empty(prepared.factor_g.shape[0], dtype=torch.long, device=device)
+        return template
 
     def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
         """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
         s = solution
         options = prepared.options
-        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry)
+        orders = (s["order_a"], s["order_g"]) if "order_a" in s else None
+        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, orders)
         return KFACAdamState(
             prepared.factor_a,
             prepared.factor_g,

@@ -1,0 +1,120 @@
+"""The options and the per-step rule of Adam in the K-FAC eigenbasis (``solver="kfac_adam"``), and the moments' step.
+
+docs/solvers.md, "Adam in the K-FAC eigenbasis": :class:`KFACAdamConfig` is the family's config section,
+:class:`AdamRule` the hyperparameters a state applies at every step, :func:`adapted` one step of the moments of
+the rotated gradient R (the arithmetic the family's group kernel runs as lists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from hylo.rules import Rule, Section, is_real, option
+
+#: Where the second moment v̂ comes from (see :class:`KFACAdamConfig`).
+SecondMoment = Literal["gradient", "factors"]
+#: What becomes of v when the basis changes at an update (see :class:`KFACAdamConfig`).
+MomentCarry = Literal["keep", "project"]
+#: The basis the moments live in (see :class:`KFACAdamConfig`).
+Basis = Literal["kfac", "identity"]
+#: How an update refreshes the basis (see :class:`KFACAdamConfig`).
+BasisRefresh = Literal["eigh", "power"]
+
+
+def _betas(value: object) -> bool:
+    return (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(is_real(b) for b in value)
+        and 0.0 <= value[0] < 1.0
+        and 0.0 <= value[1] < 1.0
+    )
+
+
+@dataclass(frozen=True)
+class KFACAdamConfig(Section):
+    """The adaptive family's options (docs/solvers.md, "Adam in the K-FAC eigenbasis"); read at each update."""
+
+    section_name: ClassVar[str | None] = "kfac_adam"
+
+    adam_betas: tuple[float, float] = option(
+        (0.9, 0.999),
+        doc="(β₁, β₂) of the moments of the rotated gradient R: β₁ 0 keeps no momentum (the step of this "
+        "gradient alone); takes effect at the next update",
+        rule=Rule(_betas, "a pair (β₁, β₂) of numbers in [0, 1)"),
+    )
+    adam_eps: float = option(
+        1e-8, doc="ε of m̂ / (v̂^p + ε)", rule=Rule(lambda x: is_real(x) and 0 < x < float("inf"), "a finite number > 0")
+    )
+    adam_exponent: float = option(
+        0.5,
+        doc="p of m̂ / (v̂^p + ε): 0.5 is Adam's scaling; 1 with second_moment='factors', β₁ 0 and ε = λ is K-FAC",
+        rule=Rule(lambda x: is_real(x) and 0 < x <= 1, "a number in (0, 1]"),
+    )
+    second_moment: SecondMoment = option(
+        "gradient",
+        doc="'gradient': v is the running mean of R² (Adam's, SOAP's estimate); 'factors': v̂ = e_g e_aᵀ, the "
+        "products of the running factors' eigenvalues (K-FAC's own estimate; no v is kept)",
+    )
+    moment_carry: MomentCarry = option(
+        "keep",
+        doc="v when the basis changes at an update: 'keep' each entry with its eigenvector pair (SOAP's choice), "
+        "'project' through the squared basis change, (P_g∘P_g)ᵀ v (P_a∘P_a) with P = Q_oldᵀ Q_new; m is always "
+        "re-projected exactly",
+    )
+    adam_basis: Basis = option(
+        "kfac",
+        doc="'kfac': the running factors' eigenvectors; 'identity': no rotation (Adam on the layer's matrix, "
+        "the ablation that shows what the basis buys)",
+    )
+    basis_refresh: BasisRefresh = option(
+        "eigh",
+        doc="how an update refreshes a layer's basis: 'eigh' eigendecomposes the running factors; 'power' "
+        "refines the previous basis by one step of power iteration and a QR (SOAP's refresh, 0.45–0.7× an "
+        "eigh's time; eigenvalues: the previous basis's Rayleigh quotients, v re-sorted with its vectors); a "
+        "layer's first update, and a refresh that fails the check, eigendecompose",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._set("adam_betas", (float(self.adam_betas[0]), float(self.adam_betas[1])))
+
+
+@dataclass(frozen=True)
+class AdamRule:
+    """The per-step hyperparameters a state was assembled with (from :class:`KFACAdamConfig`)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    exponent: float
+    second_moment: str
+
+    @classmethod
+    def of(cls, config: KFACAdamConfig) -> AdamRule:
+        """The rule of ``config``."""
+        beta1, beta2 = config.adam_betas
+        return cls(beta1, beta2, config.adam_eps, config.adam_exponent, config.second_moment)
+
+
+def adapted(
+    rotated: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, steps: int, rule: AdamRule, evals: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of the moments of the rotated gradient R: (m̂ / (v̂^p + ε), m, v), new tensors.
+
+    m = β₁ m + (1 − β₁) R and, with ``second_moment="gradient"``, v = β₂ v + (1 − β₂) R² (R² clamped at the dtype's
+    largest finite value, so that v stays finite); ``steps`` counts this step (≥ 1) for the bias corrections
+    1 − β^steps. With ``"factors"`` v̂ = e_g e_aᵀ (``evals``) and v is kept."""
+    m = torch.lerp(rotated, exp_avg, rule.beta1)
+    if rule.second_moment == "factors":
+        v = exp_avg_sq
+        v_hat = torch.outer(evals[0], evals[1])
+    else:
+        v = torch.lerp(rotated.square().clamp_(max=torch.finfo(rotated.dtype).max), exp_avg_sq, rule.beta2)
+        v_hat = v / (1.0 - rule.beta2**steps)
+    denominator = v_hat.sqrt_() if rule.exponent == 0.5 else v_hat.pow_(rule.exponent)
+    return torch.div(m, denominator.add_(rule.eps)).mul_(1.0 / (1.0 - rule.beta1**steps)), m, v

@@ -1,0 +1,174 @@
+"""``basis_refresh="power"``: kfac_adam's warm-started basis (docs/solvers.md, "The warm-started basis").
+
+Specified against independent references:
+
+- :func:`~hylo.numerics.power_refresh_many` is one step of subspace iteration written with NumPy (Rayleigh
+  quotients, columns sorted, ``numpy.linalg.qr``, signs fixed) matrix by matrix, batched or not; an exact
+  eigenbasis is its fixed point (re-sorted where the eigenvalues changed order), and repeated refreshes converge
+  to ``numpy.linalg.eigh``'s eigenpairs;
+- in a run, a layer's first update eigendecomposes (the state equals ``basis_refresh="eigh"``'s); at each later
+  update the basis is the NumPy refresh of the running factors from the previous basis, the momentum in the
+  layer's own coordinates (Q_g m Q_aᵀ) is unchanged by the refresh and v is the previous v with its rows and
+  columns re-sorted with their eigenvectors;
+- a refresh that fails the check (a non-finite factor) is redone by the eigendecomposition, and the update stage
+  then rejects the non-finite state.
+
+P ranks = one process with the power refresh: tests/test_distributed.py (case ``kfac_adam-power``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import hylo
+from hylo.numerics import eigh_many, power_refresh_many
+from hylo.solvers.kfac_adam import KFACAdamState
+from tests.kit.checks import DT, assert_rel_close
+
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+
+
+def _numpy_refresh(factor: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step of subspace iteration from ``basis``: (eigenvalue estimates ascending, basis, old column of each)."""
+    sym = (factor + factor.T) / 2
+    quotients = np.einsum("ij,ij->j", basis, sym @ basis)
+    order = np.argsort(-quotients, kind="stable")
+    q, r = np.linalg.qr(sym @ basis[:, order])
+    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    return np.maximum(quotients[order][::-1], 0.0), q[:, ::-1], order[::-1]
+
+
+def _spd(d: int, seed: int, spread: float = 3.0) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * d, d, generator=gen, dtype=DT) * torch.linspace(0.1, spread, d, dtype=DT)
+    return x.mT @ x / (4 * d)
+
+
+# --------------------------------------------------------------------------- the refresh
+def test_a_refresh_is_one_step_of_subspace_iteration_batched_or_not() -> None:
+    factors = [_spd(9, seed) for seed in range(3)] + [_spd(5, 7)]
+    previous = [q for _, q in eigh_many([_spd(9, 10 + s) for s in range(3)] + [_spd(5, 17)])]
+    batched = power_refresh_many(factors, previous)
+    for factor, basis, (evals, evecs, order) in zip(factors, previous, batched, strict=True):
+        want_e, want_q, want_order = _numpy_refresh(factor.numpy(), basis.numpy())
+        assert_rel_close(evals, torch.from_numpy(want_e.copy()), 1e-12)
+        assert_rel_close(evecs, torch.from_numpy(want_q.copy()), 1e-10)
+        assert order.tolist() == want_order.tolist()
+        ((alone_e, alone_q, alone_order),) = power_refresh_many([factor], [basis])
+        assert torch.allclose(alone_e, evals, rtol=1e-13) and torch.allclose(alone_q, evecs, atol=1e-13)
+        assert torch.equal(alone_order, order)
+        assert torch.allclose(evecs.mT @ evecs, torch.eye(evecs.shape[0], dtype=DT), atol=1e-12)
+
+
+def test_an_exact_eigenbasis_is_kept_and_re_sorted_when_its_eigenvalues_change_order() -> None:
+    ((evals, basis),) = eigh_many([_spd(8, 1)])
+    shuffle = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4])
+    changed = basis @ torch.diag(evals[shuffle]) @ basis.mT  # column i now has eigenvalue evals[shuffle[i]]
+    ((new_evals, new_basis, order),) = power_refresh_many([changed], [basis])
+    assert torch.equal(order, shuffle.argsort())
+    assert_rel_close(new_evals, evals, 1e-12)
+    # the same vectors, in the new order, with their signs kept (R's diagonal ≥ 0)
+    assert torch.allclose(new_basis, basis[:, order], atol=1e-12)
+
+
+def test_repeated_refreshes_converge_to_the_eigendecomposition() -> None:
+    factor = _spd(10, 2)
+    basis = torch.linalg.qr(torch.randn(10, 10, generator=torch.Generator().manual_seed(4), dtype=DT))[0]
+    for _ in range(400):
+        evals, basis, _ = power_refresh_many([factor], [basis])[0]
+    want_e, want_q = np.linalg.eigh(factor.numpy())
+    assert_rel_close(evals, torch.from_numpy(want_e), 1e-8)
+    alignment = (basis.mT @ torch.from_numpy(want_q)).abs()
+    assert torch.allclose(alignment, torch.eye(10, dtype=DT), atol=1e-6)
+
+
+def test_a_rank_deficient_factor_keeps_an_orthonormal_basis() -> None:
+    """A dead unit (row and column 2 zero, before and now): e₂ is a basis vector with F e₂ = 0, so F Q has a zero
+    column and R a zero on its diagonal; the refreshed basis is still orthonormal and keeps e₂ at eigenvalue 0."""
+    factor, earlier = _spd(6, 3), _spd(6, 4)
+    for f in (factor, earlier):
+        f[:, 2] = f[2, :] = 0.0
+    ((_, basis),) = eigh_many([earlier])
+    evals, evecs, _ = power_refresh_many([factor], [basis])[0]
+    assert torch.allclose(evecs.mT @ evecs, torch.eye(6, dtype=DT), atol=1e-12)
+    assert bool((evals >= 0).all()) and float(evals[0]) < 1e-20
+    assert float(evecs[2, 0].abs()) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_a_failed_refresh_is_redone_by_the_eigendecomposition() -> None:
+    bad = _spd(5, 5)
+    bad[1, 1] = float("nan")
+    good = _spd(5, 6)
+    previous = [q for _, q in eigh_many([_spd(5, 7), _spd(5, 8)])]
+    (bad_e, _, bad_order), (good_e, _, good_order) = power_refresh_many([bad, good], previous)
+    assert not bool(torch.isfinite(bad_e).all())  # the update stage rejects this state
+    assert torch.equal(bad_order, torch.arange(5))
+    want_e, _, want_order = _numpy_refresh(good.numpy(), previous[1].numpy())
+    assert_rel_close(good_e, torch.from_numpy(want_e.copy()), 1e-12)
+    assert good_order.tolist() == want_order.tolist()
+
+
+# --------------------------------------------------------------------------- in a run
+def _run(refresh: str, steps: int) -> tuple[list[dict[str, KFACAdamState]], list[dict[str, Tensor]]]:
+    """Each step's held states of a two-layer MLP under kfac_adam (update every 2 steps), and its raw ∇W = [W | b]
+    by layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7, dtype=DT), nn.Tanh(), nn.Linear(7, 3, dtype=DT))
+    pre = hylo.HyLoPreconditioner(model, solver="kfac_adam", update_freq=2, basis_refresh=refresh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    held, grads = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 5, generator=gen, dtype=DT), torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads.append(
+            {
+                name: torch.cat([m.weight.grad, m.bias.grad[:, None]], 1)
+                for name, m in (("0", model[0]), ("2", model[2]))
+            }
+        )
+        pre.step()
+        opt.step()
+        states = {layer.name: layer.state for layer in pre._layers}
+        assert all(isinstance(state, KFACAdamState) for state in states.values())
+        held.append(states)  # type: ignore[arg-type]
+    return held, grads
+
+
+def test_the_first_update_eigendecomposes_and_later_ones_refresh_from_the_previous_basis() -> None:
+    (power, grads), (eigh, _) = _run("power", 7), _run("eigh", 1)
+    for name, state in power[0].items():
+        for field in ("evals_a", "evecs_a", "evals_g", "evecs_g", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(state, field), getattr(eigh[0][name], field)), field
+    resorted = 0
+    for update in (2, 4, 6):
+        for name, state in power[update].items():
+            before = power[update - 1][name]  # the state the update started from (its moments one step on)
+            moments = {}
+            for side in ("a", "g"):
+                want_e, want_q, order = _numpy_refresh(
+                    getattr(state, f"factor_{side}").numpy(), getattr(before, f"evecs_{side}").numpy()
+                )
+                assert_rel_close(getattr(state, f"evals_{side}"), torch.from_numpy(want_e.copy()), 1e-10)
+                assert_rel_close(getattr(state, f"evecs_{side}"), torch.from_numpy(want_q.copy()), 1e-8)
+                moments[side] = torch.from_numpy(order.copy())
+            # the update step advanced the moments carried into the new basis by this step's R = Q_gᵀ ∇W Q_a
+            assert state.steps == before.steps + 1
+            rotated = state.evecs_g.mT @ grads[update][name] @ state.evecs_a
+            carried_m = state.evecs_g.mT @ (before.evecs_g @ before.exp_avg @ before.evecs_a.mT) @ state.evecs_a
+            kept_v = before.exp_avg_sq.index_select(0, moments["g"]).index_select(1, moments["a"])
+            beta1, beta2 = state.rule.beta1, state.rule.beta2
+            assert_rel_close(state.exp_avg, beta1 * carried_m + (1 - beta1) * rotated, 1e-10)
+            assert_rel_close(state.exp_avg_sq, beta2 * kept_v + (1 - beta2) * rotated.square(), 1e-10)
+            resorted += int(any(not torch.equal(o, torch.arange(len(o))) for o in moments.values()))
+    assert resorted  # some refresh re-sorted its basis (the check of v's re-sort is not vacuous)
+
+
+def test_power_refresh_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="basis_refresh must be one of"):
+        hylo.HyLoPreconditioner(nn.Linear(3, 2), solver="kfac_adam", basis_refresh="qr")
