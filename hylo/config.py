@@ -314,6 +314,14 @@ class HyLoConfig(Section):
     update_freq: IntHyper = option(
         10, doc="steps between curvature updates (step 0 is an update step)", rule=COUNT, schedule=True
     )
+    stagger_updates: bool = option(
+        False,
+        doc="spread each cycle's layer updates over its update_freq steps: a layer updates where step % "
+        "update_freq is its offset, the offsets balancing the layers' estimated solve costs, so that no step "
+        "carries every layer's update (step 0, and a step that owes an update, update every layer); needs a "
+        "fixed solver, no factor_update_freq and no sampled studies",
+        rule=Rule(lambda x: isinstance(x, bool), "a bool"),
+    )
     damping: Hyper = option(
         1.0,
         doc="Tikhonov damping λ > 0 of (F + λI), read at update steps (a stored state keeps the λ it was solved with)",
@@ -395,6 +403,23 @@ class HyLoConfig(Section):
         self._set("skip_layers", tuple(self.skip_layers))
         if self.kl_clip is not None and self.lr is None:
             raise ValueError("lr must be given when kl_clip is set (the clip scales by lr²)")
+        if self.stagger_updates:
+            if self.solver == HYBRID or self.policy.solver_fn is not None:
+                raise ValueError(
+                    "stagger_updates needs a fixed solver: the hybrid policy (or a solver_fn) decides every layer at "
+                    "one update step, on a trend sampled once per update"
+                )
+            if self.kfac.factor_update_freq is not None:
+                raise ValueError(
+                    "stagger_updates and factor_update_freq: a staggered step updates some layers; refreshing the "
+                    "others' factors at it is not supported (use one or the other)"
+                )
+            sampled = sorted(set(self.telemetry.studies) & {"rank", "grad_error"})
+            if sampled:
+                raise ValueError(
+                    f"stagger_updates: studies {sampled} sample an update of every layer at one step; run them "
+                    "without it"
+                )
         if self.lowrank.adaptive:
             policy = self.policy
             named = {self.solver, policy.critical_variant, policy.stable_variant, *policy.layer_solvers.values()}

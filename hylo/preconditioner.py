@@ -219,7 +219,7 @@ class HyLoPreconditioner:
             if self._fingerprint.compared is None:  # before any other collective
                 self._fingerprint.compare(config, step, values)
             grads = self._guard.gradients()
-            capturing = [is_update or layer.name in refreshing for layer in self._layers]
+            capturing = [self._planner.capturing(config, layer.name) for layer in self._layers]
             agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._fingerprint.compared is config)
             if agreed.recheck:  # some rank's options changed (reconfigure, load_state_dict): compare them again
                 self._fingerprint.compare(config, step, values)

@@ -52,7 +52,10 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def test_flags_default_to_every_peer_both_tasks_three_seeds() -> None:
     args = bench_peers.parse_args(["--device", "cpu"])
     assert args.tasks == ("classification", "lm") and args.seeds == [0, 1, 2]
-    assert args.methods == ["muon", "soap", "shampoo", "singd", "kaisa"] and args.solvers == ["kfac", "hybrid"]
+    assert args.methods == ["muon", "muon-f32", "soap", "shampoo", "singd", "kaisa"] and args.solvers == [
+        "kfac",
+        "hybrid",
+    ]
     assert args.lrs == {} and args.out == Path("peers.csv")
     args = bench_peers.parse_args(["--task", "lm", "--lrs", "muon=0.01,0.03", "hylo-kfac=1e-3", "--device", "cpu"])
     assert args.lrs == {"muon": (0.01, 0.03), "hylo-kfac": (1e-3,)}
@@ -343,3 +346,39 @@ def test_bench_accuracy_runs_an_adaptive_solver_at_adams_scale_unless_told() -> 
     assert [bench_accuracy.classification_lr(args, s) for s in args.solvers] == [0.1, ADAPTIVE_LR]
     args = bench_accuracy.parse_args(["--solvers", "kfac", "kfac_adam", "--lr", "0.05"])
     assert [bench_accuracy.classification_lr(args, s) for s in args.solvers] == [0.05, 0.05]
+
+
+def test_float32_muon_takes_torch_muons_step_with_the_iteration_in_float32() -> None:
+    """``muon-f32``: the Newton–Schulz iteration X ← aX + (bA + cA²)X, A = XXᵀ, from X = G/‖G‖_F on the wide
+    orientation, written out in float64, equals the float32 one to float32 round-off and torch's bfloat16 one to
+    bfloat16's; one step of :class:`~hylo_scripts.peers.Float32Muon` is torch's Muon step (Nesterov momentum,
+    its lr adjustment, decoupled decay) with that iteration, and the stock function is back afterwards."""
+    import torch.optim._muon as muon_module
+
+    coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((6, 10), (10, 6)):
+        grad = torch.randn(*shape, generator=gen)
+        x = grad.double().mT if shape[0] > shape[1] else grad.double()
+        x = x / x.norm()
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = coefficients[0] * x + (coefficients[1] * gram + coefficients[2] * gram @ gram) @ x
+        want = x.mT if shape[0] > shape[1] else x
+        got = peers.newton_schulz_float32(grad, coefficients, steps, eps)
+        assert got.dtype == torch.float32 and got.shape == grad.shape
+        assert float((got.double() - want).abs().max()) < 1e-5
+        stock = muon_module._zeropower_via_newtonschulz(grad, coefficients, steps, eps)
+        assert stock.dtype == torch.bfloat16 and 1e-4 < float((stock.double() - want).abs().max()) < 0.1
+    stock_function = muon_module._zeropower_via_newtonschulz
+    param = nn.Parameter(torch.randn(6, 10, generator=gen))
+    start, grad = param.detach().clone(), torch.randn(6, 10, generator=gen)
+    param.grad = grad.clone()
+    lr, decay, momentum = 0.02, 0.1, 0.95
+    peers.Float32Muon([param], lr=lr, weight_decay=decay, momentum=momentum).step()
+    assert muon_module._zeropower_via_newtonschulz is stock_function
+    update = grad.lerp(grad * (1 - momentum), momentum)  # Nesterov: the gradient towards the first buffer
+    expected = start * (1 - lr * decay) - muon_module._adjust_lr(lr, None, param.shape) * peers.newton_schulz_float32(
+        update, coefficients, steps, eps
+    )
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-6, atol=1e-6)

@@ -44,6 +44,16 @@ def test_table_of_plain_and_hylo_runs_in_their_own_processes(capsys: pytest.Capt
     assert fields[0] == "none" and "not run" not in lines[2]
     plain, with_hylo, ratio = (float(f) for f in fields[1:4])  # ms printed to 0.1, the ratio to 0.01
     assert (with_hylo - 0.05) / (plain + 0.05) - 0.005 <= ratio <= (with_hylo + 0.05) / (plain - 0.05) + 0.005
+    assert float(fields[4]) >= plain - 0.05 and float(fields[5]) >= with_hylo - 0.05  # the slowest iterations
+
+
+def test_hylo_options_reach_the_run_and_the_slowest_iteration_is_reported() -> None:
+    run = WrapperRun("cnn", "none", "kfac", batch=8, steps=3, warmup=0, update_freq=2, threads=1)
+    staggered = dataclasses.replace(run, options={"stagger_updates": True})
+    result = bench_wrappers.train(staggered)
+    assert result["slowest_ms"] >= result["ms_per_iter"] > 0
+    with pytest.raises(ValueError, match="stagger_updates needs a fixed solver"):
+        bench_wrappers.train(dataclasses.replace(staggered, solver="hybrid"))
 
 
 def test_distributed_wrappers_run_on_spawned_ranks() -> None:

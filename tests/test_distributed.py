@@ -53,6 +53,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_adam": ("kfac_adam", {"adam_eps": 1e-3}),
     "kfac_adam-full-rank": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",)}),
     "kfac_adam-power": ("kfac_adam", {"adam_eps": 1e-3, "skip_layers": ("fc1",), "basis_refresh": "power"}),
+    "kfac-stagger": ("kfac", {"stagger_updates": True}),
 }
 
 
@@ -205,6 +206,22 @@ def test_ddp_matches_single_process(solver: str, world_size: int, strategy: str,
             )
     for rank, result in enumerate(out):
         assert_rel_close(result["params"], reference["params"], 1e-5, f"rank {rank} final parameters")
+
+
+@pytest.mark.parametrize("backend", backends(2))
+@pytest.mark.parametrize("strategy", ["inverse", "gradient"])
+def test_staggered_updates_on_two_ranks_match_one_process(strategy: str, backend: str) -> None:
+    """``stagger_updates`` with update_freq 2: the three layers update on alternate steps (their offsets from the
+    same estimates on every rank), and two ranks equal one process on the whole batch, step by step."""
+    steps, batch = 5, 8
+    xs, ys = make_data(steps, batch, torch.float64)
+    reference = train(0, 1, "kfac-stagger", xs, ys, [batch], 2)
+    out = run_distributed(train, 2, "kfac-stagger", xs, ys, [4, 4], 2, strategy, backend=backend)
+    for step in range(steps):
+        for rank, result in enumerate(out):
+            assert_rel_close(
+                result["pre"][step], reference["pre"][step], 1e-6, f"rank {rank} step {step} preconditioned"
+            )
 
 
 # ---------------------------------------------------------------------------- unequal local batches

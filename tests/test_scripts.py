@@ -256,7 +256,7 @@ def test_kfac_convention_flags_reach_the_preconditioner() -> None:
 
 def test_bench_overhead_marks_update_steps_and_runs_the_llama_decoder(capsys: pytest.CaptureFixture[str]) -> None:
     """Every iteration is marked an update step when hylo's step count is a multiple of update_freq (none for the
-    plain optimizer), the table has the update and other columns, --cpu-time needs the CPU, and --model llama builds
+    plain optimizer), the table has the update, other and slowest columns, --cpu-time needs the CPU, and --model llama builds
     the small Hugging Face decoder with its default vocabulary."""
     kinds: list[bool] = []
     bench_overhead.iteration_time("mlp", "kis", 8, 6, 1, 3, None, times=[], updates=kinds)
@@ -273,9 +273,11 @@ def test_bench_overhead_marks_update_steps_and_runs_the_llama_decoder(capsys: py
         bench_overhead.main()
     out = capsys.readouterr().out
     assert out.startswith("device: cpu")
-    assert "update" in out.splitlines()[1] and "other" in out.splitlines()[1]
+    assert all(column in out.splitlines()[1] for column in ("update", "other", "slowest"))
     row = next(line for line in out.splitlines() if line.startswith("adamw+kfac"))
-    assert len(row.split()) == 9  # name, then mean, median, update, other with their ratios
+    assert len(row.split()) == 11  # name, then mean, median, update, other, slowest with their ratios
+    cells = [float(cell) for cell in row.split()[1:]]
+    assert cells[8] >= max(cells[0], cells[2], cells[4], cells[6]) - 0.05  # the slowest is at least any of them
 
 
 def test_bench_overhead_times_kaisa_in_the_same_loop_and_the_forward_under_autocast(

@@ -3,8 +3,10 @@
 The planner owns the run's position — the step count, the number of updates, whether an update
 is owed — and answers, for the current step:
 
-- **cadence**: is it an update step (``step % update_freq == 0``, or an update is owed), and which
-  layers refresh K-FAC's running factors (``factor_update_freq``);
+- **cadence**: is it an update step (``step % update_freq == 0``, or an update is owed), which layers it
+  updates (all; under ``stagger_updates`` those whose offset is ``step % update_freq``, all at step 0 and
+  when an update is owed: :func:`stagger_offsets`), and which layers refresh K-FAC's running factors
+  (``factor_update_freq``);
 - **capture plan**: what each layer's gradient hook reduces a call to — the statistic of each
   family the layer may take (:class:`~hylo.layers.statistics.CapturePlan`), or nothing (raw calls,
   for a user ``solver_fn`` and at study updates, whose reference needs raw calls). Under the hybrid
@@ -22,6 +24,7 @@ collective is ever issued from a hook.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +44,20 @@ from hylo.state import RegisteredLayer
 
 #: Every family's statistic, in the order of the families (the agreement's flags follow it).
 STATISTICS: tuple[CallStatistic[Any], ...] = tuple(dict.fromkeys(family.statistic for family in FAMILIES))
+
+
+def stagger_offsets(costs: Sequence[float], update_freq: int) -> list[int]:
+    """Each layer's offset in a cycle of ``update_freq`` steps under ``stagger_updates``: layers by estimated
+    solve cost, largest first, each to the offset with the least cost so far (the fewest layers on a tie, then
+    the lowest), so that every step of the cycle carries about the same share of the update's work."""
+    load = [(0.0, 0, slot) for slot in range(update_freq)]
+    offsets = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        slot = min(range(update_freq), key=lambda k: load[k])
+        cost, count, _ = load[slot]
+        load[slot] = (cost + costs[i], count + 1, slot)
+        offsets[i] = slot
+    return offsets
 
 
 def _disarm(captures: list[LayerCapture]) -> None:
@@ -65,7 +82,8 @@ class Planner:
         self.needs_update = False
         #: The layers whose state their last update rejected (non-finite): warned once until one is accepted.
         self.rejected: set[str] = set()
-        self._cadence: tuple[int, bool, frozenset[str], int] = (-1, False, frozenset(), 0)
+        self._cadence: tuple[int, bool, frozenset[str], int, frozenset[str] | None] = (-1, False, frozenset(), 0, None)
+        self._offsets: dict[int, list[int]] = {}
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
         self._arm_error: tuple[int, Exception] | None = None
         self.arm(config)
@@ -74,7 +92,8 @@ class Planner:
 
     def reset(self, config: HyLoConfig) -> None:
         """Forget the current step's cadence and plans (after a load or a new config); arm the hooks anew."""
-        self._cadence = (-1, False, frozenset(), 0)
+        self._cadence = (-1, False, frozenset(), 0, None)
+        self._offsets = {}
         self._plans = (-1, [])
         self.arm(config)
 
@@ -101,8 +120,9 @@ class Planner:
     def cadence(self, config: HyLoConfig) -> tuple[bool, frozenset[str]]:
         """This step's (update?, layers refreshing their running statistics), computed once per step.
 
-        An update step captures every layer. Otherwise, at a ``factor_update_freq`` step, the
-        layers whose family keeps running statistics (K-FAC) capture and refresh them.
+        An update step captures the layers it updates (:meth:`updating`). Otherwise, at a
+        ``factor_update_freq`` step, the layers whose family keeps running statistics (K-FAC) capture
+        and refresh them.
         """
         return self._cadence_of(config)[:2]
 
@@ -110,15 +130,30 @@ class Planner:
         """``update_freq``'s value at this step (its callable called once per step)."""
         return self._cadence_of(config)[2]
 
-    def _cadence_of(self, config: HyLoConfig) -> tuple[bool, frozenset[str], int]:
-        """(update?, layers refreshing, update_freq's value) of this step, each callable evaluated once per step."""
-        step, update, refreshing, freq = self._cadence
+    def updating(self, config: HyLoConfig, name: str) -> bool:
+        """Whether this step updates layer ``name``: every layer at an update step, or under ``stagger_updates``
+        the layers whose offset this step is (every layer at step 0 and when an update is owed)."""
+        update, _, _, due = self._cadence_of(config)
+        return update and (due is None or name in due)
+
+    def _cadence_of(self, config: HyLoConfig) -> tuple[bool, frozenset[str], int, frozenset[str] | None]:
+        """(update?, layers refreshing, update_freq's value, the layers updated: None for all) of this step, each
+        callable evaluated once per step."""
+        step, update, refreshing, freq, due = self._cadence
         if step != self.step:
             if self._arm_error is not None and self._arm_error[0] == self.step:
                 # the hooks were left unarmed for this step's forward: this step cannot capture
                 raise self._arm_error[1]
             freq = resolve("update_freq", config.update_freq, self.step)
-            update = self.needs_update or self.step % freq == 0
+            due = None
+            if config.stagger_updates and not self.needs_update and self.step > 0:
+                offsets = self._stagger(config, freq)
+                due = frozenset(
+                    layer.name for layer, offset in zip(self.layers, offsets, strict=True) if offset == self.step % freq
+                )
+                update = bool(due)
+            else:
+                update = self.needs_update or self.step % freq == 0
             refreshing = frozenset()
             factor_freq = config.kfac.factor_update_freq
             if not update and factor_freq is not None:
@@ -128,13 +163,28 @@ class Planner:
                         for layer in self.layers
                         if layer.state is not None and family_of(layer.solver).refreshes
                     )
-            self._cadence = (self.step, update, refreshing, freq)
-        return update, refreshing, freq
+            self._cadence = (self.step, update, refreshing, freq, due)
+        return update, refreshing, freq, due
+
+    def _stagger(self, config: HyLoConfig, freq: int) -> list[int]:
+        """The layers' offsets for ``freq`` (:func:`stagger_offsets` on each layer's configured solver's estimated
+        solve, computed once per value of ``update_freq``)."""
+        if freq not in self._offsets:
+            costs = []
+            for layer in self.layers:
+                solver = config.initial_solver(layer.name)
+                shape = LayerShape.of(layer.math, 0, 0, 0, self.world_size)
+                shape = dataclasses.replace(
+                    shape, kfac_method=config.kfac.kfac_method, basis_refresh=config.kfac_adam.basis_refresh
+                )
+                costs.append(family_of(solver).cost(shape, solver).solve)
+            self._offsets[freq] = stagger_offsets(costs, freq)
+        return self._offsets[freq]
 
     def capturing(self, config: HyLoConfig, name: str) -> bool:
         """Whether this step captures layer ``name``'s inputs and output gradients."""
-        update, refreshing = self.cadence(config)
-        return update or name in refreshing
+        _, refreshing = self.cadence(config)
+        return self.updating(config, name) or name in refreshing
 
     def plan(self, index: int, config: HyLoConfig, inputs: Callable[[], tuple[bool, float]]) -> CapturePlan | None:
         """What layer ``index``'s calls are reduced to at this step (None: kept raw), fixed at the step's
@@ -157,7 +207,9 @@ class Planner:
         forecast: list[SolverFamily] | None = None
         plans: list[CapturePlan | None] = []
         for i, family in enumerate(fixed):
-            if family is not None:
+            if not self.updating(config, self.layers[i].name):
+                plans.append(None)  # not captured at this step (stagger_updates)
+            elif family is not None:
                 plans.append(CapturePlan(frozenset({family.statistic}), scale))
             elif config.policy.solver_fn is not None:
                 plans.append(None)  # a user's rule sees the step's stats only at step(): keep the calls raw

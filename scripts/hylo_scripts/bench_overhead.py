@@ -13,7 +13,7 @@ time of an iteration (forward, backward, preconditioner, optimizer) over ``--ste
 (a step between updates when updates are fewer than half the steps), and apart: the mean of the
 update steps and the median of the other steps, each against the plain optimizer's median
 iteration (the update step is when hylo captures and solves; the others only apply the stored
-state). ``--steps`` a multiple of ``--update-freq`` makes the mean the cost amortized over whole
+state; under ``stagger_updates`` the steps at offset 0), and the slowest iteration. ``--steps`` a multiple of ``--update-freq`` makes the mean the cost amortized over whole
 update cycles. ``--device`` runs it on a GPU (default: cuda when available), each iteration
 timed between two device synchronisations; the device is printed with the table. ``--model
 llama`` is a small Hugging Face ``LlamaForCausalLM`` (needs ``transformers``; 4 layers of width
@@ -215,14 +215,15 @@ def profiled_iteration_time(
 
 
 def _row(label: str, times: list[float], updates: list[bool], base_mean: float, base_median: float) -> str:
-    """One table row: mean and median ms per iteration, the update steps' mean and the other steps' median, each
-    with its ratio to the plain optimizer's mean or median."""
+    """One table row: mean and median ms per iteration, the update steps' mean, the other steps' median and the
+    slowest iteration, each with its ratio to the plain optimizer's mean or median."""
     mean, median = statistics.fmean(times), statistics.median(times)
     update = [t for t, u in zip(times, updates, strict=True) if u]
     other = [t for t, u in zip(times, updates, strict=True) if not u]
     cells = [(mean, base_mean), (median, base_median)]
     cells += [(statistics.fmean(update), base_median) if update else (float("nan"), base_median)]
     cells += [(statistics.median(other), base_median) if other else (float("nan"), base_median)]
+    cells += [(max(times), base_median)]
     return f"{label:<14}" + "".join(f" {1e3 * t:>9.1f} {t / ref:>6.2f}" for t, ref in cells)
 
 
@@ -308,6 +309,7 @@ def main() -> None:
         + f"; autocast {args.autocast}; {clock} ms per iteration, vs {name}"
     )
     header = f"{'optimizer':<14} {'mean':>9} {'vs':>6} {'median':>9} {'vs':>6} {'update':>9} {'vs':>6} {'other':>9} {'vs':>6}"
+    header += f" {'slowest':>9} {'vs':>6}"
     header += f" {'peak MB':>8}" if cuda else ""
     if args.profile:
         header += f" {'profiled':>9} {'vs ' + name:>9} {'prof/plain':>10}"
@@ -332,8 +334,10 @@ def main() -> None:
             breakdowns[solver] = (phases, apply_ms)
             line += f" {1e3 * p:>9.1f} {p / base:>9.2f} {p / t:>10.2f}"
         print(line, flush=True)
-    print("mean: all timed iterations (vs the plain mean); median, update (their mean), other (their median): vs the")
-    print(f"plain median; {args.steps} timed iterations after {args.warmup}, update_freq {args.update_freq}")
+    print("mean: all timed iterations (vs the plain mean); median, update (their mean), other (their median), slowest")
+    print(
+        f"(the longest): vs the plain median; {args.steps} timed iterations after {args.warmup}, update_freq {args.update_freq}"
+    )
     if breakdowns:
         print("\nms in hylo's step() per update step, by phase (steps-r0.csv), and per other step:")
         print(f"{'solver':<8}" + "".join(f" {phase:>9}" for phase in (*BREAKDOWN, "step", "apply")))

@@ -11,8 +11,9 @@ of every block; ``compile``: ``torch.compile`` of the model before hylo is attac
 ranks of one thread each) the plain optimizer and optimizer + hylo (``--solver``, default the
 default ``hybrid``) each train ``--steps`` iterations in a fresh process from the same weights on
 the same random batch. Reported: the median ms per iteration after ``--warmup`` iterations
-(update and other steps as they occur), hylo's time over the plain one's, and rank 0's peak
-resident set size (``ru_maxrss``). The language model (``transformer``) trains with AdamW, the
+(update and other steps as they occur), hylo's time over the plain one's, the slowest timed iteration of each
+(under DDP every rank waits for the slowest rank's update), and rank 0's peak resident set size (``ru_maxrss``).
+``--set KEY=VALUE`` passes hylo options (``--set stagger_updates=True``). The language model (``transformer``) trains with AdamW, the
 image models with SGD and momentum. A wrapper this torch build cannot run is reported as such.
 ``--device cuda`` runs on the GPU (autocast and the scaler on CUDA), the distributed wrappers on
 NCCL with rank r on ``cuda:r`` (refused when the machine has fewer GPUs than ``--world``).
@@ -74,6 +75,8 @@ class WrapperRun:
     context: int = 64
     #: Where it runs (a distributed wrapper's rank r on ``cuda:r`` on CUDA).
     device: str = "cpu"
+    #: More hylo options (JSON values: they travel to the child process as JSON).
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def device_of(self, rank: int) -> torch.device:
         """The device of rank ``rank`` (of the one process of a wrapper that is not distributed)."""
@@ -157,7 +160,9 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    pre = None if run.solver is None else hylo.HyLoPreconditioner(model, solver=run.solver, update_freq=run.update_freq)
+    pre = None
+    if run.solver is not None:
+        pre = hylo.HyLoPreconditioner(model, solver=run.solver, update_freq=run.update_freq, **run.options)
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
     if run.wrapper in ("autocast", "scaler"):
 
@@ -186,7 +191,8 @@ def train(run: WrapperRun, rank: int = 0) -> dict[str, Any]:
         times.append(timing.now(device) - start)
     if pre is not None:
         pre.remove()
-    return {"ms_per_iter": 1e3 * statistics.median(times[run.warmup :]), "peak_rss_mb": peak_rss_mb()}
+    timed = times[run.warmup :]
+    return {"ms_per_iter": 1e3 * statistics.median(timed), "slowest_ms": 1e3 * max(timed), "peak_rss_mb": peak_rss_mb()}
 
 
 def _rank_main(rank: int, run: WrapperRun, port: int, out: str) -> None:
@@ -243,6 +249,8 @@ def measure(base: WrapperRun, solver: str, wrappers: Sequence[str]) -> list[dict
                 plain_ms=plain["ms_per_iter"],
                 hylo_ms=with_hylo["ms_per_iter"],
                 ratio=with_hylo["ms_per_iter"] / plain["ms_per_iter"],
+                plain_slowest=plain["slowest_ms"],
+                hylo_slowest=with_hylo["slowest_ms"],
                 plain_mb=plain["peak_rss_mb"],
                 hylo_mb=with_hylo["peak_rss_mb"],
             )
@@ -252,20 +260,23 @@ def measure(base: WrapperRun, solver: str, wrappers: Sequence[str]) -> list[dict
 
 def format_table(rows: Sequence[dict[str, Any]], solver: str) -> str:
     """The rows as an aligned text table."""
-    lines = [f"{'wrapper':<11} {'plain ms':>9} {'+' + solver + ' ms':>12} {'ratio':>6} {'plain MB':>9} {'hylo MB':>8}"]
+    lines = [
+        f"{'wrapper':<11} {'plain ms':>9} {'+' + solver + ' ms':>12} {'ratio':>6} {'slowest':>8} {'+hylo':>8} "
+        f"{'plain MB':>9} {'hylo MB':>8}"
+    ]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['wrapper']:<11} not run: {row['error']}")
             continue
         lines.append(
             f"{row['wrapper']:<11} {row['plain_ms']:>9.1f} {row['hylo_ms']:>12.1f} {row['ratio']:>6.2f} "
-            f"{row['plain_mb']:>9.0f} {row['hylo_mb']:>8.0f}"
+            f"{row['plain_slowest']:>8.1f} {row['hylo_slowest']:>8.1f} {row['plain_mb']:>9.0f} {row['hylo_mb']:>8.0f}"
         )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Print each wrapper's plain and hylo ms/iter and peak memory."""
+    """Print each wrapper's plain and hylo ms/iter, slowest iteration and peak memory."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="transformer", choices=MODEL_CHOICES)
@@ -277,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of a one-process run")
     parser.add_argument("--solver", default="hybrid")
     parser.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=WRAPPERS)
+    parser.add_argument(
+        "--set", nargs="+", type=argtypes.hylo_option, default=[], metavar="KEY=VALUE", help="hylo options"
+    )
     argtypes.add_device(parser, "cpu or cuda[:N] (default: cuda if any); ddp/fsdp2 on CUDA: NCCL, rank r on cuda:r")
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -298,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.world,
         args.threads,
         device=str(args.device),
+        options=dict(args.set),
     )
     print(f"device: {describe(args.device)}", flush=True)
     print(format_table(measure(base, args.solver, args.wrappers), args.solver))
