@@ -315,15 +315,18 @@ def test_kl_clip_is_off_by_default_for_an_adaptive_solver_and_kept_when_given() 
     assert RunConfig(**{**base, "solver": "kfac_adam", "hylo": {"kl_clip": 0.01}}).hylo["kl_clip"] == 0.01
 
 
-def test_the_lm_bench_updates_kfac_adams_basis_every_5_steps_unless_told_otherwise() -> None:
+def test_the_lm_bench_refreshes_kfac_adams_basis_by_power_every_3_steps_unless_told_otherwise() -> None:
     args = bench_peers.task_args(bench_peers.parse_args(["--task", "lm"]), "lm")
     method = peers.hylo_method("kfac_adam")
-    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {}, 2e-3).hylo["update_freq"] == 5
-    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {}, 2e-3).rest_lr == 2e-3
-    assert bench_peers.run_config(args, "lm", method, 4e-3, 0, {"update_freq": 10}).hylo["update_freq"] == 10
-    assert bench_peers.run_config(args, "lm", peers.hylo_method("kfac"), 2e-3, 0, {}).hylo["update_freq"] == 10
+    lm = bench_peers.run_config(args, "lm", method, 4e-3, 0, {}, 2e-3)
+    assert (lm.hylo["update_freq"], lm.hylo["basis_refresh"], lm.rest_lr) == (3, "power", 2e-3)
+    told = bench_peers.run_config(args, "lm", method, 4e-3, 0, {"update_freq": 10, "basis_refresh": "eigh"})
+    assert (told.hylo["update_freq"], told.hylo["basis_refresh"]) == (10, "eigh")
+    kfac = bench_peers.run_config(args, "lm", peers.hylo_method("kfac"), 2e-3, 0, {}).hylo
+    assert kfac["update_freq"] == 10 and kfac.get("basis_refresh", "eigh") == "eigh"
     classification = bench_peers.task_args(bench_peers.parse_args([]), "classification")
-    assert bench_peers.run_config(classification, "classification", method, 1e-2, 0, {}).hylo["update_freq"] == 10
+    other = bench_peers.run_config(classification, "classification", method, 1e-2, 0, {}).hylo
+    assert other["update_freq"] == 10 and other.get("basis_refresh", "eigh") == "eigh"
 
 
 def test_classification_rows_carry_the_best_accuracy_and_the_steps_to_the_accuracy_goal() -> None:

@@ -326,3 +326,24 @@ def test_bench_overhead_times_kaisa_in_the_same_loop_and_the_forward_under_autoc
     out = capsys.readouterr().out
     assert "autocast bf16" in out.splitlines()[0] and "peak MB" not in out  # peak memory on CUDA only
     assert re.search(r"^sgd\+kaisa +not installed", out, re.M)
+
+
+def test_bench_stagger_times_the_three_runs_alternating(capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/bench_stagger.py``: the plain optimizer, hylo and hylo staggered, ``--rounds`` × ``--steps`` timed
+    iterations each; the table's slowest is at least the mean and the median of its run."""
+    from hylo_scripts import bench_stagger
+
+    times = bench_stagger.timed_iterations("mlp", "kfac", 2, {}, batch=8, steps=3, warmup=1, rounds=2)
+    assert list(times) == ["plain", "hylo", "staggered"] and all(len(t) == 6 for t in times.values())
+    bench_stagger.main(
+        ["--model", "mlp", "--batch-size", "8", "--solver", "kfac", "--update-freq", "2"]
+        + ["--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--set", "damping=0.1"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("device: cpu") and "{'damping': 0.1}" in lines[0]
+    assert [line.split()[0] for line in lines[2:]] == ["plain", "hylo", "staggered"]
+    for line in lines[2:]:
+        mean, median, slowest = (float(cell) for cell in line.split()[1::2])
+        assert slowest >= max(mean, median) - 0.05
+    with pytest.raises(ValueError, match="stagger_updates needs a fixed solver"):
+        bench_stagger.timed_iterations("mlp", "hybrid", 2, {}, batch=8, steps=1, warmup=0, rounds=1)

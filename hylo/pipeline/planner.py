@@ -24,7 +24,6 @@ collective is ever issued from a hook.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +36,7 @@ from hylo.distributed.payload import CONTROL, Payload
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.capture import LayerCapture
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
-from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic, priced
 from hylo.records import Decision
 from hylo.solvers import FAMILIES, SolverFamily, family_of
 from hylo.state import RegisteredLayer
@@ -173,10 +172,7 @@ class Planner:
             costs = []
             for layer in self.layers:
                 solver = config.initial_solver(layer.name)
-                shape = LayerShape.of(layer.math, 0, 0, 0, self.world_size)
-                shape = dataclasses.replace(
-                    shape, kfac_method=config.kfac.kfac_method, basis_refresh=config.kfac_adam.basis_refresh
-                )
+                shape = priced(LayerShape.of(layer.math, 0, 0, 0, self.world_size), config)
                 costs.append(family_of(solver).cost(shape, solver).solve)
             self._offsets[freq] = stagger_offsets(costs, freq)
         return self._offsets[freq]

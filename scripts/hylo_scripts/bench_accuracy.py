@@ -92,8 +92,12 @@ LM_DAMPING = {"kfac": 1e-3, "hybrid": 1e-3}  # hybrid: K-FAC on every matrix of 
 UPDATE_FREQ = 10
 #: The lm bench's update_freq of a solver when ``--freq`` is not given (the others: :data:`UPDATE_FREQ`). kfac_adam's basis goes
 #: stale fast early in training: on the LM bench its final loss went 1.68 / 1.57 / 1.45 / 1.41 at updates every
-#: 20 / 10 / 5 / 3 steps (seed 0, lr 4e-3; docs/benchmarks.md, "Peers").
-LM_UPDATE_FREQ = {"kfac_adam": 5}
+#: 20 / 10 / 5 / 3 steps (seed 0, lr 4e-3; docs/benchmarks.md, "Peers"); with the warm-started refresh
+#: (:data:`LM_OPTIONS`) every 3 steps reaches AdamW's loss in 125 steps where every 5 took 150 (docs/benchmarks.md,
+#: "The LM race with cheaper updates").
+LM_UPDATE_FREQ = {"kfac_adam": 3}
+#: The lm bench's other hylo options of a solver (over :data:`DAMPING`'s and the task's; ``--set`` overrides them).
+LM_OPTIONS: dict[str, dict[str, Any]] = {"kfac_adam": {"basis_refresh": "power"}}
 #: Each task's defaults of the flags left unset (lm: the bench size; ``lr`` None: AdamW's best).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "classification": {
@@ -399,11 +403,15 @@ class LMCurve:
         return next(((step, seconds) for step, seconds, loss in self.points if loss <= target), None)
 
 
-def _lm_freq(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
-    """The lm bench's update_freq of ``solver`` (:data:`LM_UPDATE_FREQ`) unless ``--freq`` was given."""
-    if solver is None or solver not in LM_UPDATE_FREQ or args.freq is not None:
+def _lm_options(args: argparse.Namespace, solver: str | None) -> dict[str, Any]:
+    """The lm bench's options of ``solver``: :data:`LM_OPTIONS`, and its update_freq (:data:`LM_UPDATE_FREQ`) unless
+    ``--freq`` was given."""
+    if solver is None:
         return {}
-    return {"update_freq": LM_UPDATE_FREQ[solver]}
+    options = dict(LM_OPTIONS.get(solver, {}))
+    if solver in LM_UPDATE_FREQ and args.freq is None:
+        options["update_freq"] = LM_UPDATE_FREQ[solver]
+    return options
 
 
 def lm_config(
@@ -427,7 +435,7 @@ def lm_config(
         lr_schedule="cosine",
         warmup_epochs=args.warmup_intervals,
         weight_decay=args.weight_decay,
-        hylo=_hylo_options(args, solver, rank_ratio) | _lm_freq(args, solver),
+        hylo=_hylo_options(args, solver, rank_ratio) | _lm_options(args, solver),
         seed=seed,
     )
 
