@@ -228,6 +228,8 @@ class Method:
     solver: str | None = None
 
 
+#: Learning-rate grids of Muon in either form.
+_MUON_GRIDS = {"classification": (0.02, 0.05, 0.1), "lm": (0.02, 0.04, 0.08)}
 #: Learning-rate grids shared by the methods that step the baseline optimizer (hylo, KAISA).
 _PRECONDITIONED = {"classification": (0.05, 0.1, 0.2), "lm": (1e-3, 2e-3, 4e-3)}
 
@@ -241,21 +243,17 @@ METHODS: dict[str, Method] = {
             {"classification": (0.015, 0.03, 0.05)},
         ),
         Method("adamw", "AdamW, weight decay 0.01 (the lm baseline)", {"lm": (1e-3, 2e-3, 4e-3)}),
-        Method(
-            "muon",
-            "torch.optim.Muon on hidden 2-D weights, the baseline at its tuned lr elsewhere",
-            {"classification": (0.02, 0.05, 0.1), "lm": (0.02, 0.04, 0.08)},
-            package="torch.optim",
-            attribute="Muon",
-            optimizer=_muon,
-        ),
-        Method(
-            "muon-f32",
-            "muon with its Newton–Schulz iteration in float32 (the stock one: bfloat16), its CPU form",
-            {"classification": (0.02, 0.05, 0.1), "lm": (0.02, 0.04, 0.08)},
-            package="torch.optim",
-            attribute="Muon",
-            optimizer=_muon_float32,
+        *(
+            Method(name, description, _MUON_GRIDS, package="torch.optim", attribute="Muon", optimizer=factory)
+            for name, description, factory in (
+                ("muon", "torch.optim.Muon on hidden 2-D weights, the baseline at its tuned lr elsewhere", _muon),
+                (
+                    "muon-f32",
+                    "muon with its Newton–Schulz iteration in float32 (the stock one: bfloat16), for CPUs without "
+                    "fast bfloat16 products",
+                    _muon_float32,
+                ),
+            )
         ),
         Method(
             "soap",
