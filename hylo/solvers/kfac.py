@@ -124,6 +124,14 @@ def eigh_work(d_a: int, d_g: int) -> float:
     return EIGH_COST * (float(d_a) ** 3 + float(d_g) ** 3)
 
 
+def solve_work(d_a: int, d_g: int, method: str) -> float:
+    """Multiply-adds of solving a layer's two factors by ``kfac_method``: eigendecompositions, or damped inverses
+    by Cholesky."""
+    if method == "inverse":
+        return INVERSE_COST * (float(d_a) ** 3 + float(d_g) ** 3)
+    return eigh_work(d_a, d_g)
+
+
 @dataclass
 class KFACState(LayerState):
     """Running Kronecker factors of one layer and their eigendecompositions.
@@ -401,21 +409,16 @@ class KFACFamily(SolverFamily[KFACFactors]):
         """
         d_a, d_g = shape.d_a, shape.d_g
         exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
-        inverse = shape.kfac_method == "inverse"
-        cubes = float(d_a) ** 3 + float(d_g) ** 3
         return CostEstimate(
             build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=INVERSE_COST * cubes if inverse else eigh_work(d_a, d_g),
-            apply=(1.0 if inverse else 2.0) * d_a * d_g * (d_a + d_g),
+            solve=solve_work(d_a, d_g, shape.kfac_method),
+            apply=(1.0 if shape.kfac_method == "inverse" else 2.0) * d_a * d_g * (d_a + d_g),
             bytes=exchanged * shape.itemsize,
         )
 
     def solve_cost(self, prepared: KFACFactors) -> float:
         """The eigendecompositions' (or inverses') cost."""
-        d_a, d_g = prepared.factor_a.shape[0], prepared.factor_g.shape[0]
-        if prepared.method == "inverse":
-            return INVERSE_COST * (float(d_a) ** 3 + float(d_g) ** 3)
-        return eigh_work(d_a, d_g)
+        return solve_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0], prepared.method)
 
     def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G batched by shape (or, for the layers of the inverse method, their

@@ -285,6 +285,14 @@ def carried_moments(
     return m, v, previous.steps
 
 
+def basis_work(d_a: int, d_g: int, refresh: str) -> float:
+    """Multiply-adds of a layer's basis at an update: eigendecompositions, or the warm-started refresh
+    (:data:`~hylo.numerics.POWER_COST` per d³) for ``refresh="power"``."""
+    if refresh == "power":
+        return POWER_COST * (float(d_a) ** 3 + float(d_g) ** 3)
+    return eigh_work(d_a, d_g)
+
+
 def _warm_started(prepared: KFACAdamInputs) -> bool:
     """Whether this update refines the layer's previous basis (``basis_refresh="power"``, a state held before)."""
     options = prepared.options
@@ -328,19 +336,15 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         is ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
         entries a step."""
         kfac = self.kfac.cost(dataclasses.replace(shape, kfac_method="eigen"), "kfac")
-        solve = kfac.solve
-        if shape.basis_refresh == "power":
-            solve = POWER_COST * (float(shape.d_a) ** 3 + float(shape.d_g) ** 3)
+        solve = basis_work(shape.d_a, shape.d_g, shape.basis_refresh)
         return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
         """The eigendecompositions' cost, or the warm-started refresh's (none for the identity basis)."""
         if prepared.options.adam_basis == "identity":
             return 0.0
-        d_a, d_g = prepared.factor_a.shape[0], prepared.factor_g.shape[0]
-        if _warm_started(prepared):
-            return POWER_COST * (float(d_a) ** 3 + float(d_g) ** 3)
-        return eigh_work(d_a, d_g)
+        refresh = "power" if _warm_started(prepared) else "eigh"
+        return basis_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0], refresh)
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G batched by shape, or with ``basis_refresh="power"`` from a layer's
