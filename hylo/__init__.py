@@ -1,6 +1,7 @@
 """hylo: distributed second-order training with a hybrid low-rank natural gradient (HyLo).
 
-The public API is what this module exports — the preconditioner, its configuration and records,
+The public API is what this module exports — the preconditioner, its optimizer form
+(:class:`HyLoOptimizer`), its configuration and records,
 the checkpoint files :func:`save_checkpoint` and :func:`load_checkpoint`, and the extension
 points :func:`register_layer_type` (a layer type's math, subclassing
 :class:`hylo.layers.LayerMath`), :func:`register_family` (a solver family, subclassing
@@ -24,7 +25,9 @@ from hylo.config import (
 )
 from hylo.distributed import CommunicationError
 from hylo.layers import LayerMath, register_layer_type
+from hylo.layers.coverage import Coverage
 from hylo.memory import MemoryUsage
+from hylo.optimizer import HyLoOptimizer
 from hylo.pipeline.checkpoint import load_checkpoint, save_checkpoint
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
 from hylo.records import Decision, LayerStats
@@ -35,9 +38,11 @@ from hylo.version import __version__
 __all__ = [
     "CommunicationError",
     "ConvConfig",
+    "Coverage",
     "Decision",
     "DistributedConfig",
     "HyLoConfig",
+    "HyLoOptimizer",
     "HyLoPreconditioner",
     "KFACAdamConfig",
     "KFACConfig",

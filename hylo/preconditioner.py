@@ -26,6 +26,7 @@ from hylo.distributed import Communicator, default_communicator
 from hylo.fingerprint import Fingerprint
 from hylo.layers.batch import LayerBatch
 from hylo.layers.capture import KeptCalls
+from hylo.layers.coverage import Coverage
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.registry import supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
@@ -34,6 +35,7 @@ from hylo.memory import MemoryUsage
 from hylo.pipeline import checkpoint, sharding
 from hylo.pipeline.apply import write_back
 from hylo.pipeline.checkpoint import OptionsOnLoad
+from hylo.pipeline.effect import EffectWatch
 from hylo.pipeline.guard import Agreement, Guard
 from hylo.pipeline.placement import placement_for
 from hylo.pipeline.planner import STATISTICS, Planner
@@ -113,6 +115,7 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.comm)
         self._generator = torch.Generator().manual_seed(self._config.lowrank.seed)
         self._removed = False
+        self._effect = EffectWatch()
         found = register_layers(model, self._config)
         self._registration = found
         self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
@@ -237,6 +240,8 @@ class HyLoPreconditioner:
             raise
         for layer in self._layers:
             layer.capture.clear()
+        if outcome.kind == "update":  # before the write-back overwrites the raw gradients
+            self._effect.check(step, outcome.written, outcome.grads, values.damping)
         self._commit(step, outcome, traffic)
 
     def _compute(
@@ -346,12 +351,14 @@ class HyLoPreconditioner:
         """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
         return [layer.info(self._config) for layer in self._layers]
 
-    def parameters(self) -> list[nn.Parameter]:
+    def parameters(self, *, solved: bool | None = None) -> list[nn.Parameter]:
         """The parameters whose gradients ``step()`` rewrites, each once (a parameter several layers share, such as
         MultiheadAttention's ``in_proj_weight``, once). For ``solver="kfac_adam"``, whose result is the whole
         update direction, give them to an optimizer that applies only lr and weight decay (docs/usage.md,
-        "Adaptive solvers")."""
-        return layer_parameters(self._layers)
+        "Adaptive solvers"). ``solved``: only those of layers that hold a state (True), or of layers that hold
+        none yet, whose gradients ``step()`` leaves raw (False)."""
+        layers = self._layers if solved is None else [x for x in self._layers if (x.state is not None) is solved]
+        return layer_parameters(layers)
 
     def solver_of(self, name: str) -> str:
         """The solver layer ``name`` used at the latest update (its configured one before any)."""
@@ -374,12 +381,18 @@ class HyLoPreconditioner:
         held = [*self._guard.tensors(), *self._placement.tensors(), *self._policy.trend.tensors()]
         return memory.breakdown(self._layers, held)
 
+    def coverage(self) -> Coverage:
+        """The share of the model's trainable matrix parameters (by elements) hylo preconditions, and what it leaves
+        alone by reason, as registered at construction (docs/usage.md, "Coverage")."""
+        return self._registration.coverage
+
     def summary(self) -> str:
-        """A printable table of registered layers and of the modules left alone."""
+        """A printable table of registered layers and of the modules left alone, ending with the :meth:`coverage`."""
         registration = self._registration
         head = f"HyLoPreconditioner(solver={self._config.solver!r}, layers={len(self._layers)}, "
         head += f"world_size={self.comm.world_size})"
-        return format_summary(head, self.layer_info(), [*registration.skipped, *registration.unsupported])
+        table = format_summary(head, self.layer_info(), [*registration.skipped, *registration.unsupported])
+        return f"{table}\n{registration.coverage.line()}"
 
     def __repr__(self) -> str:
         return self.summary()

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 import hylo
 from hylo.solvers import solver_names
@@ -153,3 +154,23 @@ def test_max_unfold_mb_bounds_the_unfolded_patches_on_the_gpu(solver: str) -> No
     mb = 2**20
     assert whole - plain >= 0.5 * unfold_bytes, (plain / mb, whole / mb)
     assert bounded - plain <= 4 * cap_mb * mb + mb, (plain / mb, bounded / mb, whole / mb)
+
+
+def test_an_optimizer_state_moved_to_the_device_loads() -> None:
+    """Accelerate's ``prepare`` (device placement) and a Trainer loading ``optimizer.pt`` with ``map_location`` move
+    every tensor of ``HyLoOptimizer.state_dict()`` to the GPU, the KIS generator's state included: it loads, and
+    the state read back is the one saved."""
+    device = chosen()
+    torch.manual_seed(0)
+    model = Net().to(device)
+    opt = hylo.HyLoOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), solver="kis", update_freq=1)
+    x, y = _data(torch.float32)[0]
+    F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    opt.step()
+    saved = opt.state_dict()
+    opt.load_state_dict(tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, saved))
+    again = opt.state_dict()["hylo"]
+    assert (
+        torch.equal(again["generator"], saved["hylo"]["generator"]) and again["checksum"] == saved["hylo"]["checksum"]
+    )
+    opt.preconditioner.remove()

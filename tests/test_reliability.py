@@ -199,7 +199,9 @@ with warnings.catch_warnings(record=True) as caught:
         F.mse_loss(model(x), y).backward()
         pre.step()
         opt.step()
-print(json.dumps({"updates": pre._planner.updates, "warnings": [str(w.message) for w in caught],
+# at hylo's default damping (1) this deep, narrow MLP's curvature turns no layer: that warning is not the cliff's
+warned = [str(w.message) for w in caught if "changes no direction" not in str(w.message)]
+print(json.dumps({"updates": pre._planner.updates, "warnings": warned,
                   "broken": sum(broken), "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}))
 """
 

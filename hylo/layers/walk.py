@@ -24,6 +24,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, ProjectionMath, projection_name
 from hylo.layers.capture import LayerCapture
 from hylo.layers.compiled import unwrap_compiled
+from hylo.layers.coverage import SKIPPED, Coverage, measure
 from hylo.layers.math import LayerMath, named_error
 from hylo.layers.registry import layer_math, layer_type_of, own_forward, unsupported_reason
 from hylo.layers.ties import Holder, find_holders, own_attr, tied_reason
@@ -52,6 +53,8 @@ class Registration:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     taps: list[AttentionTap] = field(default_factory=list)
+    #: The share of the model's trainable matrix parameters the registered layers hold (:mod:`hylo.layers.coverage`).
+    coverage: Coverage = field(default_factory=lambda: Coverage(0, 0, ()))
 
     def warn_unsupported(self) -> None:
         """One warning listing the modules with matrix parameters hylo leaves alone, grouped by reason."""
@@ -150,7 +153,7 @@ def _register_attention(
     ``q/k/v_proj_weight`` held elsewhere too) stays with the optimizer, with the reason.
     """
     if skip(name, attention):
-        result.skipped.append((name, "skip_layers"))
+        result.skipped.append((name, SKIPPED))
         return
     if parametrize.is_parametrized(attention) or parametrize.is_parametrized(attention.out_proj):
         result.unsupported.append((name, "MultiheadAttention with parametrized projections"))
@@ -161,7 +164,7 @@ def _register_attention(
         math: LayerMath = OutProjectionMath(attention) if part == "out" else ProjectionMath(attention, part)
         math.name = layer_name
         if skip(layer_name, attention.out_proj if part == "out" else attention):
-            result.skipped.append((layer_name, "skip_layers"))
+            result.skipped.append((layer_name, SKIPPED))
             continue
         if part == "out":
             parts = [("out_proj.weight", math.weight), ("out_proj.bias", math.bias)]
@@ -265,7 +268,7 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
             if parametrized is None and next(module.parameters(recurse=False), None) is None:
                 continue
             if skip(name, module):
-                result.skipped.append((name, "skip_layers"))
+                result.skipped.append((name, SKIPPED))
                 continue
             if parametrized is not None:
                 result.unsupported.append((name, parametrized))
@@ -302,4 +305,6 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
     except BaseException:
         result.remove()  # leave no hooks behind
         raise
+    skipped = [name for name, why in result.skipped if why == SKIPPED]
+    result.coverage = measure(model, [found.math.weight for found in result.layers], skipped)
     return result

@@ -257,7 +257,7 @@ def _read(
     new_config, differences = _options(checked_options(sd.get("config", {})), config, mode)
     generator = torch.Generator()
     try:
-        generator.set_state(sd["generator"])
+        generator.set_state(sd["generator"].cpu())  # a state moved to the device (Accelerate's prepare, map_location)
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"state_dict has no valid KIS generator state: {err}") from err
     if mode == "keep" and sd.get("config", {}).get("seed", config.lowrank.seed) != config.lowrank.seed:

@@ -1,0 +1,309 @@
+"""HyLoOptimizer: hylo as a ``torch.optim.Optimizer`` — the preconditioner and the user's optimizer in one ``step()``.
+
+docs/usage.md, "The optimizer form". Training stacks take an optimizer (Hugging Face ``Trainer``'s
+``optimizers=(optimizer, scheduler)`` and its LR schedulers, Lightning's ``configure_optimizers``, Accelerate's
+``prepare``); this is one. Its ``param_groups`` are the wrapped optimizer's own group dicts (so a scheduler scales
+them), its ``state_dict`` holds the wrapped optimizer's and hylo's (so each stack's checkpoint carries both), and
+its ``step()`` preconditions, then steps: once per optimizer step, whatever the gradient accumulation. The
+options it gives hylo by default depend on the wrapped optimizer (:func:`default_options`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from hylo.adapted import AdaptedSplit
+from hylo.config import HyLoConfig
+from hylo.distributed import Communicator
+from hylo.preconditioner import HyLoPreconditioner
+from hylo.solvers import HYBRID, family_of
+
+#: Optimizers that scale each coordinate by its own statistics: with one of these (or any optimizer whose
+#: ``defaults`` hold ``betas``, as third-party Adam variants' do) the optimizer sets the step's length.
+ADAPTIVE_BASES: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.SparseAdam,
+)
+#: hylo's options under an adaptive optimizer when no ``solver`` is given: Adam in K-FAC's eigenbasis, whose
+#: result is the whole step, updated every 3 steps with the warm-started refresh — the language-model bench's
+#: settings (docs/benchmarks.md, "The LM race with cheaper updates").
+ADAPTIVE_DEFAULTS: dict[str, Any] = {"solver": "kfac_adam", "update_freq": 3, "basis_refresh": "power", "damping": 0.3}
+#: hylo's options under an adaptive optimizer with a natural-gradient ``solver`` given: a damping small enough for
+#: the curvature to turn the gradient, which the optimizer then scales (docs/transformers.md, "Damping under AdamW").
+NATURAL_UNDER_ADAPTIVE_DEFAULTS: dict[str, Any] = {"damping": 1e-3}
+#: hylo's options under any other optimizer (SGD, …): the training scripts' damping, and the whole step bounded
+#: by ``kl_clip`` at the optimizer's learning rate (read from its first group at every step).
+PLAIN_DEFAULTS: dict[str, Any] = {"damping": 0.3, "kl_clip": 1e-3}
+
+#: hylo's ``kfac_adam`` options taken from the wrapped optimizer's ``defaults`` (theirs → ours) when not given.
+INHERITED = {"adam_betas": "betas", "adam_eps": "eps"}
+
+OptimizerOrFactory: TypeAlias = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` sets the length of its step per coordinate (:data:`ADAPTIVE_BASES`, or ``betas``)."""
+    return isinstance(optimizer, ADAPTIVE_BASES) or "betas" in optimizer.defaults
+
+
+def adapts(solver: str) -> bool:
+    """Whether hylo's ``solver`` returns the whole update direction (``kfac_adam``: its state advances each step)."""
+    return solver != HYBRID and family_of(solver).state_type.advances
+
+
+def default_options(optimizer: torch.optim.Optimizer, given: Mapping[str, Any]) -> dict[str, Any]:
+    """hylo's options under ``optimizer``: the defaults for its kind, overridden by the options ``given``."""
+    solver = given.get("solver")
+    if solver is None and is_adaptive(optimizer):
+        chosen = dict(ADAPTIVE_DEFAULTS)
+    elif solver is not None and adapts(solver):
+        chosen = {}
+    elif is_adaptive(optimizer):
+        chosen = dict(NATURAL_UNDER_ADAPTIVE_DEFAULTS)
+    else:
+        chosen = dict(PLAIN_DEFAULTS)
+    if adapts(given.get("solver", chosen.get("solver", HYBRID))):  # Adam's constants: the optimizer's own
+        chosen |= {
+            ours: optimizer.defaults[theirs] for ours, theirs in INHERITED.items() if theirs in optimizer.defaults
+        }
+    return {**chosen, **given}
+
+
+class HyLoOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose ``step()`` runs hylo's preconditioner, then the wrapped optimizer.
+
+    Args:
+        model: the model (as for :class:`HyLoPreconditioner`).
+        optimizer: a ``torch.optim.Optimizer`` over the model's trainable parameters, not yet stepped, or a
+            callable building one from a list of parameters (a class, or ``functools.partial(torch.optim.AdamW,
+            lr=3e-4)``), which gets the model's trainable parameters.
+        config: a :class:`HyLoConfig` taken as it is (no defaults are added to it; keyword options override it).
+        communicator, grad_scaler: as for :class:`HyLoPreconditioner`.
+        **options: hylo's options, over the defaults for the optimizer's kind (:func:`default_options`).
+
+    When hylo's solver returns the whole step (``kfac_adam``) the parameters hylo preconditions leave the wrapped
+    optimizer's groups and are stepped by SGD without momentum at their group's ``lr`` and ``weight_decay``
+    (decoupled, as AdamW's); the wrapped optimizer keeps the rest, and takes back at the first update those of
+    layers hylo captured no rows of (:mod:`hylo.adapted`). ``param_groups`` lists the wrapped optimizer's groups,
+    then the SGD's.
+    """
+
+    _ready = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerOrFactory,
+        *,
+        config: HyLoConfig | None = None,
+        communicator: Communicator | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        **options: Any,
+    ) -> None:
+        base = _built(model, optimizer)
+        given = dict(options) if config is not None else default_options(base, options)
+        start = config or HyLoConfig()
+        if given.get("kl_clip", start.kl_clip) is not None and given.get("lr", start.lr) is None:
+            given["lr"] = self._group_lr  # kl_clip bounds the step at the optimizer's learning rate
+        chosen = start.replace(**given)
+        adapted = _adapted_split(chosen)
+        pre = HyLoPreconditioner(model, config=chosen, communicator=communicator, grad_scaler=grad_scaler)
+        try:
+            held = {id(p) for group in base.param_groups for p in group["params"]}
+            names = {id(p): name for name, p in model.named_parameters()}
+            missing = [names.get(id(p), "?") for p in pre.parameters() if id(p) not in held]
+            if missing:
+                raise ValueError(
+                    f"HyLoOptimizer: hylo preconditions {missing}, which the optimizer does not hold: give it every "
+                    "trainable parameter of the model (or leave those layers out with skip_layers)"
+                )
+            if adapted and base.defaults.get("maximize", False):
+                raise ValueError("HyLoOptimizer: maximize=True is not supported with kfac_adam (its step descends)")
+            split = AdaptedSplit(base, pre.parameters()) if adapted else None
+        except BaseException:
+            pre.remove()
+            raise
+        #: The preconditioner whose ``step()`` runs first in :meth:`step`.
+        self.preconditioner = pre
+        self._split = split
+        self._names = names
+        #: Whether the first update is still to come (when hylo's parameters not preconditioned are handed back).
+        self._first_update = split is not None
+        optimizers = [base] if split is None else [base, split.sgd]
+        self._optimizers = optimizers
+        super().__init__([group for opt in optimizers for group in opt.param_groups], {})
+        self.defaults = base.defaults
+        self._link()
+        self._ready = True
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers it steps, in order: the wrapped one, then the SGD of the parameters whose preconditioned
+        gradient is the whole step (``kfac_adam``), if any."""
+        return tuple(self._optimizers)
+
+    def _group_lr(self, _step: int) -> float:
+        """The first group's learning rate: ``kl_clip``'s ``lr`` (read at each step, as a scheduler set it)."""
+        return float(self.param_groups[0]["lr"])
+
+    def _link(self) -> None:
+        """Share the optimizers' group dicts and the first one's state (the SGD without momentum keeps none)."""
+        self.param_groups = [group for opt in self._optimizers for group in opt.param_groups]
+        self.state = self._optimizers[0].state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Evaluate ``closure`` (forward and backward, as Lightning passes it) if given, precondition the gradients
+        and step every optimizer; the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.preconditioner.step()
+        if self._first_update:
+            self._hand_back_unsolved()
+        for optimizer in self._optimizers:
+            optimizer.step()
+        return loss
+
+    def _hand_back_unsolved(self) -> None:
+        """After hylo's first update: its parameters whose layers captured no rows (so hold no state, and keep raw
+        gradients) go back to the wrapped optimizer, with one warning naming them."""
+        assert self._split is not None
+        solved = self.preconditioner.parameters(solved=True)
+        if not solved:  # no update yet (a skipped step)
+            return
+        self._first_update = False
+        raw = self._split.unsolved(solved)
+        if not raw:
+            return
+        self._split.hand_back(raw)
+        self._link()
+        listed = [self._names.get(id(self._split.adapted[i]), "?") for i in raw]
+        warnings.warn(
+            f"HyLoOptimizer: hylo could not precondition {listed} (no rows at its first update: see its warning); "
+            f"{type(self._optimizers[0]).__name__} trains them from now on instead of the SGD of kfac_adam's layers "
+            '(docs/usage.md, "The optimizer form")',
+            stacklevel=3,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer (hylo does not precondition it: it registered its layers at
+        construction)."""
+        if not self._ready:  # the base class's constructor registering the groups it was given
+            super().add_param_group(param_group)
+            return
+        self._optimizers[0].add_param_group(param_group)
+        self._link()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizers' states as one optimizer's (parameters numbered over ``param_groups``' order), and hylo's
+        state under ``"hylo"``."""
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        offset = 0
+        for optimizer in self._optimizers:
+            part = optimizer.state_dict()
+            merged["state"].update({offset + int(i): s for i, s in part["state"].items()})
+            merged["param_groups"] += [
+                {**group, "params": [offset + int(i) for i in group["params"]]} for group in part["param_groups"]
+            ]
+            offset += sum(len(group["params"]) for group in part["param_groups"])
+        merged["hylo"] = self.preconditioner.state_dict()
+        if self._split is not None:
+            merged["returned"] = list(self._split.returned)
+        return merged
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`: every part is checked against this optimizer before anything changes."""
+        returned = self._returned(state_dict)
+        parts = self._parts(state_dict, returned)
+        self.preconditioner.load_state_dict(state_dict["hylo"], where="HyLoOptimizer.load_state_dict")
+        if self._split is not None:
+            self._split.hand_back(returned)
+            self._first_update = False
+        for optimizer, part in zip(self._optimizers, parts, strict=True):
+            optimizer.load_state_dict(part)
+        self._link()
+
+    def _returned(self, state_dict: Mapping[str, Any]) -> list[int]:
+        """The saved hand-backs (:mod:`hylo.adapted`), checked; ``ValueError`` where they do not fit this optimizer."""
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"HyLoOptimizer.load_state_dict: expected a mapping, got {type(state_dict).__name__}")
+        if self._split is None:
+            if state_dict.get("returned"):
+                raise ValueError(
+                    "HyLoOptimizer.load_state_dict: the state was saved by a kfac_adam split, this is none"
+                )
+            return []
+        return self._split.check_returned(state_dict.get("returned", []))
+
+    def _parts(self, state_dict: Mapping[str, Any], returned: list[int]) -> list[dict[str, Any]]:
+        """``state_dict`` split into each optimizer's state dict (once ``returned`` are handed back), or
+        ``ValueError`` naming what does not fit."""
+        if not {"state", "param_groups", "hylo"} <= set(state_dict):
+            raise ValueError(
+                "HyLoOptimizer.load_state_dict: expected a HyLoOptimizer.state_dict() (keys 'state', 'param_groups', "
+                f"'hylo'), got {sorted(state_dict)}"
+            )
+        groups = list(state_dict["param_groups"])
+        sizes = [len(group["params"]) for group in groups]
+        now = [len(group["params"]) for group in self.param_groups]
+        expected = now if self._split is None else self._split.sizes_after(returned)
+        if sizes != expected:
+            raise ValueError(
+                f"HyLoOptimizer.load_state_dict: the saved groups hold {sizes} parameters, this optimizer's {expected}"
+            )
+        parts, first, offset = [], 0, 0
+        for optimizer in self._optimizers:  # the group counts never change (empty groups stay)
+            mine = groups[first : first + len(optimizer.param_groups)]
+            count = sum(len(group["params"]) for group in mine)
+            state = {int(i) - offset: s for i, s in state_dict["state"].items() if offset <= int(i) < offset + count}
+            renumbered = [{**group, "params": [int(i) - offset for i in group["params"]]} for group in mine]
+            parts.append({"state": state, "param_groups": renumbered})
+            first, offset = first + len(mine), offset + count
+        return parts
+
+
+def _built(model: nn.Module, optimizer: OptimizerOrFactory) -> torch.optim.Optimizer:
+    """The wrapped optimizer: ``optimizer`` itself, or built from the model's trainable parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a callable building one, got {optimizer!r}")
+        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer's callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    if isinstance(optimizer, HyLoOptimizer):
+        raise ValueError("optimizer is a HyLoOptimizer already: wrap the optimizer it wraps")
+    if any(optimizer.state.values()):
+        raise ValueError("optimizer has taken steps already: wrap it before its first step")
+    return optimizer
+
+
+def _adapted_split(config: HyLoConfig) -> bool:
+    """Whether hylo's parameters take SGD without momentum (every layer's solver returns the whole step), or
+    ``ValueError`` where layers could mix Adam-scaled and natural-gradient steps under one split."""
+    policy = config.policy
+    solvers = {config.solver, *policy.layer_solvers.values()}
+    if config.solver == HYBRID:  # any of the policy's choices (docs/hybrid-policy.md)
+        solvers |= {policy.kfac_solver, policy.critical_variant, policy.stable_variant}
+    kinds = {adapts(solver) for solver in solvers if solver != HYBRID}
+    if len(kinds) > 1 or policy.solver_fn is not None:
+        raise ValueError(
+            "HyLoOptimizer splits the parameters once, at construction, between the wrapped optimizer and SGD for the "
+            "layers whose hylo step is the whole step (kfac_adam); these options can give both kinds of layer "
+            f"(solver={config.solver!r}, kfac_solver={policy.kfac_solver!r}, layer_solvers, solver_fn): use "
+            'HyLoPreconditioner with optimizers of your own (docs/usage.md, "Adaptive solvers")'
+        )
+    return kinds == {True}

@@ -1,0 +1,204 @@
+"""hylo's coverage of each model family and the loss of its optimizer form against plain AdamW
+(docs/models.md, "Model families").
+
+Example:
+    python scripts/bench_models.py
+    python scripts/bench_models.py --families GPT-2 Mamba --steps 20
+
+For every family of :mod:`hylo_scripts.model_families` (tiny models built from their ``transformers`` configs),
+the first table gives the layers hylo registers; its coverage (``pre.coverage()``: the share of the trainable
+matrix elements it preconditions) and the same with the documented exclusions (tied matrices and Hugging Face's
+position tables) taken out of the total; the share whose gradient its step actually rewrote, at one step or more
+(observed by comparing ``.grad`` before and after each step); what it leaves alone, by reason, as shares of the total; and the mean
+held-out loss at the start and after ``--steps`` steps of ``torch.optim.AdamW(lr)`` and of
+``hylo.HyLoOptimizer(model, AdamW(lr))`` at its defaults, from the same weights on the same batches. The second
+table puts what hylo leaves alone in each tiny model beside the same in its full-size model (built on the meta
+device: the shares without the memory). Warnings hylo gives while training are listed under the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import hylo
+from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family, loss_of
+
+
+def excluding(coverage: hylo.Coverage) -> float:
+    """The preconditioned share of the trainable matrix elements once the documented exclusions (:data:`EXCLUDED`)
+    are out of the total."""
+    excluded = sum(count for why, count in coverage.left_alone if why in EXCLUDED)
+    rest = coverage.total - excluded
+    return coverage.preconditioned / rest if rest else 1.0
+
+
+def left_alone(coverage: hylo.Coverage) -> str:
+    """What ``coverage`` leaves alone, by reason, as percentages of its total ("-" for nothing)."""
+    return ", ".join(f"{why} {100 * count / coverage.total:.1f}%" for why, count in coverage.left_alone) or "-"
+
+
+def matrices(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's trainable matrix parameters (two or more dimensions), each once, by name."""
+    found: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dim() >= 2 and id(p) not in seen:
+            seen.add(id(p))
+            found[name] = p
+    return found
+
+
+def held_out_loss(model: nn.Module, family: Family) -> float:
+    """The mean loss over the held-out batches (:data:`HELD_OUT`), without gradients (hylo captures nothing)."""
+    with torch.no_grad():
+        return sum(float(loss_of(model, family.batch(step))) for step in HELD_OUT) / len(HELD_OUT)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, family: Family, steps: int) -> None:
+    """``steps`` steps on the family's batches 0, 1, …"""
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_of(model, family.batch(step)).backward()
+        optimizer.step()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One family's measurements."""
+
+    family: str
+    layers: int
+    coverage: hylo.Coverage
+    #: The share of the trainable matrix elements whose gradient hylo's step rewrote at one step or more.
+    rewritten: float
+    start: float
+    adamw: float
+    hylo: float
+    warned: tuple[str, ...]
+
+
+def measure(family: Family, steps: int, lr: float) -> Row:
+    """Build the family's tiny model, attach ``HyLoOptimizer`` at its defaults and train it and a copy under AdamW
+    for ``steps`` steps at ``lr``."""
+    base = family.model()
+    start = held_out_loss(base, family)
+    plain = copy.deepcopy(base)
+    adamw = functools.partial(torch.optim.AdamW, lr=lr)
+    train(plain, adamw([p for p in plain.parameters() if p.requires_grad]), family, steps)
+    model = copy.deepcopy(base)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = hylo.HyLoOptimizer(model, adamw)
+        pre = opt.preconditioner
+        weights = matrices(model)
+        rewritten: set[str] = set()
+        inner = pre.step
+
+        def observed() -> None:
+            """hylo's step, noting the matrices whose gradient it rewrote."""
+            before = {name: p.grad.clone() for name, p in weights.items() if p.grad is not None}
+            inner()
+            after = {name: p.grad for name, p in weights.items() if p.grad is not None}
+            rewritten.update(name for name, grad in before.items() if not grad.equal(after[name]))
+
+        pre.step = observed  # type: ignore[method-assign]
+        train(model, opt, family, steps)
+    coverage = pre.coverage()
+    warned = tuple(
+        dict.fromkeys(
+            str(w.message).split(". Warned")[0]
+            for w in caught
+            if issubclass(w.category, UserWarning) and "hylo leaves" not in str(w.message)
+        )
+    )
+    return Row(
+        family.name,
+        len(pre.layer_info()),
+        coverage,
+        sum(weights[name].numel() for name in rewritten) / coverage.total if coverage.total else 1.0,
+        start,
+        held_out_loss(plain, family),
+        held_out_loss(model, family),
+        warned,
+    )
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The markdown table of :func:`measure`'s rows."""
+    lines = [
+        "| family | layers | coverage | excl. exclusions | rewritten | left alone (share of matrix elements) "
+        "| loss at start | AdamW | HyLoOptimizer |",
+        "|---|--:|--:|--:|--:|---|--:|--:|--:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.family} | {row.layers} | {100 * row.coverage.share:.1f}% | {100 * excluding(row.coverage):.1f}% "
+            f"| {100 * row.rewritten:.1f}% | {left_alone(row.coverage)} | {row.start:.3f} | {row.adamw:.3f} "
+            f"| {row.hylo:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def proportions(families: Sequence[Family]) -> str:
+    """The markdown table of what hylo leaves alone in each tiny model and in its full-size model."""
+    lines = [
+        "| family | full size | left alone (tiny) | left alone (full size) | excl. exclusions (tiny) "
+        "| excl. exclusions (full size) |",
+        "|---|---|---|---|--:|--:|",
+    ]
+    for family in families:
+        tiny = _coverage(family.model())
+        full = _coverage(family.full())
+        lines.append(
+            f"| {family.name} | {family.full_name} | {left_alone(tiny)} | {left_alone(full)} "
+            f"| {100 * excluding(tiny):.1f}% | {100 * excluding(full):.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def _coverage(model: nn.Module) -> hylo.Coverage:
+    """hylo's coverage of ``model`` as registered (no step: a meta-device model works; no memory budget)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pre = hylo.HyLoPreconditioner(model, kfac_max_state_mb=None)
+    coverage = pre.coverage()
+    pre.remove()
+    return coverage
+
+
+def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -> None:
+    """Print the two tables and the warnings."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY")
+    parser.add_argument("--steps", type=int, default=100, help="training steps of each run")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (both runs)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # peft calls a deprecated transformers method
+    logging.getLogger("peft").setLevel(logging.ERROR)
+    families = [FAMILIES[name] for name in args.families]
+    rows = [measure(family, args.steps, args.lr) for family in families]
+    out(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; {args.steps} "
+        f"steps at lr {args.lr:g}; losses: mean over {len(HELD_OUT)} held-out batches"
+    )
+    out("")
+    out(table(rows))
+    out("")
+    out(proportions(families))
+    for row in rows:
+        for message in row.warned:
+            out(f"\n{row.family}: {message}")
