@@ -37,7 +37,8 @@ class AdaptedSplit:
             for p in mine:
                 self.homes[index[id(p)]] = (g, len(moved))
             moved.append({"params": mine, "lr": group["lr"], "weight_decay": group.get("weight_decay", 0.0)})
-        self.sgd = torch.optim.SGD(moved, lr=moved[0]["lr"], momentum=0.0)
+        foreach = base.defaults.get("foreach")  # the wrapped optimizer's kernels: one per list, or one per tensor
+        self.sgd = torch.optim.SGD(moved, lr=moved[0]["lr"], momentum=0.0, foreach=foreach)
         #: Indices (in :attr:`adapted`) of the parameters handed back to ``base``, in the order they were.
         self.returned: list[int] = []
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import hylo
 from hylo.optimizer import ADAPTIVE_DEFAULTS, NATURAL_UNDER_ADAPTIVE_DEFAULTS, PLAIN_DEFAULTS, default_options
+from hylo_scripts.bench_ops import count
 from tests.kit.models import batch, mlp
 
 STEPS = 6
@@ -338,3 +339,42 @@ def test_a_layer_without_rows_goes_back_to_the_wrapped_optimizer() -> None:
         warnings.filterwarnings("ignore", message=".*captured")
         train(resumed, opt, range(3, STEPS))
     assert same_parameters(formed, resumed)
+
+
+# --------------------------------------------------------------------------- what a step costs
+@pytest.mark.parametrize("update", [True, False], ids=["update-step", "between-updates"])
+def test_a_step_dispatches_exactly_the_hand_loops_operations(update: bool) -> None:
+    """Under AdamW (the kfac_adam split), the form's ``step()`` dispatches the operations of ``pre.step()``, AdamW's
+    and the SGD's steps of the hand-written loop and no others (counted, not timed), at an update and between."""
+    counts = []
+    for form in (True, False):
+        model = net()
+        if form:
+            opt: Any = hylo.HyLoOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2, foreach=True))
+            pre, parts = opt.preconditioner, [opt]
+        else:
+            pre = hylo.HyLoPreconditioner(model, **ADAPTIVE_DEFAULTS)
+            mine = pre.parameters()
+            rest = [p for p in model.parameters() if all(p is not q for q in mine)]
+            sgd = torch.optim.SGD(mine, lr=1e-2, momentum=0.0, weight_decay=0.01, foreach=True)
+            parts = [torch.optim.AdamW(rest, lr=1e-2, foreach=True), sgd]
+
+        def stepped(form: bool = form, parts: list[Any] = parts, pre: hylo.HyLoPreconditioner = pre) -> None:
+            if not form:
+                pre.step()
+            for part in parts:
+                part.step()
+
+        steps = ADAPTIVE_DEFAULTS["update_freq"] + (0 if update else 1)
+        for step in range(steps + 1):  # past the first update, to the next update or the step after it
+            for part in parts:
+                part.zero_grad()
+            loss_at(model, step).backward()
+            if step < steps:
+                stepped()
+
+        counted = count(stepped).counts
+        for marker in ("_record_function_enter_new", "_record_function_exit"):  # the form's own profiler range
+            counted[marker] -= 1 if form else 0
+        counts.append(counted)
+    assert counts[0] == counts[1] and sum(counts[0].values()) > 0
