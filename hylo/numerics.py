@@ -387,10 +387,11 @@ def checked_results(
     dampings: Sequence[float | None],
     clip: tuple[float, float] | None,
     combine: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[list[Tensor], Tensor]:
+) -> tuple[list[Tensor], Tensor, Tensor]:
     """The layer-by-layer check (docs/reliability.md, "Fallbacks"): each layer's :func:`result_terms` (summed over
     ranks by ``combine``, where each holds rows of ∇W), :func:`sound_results`, the raw gradient where a result is
-    not sound and ``kl_clip`` (``clip`` = (kl_clip, lr)) over them all; the results and 1 per layer that fell back.
+    not sound and ``kl_clip`` (``clip`` = (kl_clip, lr)) over them all; the results, 1 per layer that fell back and
+    the terms (float64 [⟨∇W, V̂⟩, ‖V̂‖²] per layer).
     The grouped step (:mod:`hylo.pipeline.apply`) runs the same check over stacked layers."""
     terms = torch.stack([result_terms(*item) for item in zip(grads, results, norms, dampings, strict=True)])
     if combine is not None:
@@ -400,7 +401,7 @@ def checked_results(
     written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, results, strict=True))]
     if clip is not None:
         written = kl_clipped(written, terms, norm_values, ok, *clip)
-    return written, (~ok).long()
+    return written, (~ok).long(), terms
 
 
 def kl_scale(terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> Tensor:

@@ -21,7 +21,7 @@ from hylo.adapted import AdaptedSplit
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
 from hylo.preconditioner import HyLoPreconditioner
-from hylo.solvers import HYBRID, family_of
+from hylo.solvers import HYBRID, whole_step
 
 #: Optimizers that scale each coordinate by its own statistics: with one of these (or any optimizer whose
 #: ``defaults`` hold ``betas``, as third-party Adam variants' do) the optimizer sets the step's length.
@@ -58,23 +58,18 @@ def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ADAPTIVE_BASES) or "betas" in optimizer.defaults
 
 
-def adapts(solver: str) -> bool:
-    """Whether hylo's ``solver`` returns the whole update direction (``kfac_adam``: its state advances each step)."""
-    return solver != HYBRID and family_of(solver).state_type.advances
-
-
 def default_options(optimizer: torch.optim.Optimizer, given: Mapping[str, Any]) -> dict[str, Any]:
     """hylo's options under ``optimizer``: the defaults for its kind, overridden by the options ``given``."""
     solver = given.get("solver")
     if solver is None and is_adaptive(optimizer):
         chosen = dict(ADAPTIVE_DEFAULTS)
-    elif solver is not None and adapts(solver):
+    elif solver is not None and whole_step(solver):
         chosen = {}
     elif is_adaptive(optimizer):
         chosen = dict(NATURAL_UNDER_ADAPTIVE_DEFAULTS)
     else:
         chosen = dict(PLAIN_DEFAULTS)
-    if adapts(given.get("solver", chosen.get("solver", HYBRID))):  # Adam's constants: the optimizer's own
+    if whole_step(given.get("solver", chosen.get("solver", HYBRID))):  # Adam's constants: the optimizer's own
         chosen |= {
             ours: optimizer.defaults[theirs] for ours, theirs in INHERITED.items() if theirs in optimizer.defaults
         }
@@ -298,7 +293,7 @@ def _adapted_split(config: HyLoConfig) -> bool:
     solvers = {config.solver, *policy.layer_solvers.values()}
     if config.solver == HYBRID:  # any of the policy's choices (docs/hybrid-policy.md)
         solvers |= {policy.kfac_solver, policy.critical_variant, policy.stable_variant}
-    kinds = {adapts(solver) for solver in solvers if solver != HYBRID}
+    kinds = {whole_step(solver) for solver in solvers if solver != HYBRID}
     if len(kinds) > 1 or policy.solver_fn is not None:
         raise ValueError(
             "HyLoOptimizer splits the parameters once, at construction, between the wrapped optimizer and SGD for the "

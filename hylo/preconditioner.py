@@ -240,8 +240,8 @@ class HyLoPreconditioner:
             raise
         for layer in self._layers:
             layer.capture.clear()
-        if outcome.kind == "update":  # before the write-back overwrites the raw gradients
-            self._effect.check(step, outcome.written, outcome.grads, values.damping)
+        if outcome.kind == "update" and outcome.checked is not None and outcome.norms is not None:
+            self._effect.check(step, outcome.checked, outcome.norms, values.damping)
         self._commit(step, outcome, traffic)
 
     def _compute(
@@ -304,7 +304,7 @@ class HyLoPreconditioner:
         ]
         if ready:
             indices = [self._index[layer.name] for layer, _ in ready]
-            outcome.written, outcome.fallbacks = precondition(
+            outcome.written, outcome.checked = precondition(
                 self._placement, ready, indices, agreed.norms, outcome, values, config, self._telemetry.watch
             )
         return outcome
@@ -330,8 +330,8 @@ class HyLoPreconditioner:
         for decision in outcome.decisions:
             self._layers[self._index[decision.layer]].solver = decision.solver
         self.decision_log.extend(outcome.decisions)
-        if outcome.fallbacks is not None:
-            self._guard.count_fallbacks(*outcome.fallbacks)
+        if outcome.checked is not None:
+            self._guard.count_fallbacks(outcome.checked.indices, outcome.checked.flags)
         if outcome.kind == "update":
             self._guard.report_fallbacks(step)
         write_back(self._layers, outcome.written, outcome.grads)

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import hylo
-from tests.kit.stacks import Run, ended, step_by_hand
+from tests.kit.stacks import Run, backward_window, dataset, ended, step_by_hand, tiny_mlp
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -51,17 +51,6 @@ def _fresh_accelerate_state() -> Iterator[None]:
     accelerate.state.GradientState._reset_state()
 
 
-def tiny_mlp() -> nn.Module:
-    """Linear(8, 16) → Tanh → Linear(16, 16) → Tanh → Linear(16, 4), the same weights at every call."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def dataset(count: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(count, 8, generator=generator), torch.randint(0, 4, (count,), generator=generator))
-
-
 def built(form: str) -> tuple[nn.Module, hylo.HyLoPreconditioner, torch.optim.Optimizer]:
     model = tiny_mlp()
     if form == "optimizer":
@@ -74,11 +63,9 @@ def built(form: str) -> tuple[nn.Module, hylo.HyLoPreconditioner, torch.optim.Op
 def by_hand(form: str, accumulation: int = 1, clipping: str = "none") -> Run:
     """The hand-written loop; ``clipping``: "none", "before" (clip, then precondition) or "after" hylo's step."""
     model, pre, optimizer = built(form)
-    x, y = dataset(STEPS * accumulation * BATCH, seed=1).tensors
+    data = dataset(STEPS * accumulation * BATCH, seed=1)
     for step in range(STEPS):
-        for micro in range(accumulation):
-            rows = slice((step * accumulation + micro) * BATCH, (step * accumulation + micro + 1) * BATCH)
-            (F.cross_entropy(model(x[rows]), y[rows]) / accumulation).backward()
+        backward_window(model, data, step, accumulation, BATCH)
         step_by_hand(model, pre, optimizer, optimizer_form=form == "optimizer", clipping=clipping, max_norm=CLIP)
         optimizer.zero_grad()
     return ended(model, pre)

@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import hylo
-from tests.kit.stacks import Run, ended, step_by_hand
+from tests.kit.stacks import Run, backward_window, dataset, ended, step_by_hand, tiny_mlp
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
@@ -48,17 +47,6 @@ CLIP = 0.05  # well under the gradients' norm: clipping changes every step
 CALLBACK_OPTIONS: dict[str, Any] = {"solver": "kfac", "update_freq": 2, "damping": 0.3}
 OPTIMIZER_OPTIONS: dict[str, Any] = {"update_freq": 2}
 FORMS = ("optimizer", "callback")
-
-
-def tiny_mlp() -> nn.Module:
-    """Linear(8, 16) → Tanh → Linear(16, 16) → Tanh → Linear(16, 4), the same weights at every call."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def dataset(count: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(count, 8, generator=generator), torch.randint(0, 4, (count,), generator=generator))
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -102,13 +90,11 @@ def by_hand(form: str, accumulation: int = 1, clipping: str = "none") -> Run:
         pre = optimizer.preconditioner
     else:
         pre, optimizer = hylo.HyLoPreconditioner(model, **CALLBACK_OPTIONS), sgd(model.parameters())
-    data = dataset(STEPS_PER_EPOCH * accumulation * BATCH, seed=1).tensors
+    data = dataset(STEPS_PER_EPOCH * accumulation * BATCH, seed=1)
     for _ in range(EPOCHS):
         for step in range(STEPS_PER_EPOCH):
             optimizer.zero_grad()
-            for micro in range(accumulation):
-                rows = slice((step * accumulation + micro) * BATCH, (step * accumulation + micro + 1) * BATCH)
-                (F.cross_entropy(model(data[0][rows]), data[1][rows]) / accumulation).backward()
+            backward_window(model, data, step, accumulation, BATCH)
             step_by_hand(model, pre, optimizer, optimizer_form=form == "optimizer", clipping=clipping, max_norm=CLIP)
     return ended(model, pre)
 

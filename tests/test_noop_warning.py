@@ -52,8 +52,9 @@ def _sines(results: list[np.ndarray], raws: list[np.ndarray], layer_of: list[int
 @pytest.mark.parametrize("seed", range(3))
 def test_unchanged_is_the_angle_between_a_layers_result_and_gradient(seed: int) -> None:
     """Against NumPy: a layer (weight and bias parts together) counts as unchanged exactly when sin² ≤ 1%² and the
-    result points forward. Layer 0 turned by a fifth of the bound, layer 1 by twice it, layer 2 reversed, layer 3
-    scaled."""
+    result points forward, read from the check's terms [⟨∇W, V̂⟩, ‖V̂‖²] and ‖∇W‖. Layer 0 turned by a fifth of the
+    bound, layer 1 by twice it, layer 2 reversed, layer 3 scaled; then layer 1 fallen back to its gradient, and
+    layer 3 with its length unmeasured (0)."""
     gen = torch.Generator().manual_seed(seed)
     raw = [torch.randn(5, 4, generator=gen), torch.randn(5, generator=gen), torch.randn(3, 6, generator=gen)]
     raw += [torch.randn(2, 2, generator=gen), torch.randn(7, 3, generator=gen)]
@@ -66,4 +67,13 @@ def test_unchanged_is_the_angle_between_a_layers_result_and_gradient(seed: int) 
     result[3] = -raw[3]
     sines = _sines([r.numpy() for r in result], [g.numpy() for g in raw], layer_of, 4)
     assert sines[0] <= UNCHANGED**2 < sines[1] and sines[2] < 1e-12
-    assert unchanged(result, raw, layer_of, 4).tolist() == [True, False, False, True]
+    terms = torch.zeros(4, 2, dtype=torch.float64)
+    squares = torch.zeros(4, dtype=torch.float64)
+    for r, g, i in zip(result, raw, layer_of, strict=True):
+        terms[i] += torch.stack([(r * g).sum(), (r * r).sum()]).double()
+        squares[i] += (g * g).sum().double()
+    norms, kept = squares.sqrt(), torch.zeros(4, dtype=torch.long)
+    assert unchanged(terms, norms, kept).tolist() == [True, False, False, True]
+    assert unchanged(terms, norms, torch.tensor([0, 1, 0, 0])).tolist() == [True, True, False, True]
+    terms[3, 1] = 0.0
+    assert unchanged(terms, norms, kept).tolist() == [True, False, False, False]

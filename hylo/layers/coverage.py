@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from hylo.layers.ties import find_holders, parameter_of
+from hylo.layers.ties import Holder, parameter_of
 
 #: The reason a matrix held by two or more modules is counted under.
 TIED = "tied"
@@ -50,12 +50,14 @@ class Coverage:
         return text
 
 
-def measure(model: nn.Module, preconditioned: Iterable[Tensor], skipped: Iterable[str]) -> Coverage:
+def measure(
+    model: nn.Module, preconditioned: Iterable[Tensor], skipped: Iterable[str], holders: dict[int, list[Holder]]
+) -> Coverage:
     """The :class:`Coverage` of ``model`` when the tensors ``preconditioned`` are the registered layers' weights (or
-    views of them) and the modules named in ``skipped`` were left alone by ``skip_layers``."""
+    views of them), the modules named in ``skipped`` were left alone by ``skip_layers`` and ``holders`` are the
+    model's :func:`~hylo.layers.ties.find_holders`."""
     taken = {id(parameter_of(t)) for t in preconditioned}
     skip = set(skipped)
-    holders = find_holders(model)
     done = 0
     left: dict[str, int] = {}
     for parameter in model.parameters():

@@ -306,5 +306,5 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
         result.remove()  # leave no hooks behind
         raise
     skipped = [name for name, why in result.skipped if why == SKIPPED]
-    result.coverage = measure(model, [found.math.weight for found in result.layers], skipped)
+    result.coverage = measure(model, [found.math.weight for found in result.layers], skipped, holders)
     return result

@@ -136,6 +136,19 @@ def build_plan(
     return ApplyPlan(key, groups, index, bound, damping, slack, damping.isnan(), zero, one, powers, position)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What a step's check of its results decided and measured, per ready layer in the order of ``indices`` (their
+    indices among the registered layers: a list, a device tensor, or None for all in order): ``flags``, 1 or True
+    where a result fell back to its raw gradient (docs/reliability.md, "Fallbacks"), and ``terms``, the float64
+    [⟨∇W, V̂⟩, ‖V̂‖²] of each result before ``kl_clip`` (over every rank's rows), which the fallback decision and
+    the warning of docs/reliability.md, "A step that changes nothing" read."""
+
+    indices: list[int] | Tensor | None
+    flags: Tensor
+    terms: Tensor
+
+
 class GroupedApply:
     """The step between updates of the layers every rank holds whole (one process, or DDP with
     ``strategy="inverse"``), per group; it keeps the plan between steps."""
@@ -171,10 +184,10 @@ class GroupedApply:
         indices: Sequence[int],
         norms: Tensor,
         clip: tuple[float, float] | None,
-    ) -> tuple[list[Tensor], tuple[Tensor | None, Tensor], dict[str, LayerState]]:
-        """Every ready layer's V̂ (a view of its group's result, in the working dtype, kl_clip applied), the
-        fallbacks (the registered layers' indices in plan order, None for all in order, and true where a result
-        fell back to its raw gradient) and the successors of the states that advance.
+    ) -> tuple[list[Tensor], Checked, dict[str, LayerState]]:
+        """Every ready layer's V̂ (a view of its group's result, in the working dtype, kl_clip applied), the check
+        (indices: the registered layers' in plan order, None for all in order) and the successors of the states
+        that advance.
         ``indices``: each ready layer's index among the registered layers; ``norms``: every registered layer's
         ‖∇W‖ (float64). Raises what a kernel raises (the caller names the layer by running the per-layer path)."""
         plan = self.plan_for(ready, states, indices, len(norms))
@@ -217,7 +230,7 @@ class GroupedApply:
         by_place = [w for stack in written for w in stack.unbind(0)]
         return (
             [by_place[place] for place in plan.position],
-            (plan.order, torch.where(ok, plan.zero, plan.one)),
+            Checked(plan.order, torch.where(ok, plan.zero, plan.one), terms),
             successors,
         )
 

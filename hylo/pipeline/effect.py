@@ -3,20 +3,19 @@
 docs/reliability.md, "A step that changes nothing": when the damping λ dominates every layer's curvature,
 (F̃ + λI)⁻¹∇W is ∇W/λ, which an optimizer that sets the step's length itself (Adam's per-coordinate scaling, or
 ``kl_clip``'s bound) turns back into its plain step: hylo then costs its time and changes nothing. At each
-update (until it has warned once) the preconditioner measures every written layer's ‖V̂ − c∇W‖ against ‖c∇W‖
-for the best scale c = ⟨V̂, ∇W⟩ / ‖∇W‖² of each layer, in float32: one ``torch._foreach_sub`` and two
-``torch._foreach_norm`` per dtype over the weight and bias parts, and one host read.
+update (until it has warned once) the preconditioner reads the angle between each layer's result V̂ and its
+gradient ∇W off the sums its check of the results computed already (:class:`~hylo.pipeline.apply.Checked`:
+⟨∇W, V̂⟩ and ‖V̂‖², over every rank's rows) and the guard's ‖∇W‖: a few operations on one vector and one host read.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.pipeline.apply import Checked
 
 #: A layer's step counts as its raw gradient (up to scale) when its direction differs by less than this share.
 UNCHANGED = 0.01
@@ -28,27 +27,16 @@ class EffectWatch:
     def __init__(self) -> None:
         self.warned = False
 
-    def check(self, step: int, written: Mapping[str, Tensor], grads: Mapping[str, GradMatrix], damping: float) -> None:
-        """Compare the results of an update step (``written``, not yet written back) with the gradients they
-        replace (``grads``); warn if no layer's direction changed by more than :data:`UNCHANGED`."""
-        if self.warned or not written:
+    def check(self, step: int, checked: Checked, norms: Tensor, damping: float) -> None:
+        """Warn if no layer of an update step's ``checked`` results turned by more than :data:`UNCHANGED`;
+        ``norms``: every registered layer's ‖∇W‖ (float64, the guard's)."""
+        if self.warned:
             return
-        results: list[Tensor] = []
-        raws: list[Tensor] = []
-        layer_of: list[int] = []
-        for index, (name, result) in enumerate(written.items()):
-            parts = grads[name]
-            if tuple(result.shape) != parts.shape:  # a shard, or a type writing its own way: not compared
-                return
-            d_w = parts.weight.shape[1]
-            pieces = [(result[:, :d_w], parts.weight)]
-            if parts.bias is not None:
-                pieces.append((result[:, d_w], parts.bias))
-            for mine, raw in pieces:
-                results.append(mine)
-                raws.append(raw.to(mine.dtype))
-                layer_of.append(index)
-        if bool(unchanged(results, raws, layer_of, len(written)).all()):
+        indices = checked.indices
+        if indices is not None:
+            indices = torch.as_tensor(indices, dtype=torch.long).to(norms.device, non_blocking=True)
+            norms = norms.index_select(0, indices)
+        if bool(unchanged(checked.terms, norms, checked.flags).all()):
             self.warned = True
             warnings.warn(
                 f"hylo: at step {step} every layer's preconditioned gradient pointed where its raw gradient does "
@@ -60,18 +48,12 @@ class EffectWatch:
             )
 
 
-def unchanged(results: list[Tensor], raws: list[Tensor], layer_of: list[int], layers: int) -> Tensor:
-    """Per layer, whether its result V̂ points where its raw gradient ∇W does: sin²∠(V̂, ∇W) ≤ :data:`UNCHANGED`²
-    with ⟨V̂, ∇W⟩ > 0, over the parts (``results[i]``, ``raws[i]``) of layer ``layer_of[i]``, in float64. A layer
-    whose gradient or result is zero counts as unchanged (it gives nothing to turn)."""
-    device = results[0].device
-    plus = torch._foreach_add(results, raws)
-    minus = torch._foreach_sub(results, raws)
-    norms = torch.stack(torch._foreach_norm([*plus, *minus, *results, *raws], 2, dtype=torch.float64))
-    squares = norms.square().view(4, len(results))
-    owner = torch.tensor(layer_of, device=device)
-    sums = torch.zeros(4, layers, dtype=torch.float64, device=device).index_add_(1, owner, squares)
-    inner = (sums[0] - sums[1]) / 4  # ⟨V̂, ∇W⟩ by polarisation
-    lengths = sums[2] * sums[3]
-    sine = torch.where(lengths > 0, 1 - inner.square() / lengths.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    return (sine <= UNCHANGED**2) & ((inner > 0) | (lengths == 0))
+def unchanged(terms: Tensor, norms: Tensor, flags: Tensor) -> Tensor:
+    """Per layer, whether what it writes points where its raw gradient ∇W does: its result fell back to ∇W
+    (``flags``), or sin²∠(V̂, ∇W) = 1 − ⟨∇W, V̂⟩² / (‖V̂‖²‖∇W‖²) ≤ :data:`UNCHANGED`² with ⟨∇W, V̂⟩ > 0, from the
+    float64 ``terms`` [⟨∇W, V̂⟩, ‖V̂‖²] and ``norms`` ‖∇W‖. A length the check did not measure (0: a result without
+    a length bound) counts as turned: nothing is claimed of it."""
+    dot, square = terms[:, 0], terms[:, 1]
+    lengths = square * norms.square()
+    sine = 1 - dot.square() / lengths.clamp_min(torch.finfo(torch.float64).tiny)
+    return flags.bool() | ((lengths > 0) & (dot > 0) & (sine <= UNCHANGED**2))

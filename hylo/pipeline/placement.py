@@ -25,15 +25,11 @@ from hylo.config import HyLoConfig
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.numerics import checked_results
 from hylo.pipeline import sharding
-from hylo.pipeline.apply import GroupedApply
+from hylo.pipeline.apply import Checked, GroupedApply
 from hylo.pipeline.stage import UpdateStage
 from hylo.solvers import HeldState, LayerState
 from hylo.solvers.base import Clock
 from hylo.state import RegisteredLayer
-
-#: Each ready layer's index among the registered layers (a device tensor, or None for all in order) and, per
-#: layer, whether its result fell back to the raw gradient (1/0 or True/False).
-Fallbacks = tuple[list[int] | Tensor | None, Tensor]
 
 
 @dataclass(frozen=True)
@@ -72,9 +68,9 @@ class Ready:
         return [self.norms[i] for i in self.indices]
 
 
-#: Each layer's result (not yet written back), the fallbacks and the successors of the states that advance (not
-#: yet stored).
-Applied = tuple[list[Tensor], Fallbacks, dict[str, LayerState]]
+#: Each layer's result (not yet written back), the check and the successors of the states that advance (not yet
+#: stored).
+Applied = tuple[list[Tensor], Checked, dict[str, LayerState]]
 
 
 class Placement(ABC):
@@ -118,9 +114,9 @@ class Local(Placement):
         results, successors = self.stage.apply_layers(items, ready.watch)
         bounds = [state.bound for state in held]
         outputs = [results[name] for name in names]
-        written, flags = checked_results(ready.grads, outputs, ready.layer_norms(), bounds, ready.clip)
+        written, flags, terms = checked_results(ready.grads, outputs, ready.layer_norms(), bounds, ready.clip)
         ready.watch.lap("precondition", names)
-        return written, (list(ready.indices), flags), successors
+        return written, Checked(list(ready.indices), flags, terms), successors
 
 
 class Owners(Placement):
@@ -134,9 +130,9 @@ class Owners(Placement):
         items = list(zip(names, ready.states, ready.owners, grads, strict=True))
         results, successors = self.stage.apply_owned(items, dict(zip(names, norms, strict=True)), ready.watch)
         unbounded: list[float | None] = [None] * len(names)
-        written, flags = checked_results(grads, [results[n] for n in names], norms, unbounded, ready.clip)
+        written, flags, terms = checked_results(grads, [results[n] for n in names], norms, unbounded, ready.clip)
         ready.watch.lap("precondition", names)
-        return written, (list(ready.indices), flags), successors
+        return written, Checked(list(ready.indices), flags, terms), successors
 
 
 class Sharded(Placement):
@@ -152,9 +148,9 @@ class Sharded(Placement):
         outputs = [results[n] for n in names]
         bounds = [state.bound for state in held]
         comm = self.stage.comm
-        written, flags = sharding.agree_results(comm, grads, outputs, ready.layer_norms(), bounds, ready.clip)
+        written, flags, terms = sharding.agree_results(comm, grads, outputs, ready.layer_norms(), bounds, ready.clip)
         ready.watch.lap("precondition", names)
-        return written, (list(ready.indices), flags), successors
+        return written, Checked(list(ready.indices), flags, terms), successors
 
 
 def placement_for(stage: UpdateStage, sharded: bool, config: HyLoConfig) -> Placement:

@@ -139,9 +139,10 @@ def agree_results(
     norms: Sequence[Tensor],
     dampings: Sequence[float | None],
     clip: tuple[float, float] | None,
-) -> tuple[list[Tensor], Tensor]:
+) -> tuple[list[Tensor], Tensor, Tensor]:
     """The results with the raw-gradient fallback and ``kl_clip`` (``clip`` = (kl_clip, lr)) decided over
-    every rank's rows, and 1 per layer that fell back (docs/reliability.md, "Fallbacks").
+    every rank's rows, 1 per layer that fell back (docs/reliability.md, "Fallbacks") and the terms summed over
+    the ranks (:func:`~hylo.numerics.checked_results`).
 
     One all-reduce of two numbers per layer, each rank's :func:`~hylo.numerics.result_terms` (⟨∇W, V̂⟩ and
     ‖V̂‖² over its rows, every rank scaling by the same s from the global ‖∇W‖ ``norms``): every rank judges the

@@ -37,7 +37,7 @@ from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
 from hylo.numerics import checked_results
-from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of
+from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of, whole_step
 from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 
 
@@ -93,11 +93,7 @@ class UpdateStage:
 
         # every rank holds every state under "inverse", and the states that change at each step (Adam's moments)
         # under either strategy: each rank advances its own copy (docs/distributed.md, "Strategies")
-        shared = [
-            job
-            for job in jobs
-            if self.comm.world_size > 1 and (strategy == "inverse" or family_of(job.solver).state_type.advances)
-        ]
+        shared = [job for job in jobs if self.comm.world_size > 1 and (strategy == "inverse" or whole_step(job.solver))]
         states = self._share(shared, owners, prepared, solutions, context) if shared else {}
         local = [job for job in jobs if job.name not in states]
         for job in local:
@@ -236,7 +232,7 @@ class UpdateStage:
         results, successors = self.apply_layers(held, watch)
         if held:  # a rank that holds no state for a layer checks finiteness only, after the broadcast
             grads = [grad for _, _, grad in held]
-            written, _ = checked_results(
+            written, _, _ = checked_results(
                 grads,
                 [results[name] for name, _, _ in held],
                 [norms[name] for name, _, _ in held],

@@ -18,7 +18,8 @@ from torch import Tensor
 from hylo.config import HyLoConfig, resolve
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.pipeline.placement import Fallbacks, Placement, Ready
+from hylo.pipeline.apply import Checked
+from hylo.pipeline.placement import Placement, Ready
 from hylo.pipeline.stage import UpdateStage
 from hylo.records import Decision
 from hylo.solvers import HeldState, RemoteState, UpdateContext
@@ -82,9 +83,8 @@ class Outcome:
     chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     #: Layers whose new state this update rejected (non-finite): they keep their previous one.
     rejected: list[str] = dataclasses.field(default_factory=list)
-    #: Indices of the preconditioned layers (a device tensor, or None for all in order) and where a result fell
-    #: back to the raw gradient (1 or True).
-    fallbacks: Fallbacks | None = None
+    #: The check of the preconditioned layers' results: where each fell back to its raw gradient, and its terms.
+    checked: Checked | None = None
     study: StudyResult | None = None
 
     def state_of(self, layer: RegisteredLayer) -> HeldState | None:
@@ -164,10 +164,10 @@ def precondition(
     values: StepValues,
     config: HyLoConfig,
     watch: Stopwatch,
-) -> tuple[dict[str, Tensor], Fallbacks]:
+) -> tuple[dict[str, Tensor], Checked]:
     """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back,
-    and the fallbacks: the layers' indices (``indices``: each ready layer's among the registered ones) and where
-    a result fell back to its raw gradient. ``norms``: every registered layer's ‖∇W‖ (float64, over every
+    and the check (:class:`~hylo.pipeline.apply.Checked`; ``indices``: each ready layer's among the registered
+    ones). ``norms``: every registered layer's ‖∇W‖ (float64, over every
     rank's rows: the guard's). The placement chosen at construction runs it (:mod:`hylo.pipeline.placement`).
 
     A layer whose result is not finite although its gradient is (an overflow in the solve's
@@ -182,9 +182,9 @@ def precondition(
     states = [state for layer, _ in ready if (state := outcome.state_of(layer)) is not None]
     assert len(states) == len(ready), "a ready layer holds a state"
     owners = [outcome.owners.get(layer.name, layer.owner) for layer, _ in ready]
-    results, fallbacks, successors = placement.precondition(
+    results, checked, successors = placement.precondition(
         Ready(ready, states, owners, indices, norms, clip, config, watch)
     )
     outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
     outcome.grads = {layer.name: grad for layer, grad in ready}
-    return {layer.name: v for (layer, _), v in zip(ready, results, strict=True)}, fallbacks
+    return {layer.name: v for (layer, _), v in zip(ready, results, strict=True)}, checked

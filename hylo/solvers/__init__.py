@@ -26,6 +26,7 @@ from hylo.solvers.registry import (
     register_variant,
     solver_names,
     variant_names,
+    whole_step,
 )
 from hylo.solvers.smw import LowRankUpdate
 
@@ -50,4 +51,5 @@ __all__ = [
     "register_variant",
     "solver_names",
     "variant_names",
+    "whole_step",
 ]

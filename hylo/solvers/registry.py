@@ -46,6 +46,13 @@ def family_of(solver: str) -> SolverFamily:
     raise ValueError(f"unknown solver {solver!r}; expected one of {solver_names()}")
 
 
+def whole_step(solver: str) -> bool:
+    """Whether ``solver``'s result is the whole update direction (its family's states advance each step, as
+    ``kfac_adam``'s moments do), so that its parameters take SGD without momentum (docs/usage.md, "Adaptive
+    solvers"); False for ``"hybrid"``, which is no one layer's solver."""
+    return solver != HYBRID and family_of(solver).state_type.advances
+
+
 def family_named(name: str) -> SolverFamily:
     """The registered family called ``name`` (what a state's ``family`` names); ``ValueError`` for an unknown one."""
     for family in FAMILIES:

@@ -57,9 +57,7 @@ SCRIPT_DEFAULTS: dict[str, Default] = {
 
 #: hylo's solvers whose result is the whole update direction (their states keep per-step moments: ``kfac_adam``):
 #: trained by SGD without momentum (:func:`hylo_scripts.loop.make_optimizer`), ``kl_clip`` off by default.
-ADAPTIVE: tuple[str, ...] = tuple(
-    name for name in hylo.solvers.solver_names() if hylo.solvers.family_of(name).state_type.advances
-)
+ADAPTIVE: tuple[str, ...] = tuple(name for name in hylo.solvers.solver_names() if hylo.solvers.whole_step(name))
 #: The adaptive solvers' peak learning rate on the MNIST CNN (demo and time-to-accuracy bench): Adam's scale, applied
 #: by SGD without momentum to the layers they adapt (docs/usage.md, "Adaptive solvers"); the best of bench_peers'
 #: grid for kfac_adam (docs/benchmarks.md, "Peers").

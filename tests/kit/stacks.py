@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import hylo
 
@@ -58,3 +60,24 @@ def step_by_hand(
             part.step()
     else:
         optimizer.step()
+
+
+def tiny_mlp() -> nn.Module:
+    """Linear(8, 16) → Tanh → Linear(16, 16) → Tanh → Linear(16, 4), the same weights at every call."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def dataset(count: int, seed: int) -> TensorDataset:
+    """``count`` examples for :func:`tiny_mlp`: inputs of width 8 and 4-class labels drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(count, 8, generator=generator), torch.randint(0, 4, (count,), generator=generator))
+
+
+def backward_window(model: nn.Module, data: TensorDataset, step: int, accumulation: int, batch: int) -> None:
+    """The backward of optimizer step ``step``'s window: ``accumulation`` micro-batches of ``batch`` examples of
+    ``data`` in order, each loss divided by ``accumulation`` (as the stacks scale it)."""
+    x, y = data.tensors
+    for micro in range(accumulation):
+        rows = slice((step * accumulation + micro) * batch, (step * accumulation + micro + 1) * batch)
+        (F.cross_entropy(model(x[rows]), y[rows]) / accumulation).backward()
