@@ -271,14 +271,18 @@ class HyLoPreconditioner:
             taking = [c and p for c, p in zip(capturing, present, strict=True)]
             without_rows: list[RegisteredLayer] = []
             for layer, took, rows in zip(self._layers, taking, agreed.rows, strict=True):
-                if took:
+                if took and not rows and layer.capture.idle:
+                    layer.idle += 1  # an expert no token was routed to (docs/moe.md, "Idle experts")
+                elif took:
                     (outcome.worked if rows else without_rows).append(layer)
             self._guard.warn_no_rows(step, without_rows, bool(outcome.worked))
             scale, convention = self._loss_scale(), config.damping_convention
-            outcome.batches = [
-                LayerBatch.of(layer.math, layer.capture.calls(), config.lowrank.rows_kept, scale, convention)
-                for layer in outcome.worked
-            ]
+            outcome.batches = self._guard.routed_scales(
+                [
+                    LayerBatch.of(layer.math, layer.capture.calls(), config.lowrank.rows_kept, scale, convention)
+                    for layer in outcome.worked
+                ]
+            )
             self._telemetry.watch.lap("capture", [layer.name for layer in outcome.worked])
             if is_update:
                 outcome.kind = "update"

@@ -37,13 +37,18 @@ class RegisteredLayer:
     #: (rows kept, rows) over all ranks at the layer's latest low-rank update (None: none yet): what the cost
     #: model expects it to keep under ``rank_ratio="auto"`` (:meth:`~hylo.solvers.lowrank.LowRankConfig.expected_rows`).
     kept: tuple[int, int] | None = None
+    #: Capture steps at which its module ran and routed it no row: an idle expert (docs/moe.md, "Idle experts").
+    idle: int = 0
 
     def info(self, config: HyLoConfig) -> LayerInfo:
         """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it, with why ``config`` keeps it
         from K-FAC, if it does."""
         math = self.math
         why = kfac_refusal(math.d_a, math.d_g, math.dtype.itemsize, config)
-        note = "" if why is None else f"never K-FAC: {why}"
+        notes = [] if why is None else [f"never K-FAC: {why}"]
+        if self.idle:
+            notes.append(f"idle at {self.idle} capture steps: no token routed to it")
+        note = "; ".join(notes)
         return LayerInfo(
             self.name,
             math.module_type,

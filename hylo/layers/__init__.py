@@ -4,7 +4,9 @@
   :mod:`~hylo.layers.linear` (``nn.Linear``, and a Linear stored transposed: Hugging Face's
   ``Conv1D``), :mod:`~hylo.layers.conv` (Conv2d and Conv1d), :mod:`~hylo.layers.conv_transpose`,
   :mod:`~hylo.layers.embedding` and
-  :mod:`~hylo.layers.attention`: the built-in types.
+  :mod:`~hylo.layers.attention`: the built-in types; :mod:`~hylo.layers.fused`: several layers of one module
+  (:class:`~hylo.layers.fused.FusedLayers`), and :mod:`~hylo.layers.experts`: fused mixture-of-experts modules
+  and their routers.
 - :mod:`~hylo.layers.rows`: per-sample gradients (:class:`FactoredRows`, :class:`DenseRows`),
   what every low-rank solver works on; :mod:`~hylo.layers.gradmatrix`: ∇W read in parts.
 - :mod:`~hylo.layers.capture`: the hooks that record a call's input and output gradient;

@@ -98,6 +98,9 @@ class LayerBatch:
     grad_scale: float = 1.0
     #: ``"kaisa"``: the Fisher is divided by :meth:`LayerMath.kaisa_ratio` (docs/solvers.md, "K-FAC conventions").
     convention: DampingConvention = "hylo"
+    #: The n output gradients are scaled by when it is not :attr:`rows`: a routed layer's rows over all ranks over
+    #: the world size (:attr:`LayerMath.routed_rows`; docs/moe.md, "P ranks").
+    row_scale: float | None = None
 
     @classmethod
     def of(
@@ -129,7 +132,7 @@ class LayerBatch:
     def _g_scale(self) -> float:
         """What output gradients are multiplied by: n over the loss scale (docs/solvers.md, "Notation");
         under KAISA's convention also 1/√c, which divides every solver's Fisher by c = ``kaisa_ratio``."""
-        scale = float(self.rows) / self.grad_scale
+        scale = float(self.rows if self.row_scale is None else self.row_scale) / self.grad_scale
         if self.convention == "kaisa":
             scale /= self.math.kaisa_ratio(self.rows, self.kfac_rows) ** 0.5
         return scale

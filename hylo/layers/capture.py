@@ -85,13 +85,19 @@ class LayerCapture:
     beyond their graphs.
     """
 
-    def __init__(self, module: nn.Module | None, name: str = "") -> None:
+    def __init__(
+        self, module: nn.Module | None, name: str = "", output: Callable[[Any], Tensor | None] | None = None
+    ) -> None:
         self.records: list[Record] = []
         self.name = name or type(module).__name__
         #: Whether this layer captures at the current step (set by :meth:`arm` between steps).
         self.active = False
         #: Reduces each call in its gradient hook; None keeps inputs and output gradients until step().
         self.reducer: Reducer | None = None
+        #: Calls of its module at this step that routed it no row (an idle expert; docs/moe.md, "Idle experts").
+        self.idle = 0
+        #: The tensor of the module's output that is the layer's output s (the math's ``layer_output``).
+        self._output = output or _tensor
         self._warned = False
         # None: another hook feeds this capture through open() (an attention module's projections)
         self._handle: RemovableHandle | None = (
@@ -107,10 +113,11 @@ class LayerCapture:
         """Whether this layer captures at the current step (the module's mode and autograd aside)."""
         return self.active
 
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not (self.active and module.training and torch.is_grad_enabled()):
             return
-        if not isinstance(output, Tensor) or not output.requires_grad:
+        output = self._output(output)
+        if output is None or not output.requires_grad:
             return
         x = args[0] if args else kwargs["input"]
         eager(self._watch)(x, output)
@@ -160,6 +167,7 @@ class LayerCapture:
     def clear(self) -> None:
         """Drop everything captured."""
         self.records = []
+        self.idle = 0
 
     def remove(self) -> None:
         """Detach the forward hook and drop captured data; compiled code that still calls the hook captures nothing."""
@@ -201,6 +209,10 @@ class KeptCalls:
 
 def _whole(grad: Tensor) -> Tensor:
     return grad
+
+
+def _tensor(output: Any) -> Tensor | None:
+    return output if isinstance(output, Tensor) else None
 
 
 def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor], Tensor]]]) -> None:

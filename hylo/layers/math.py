@@ -187,6 +187,10 @@ class LayerMath(ABC):
 
     #: Whether the low-rank rows are whole per-sample gradient matrices (:class:`DenseRows`).
     dense_rows: bool = False
+    #: Whether the rows are the tokens routed to the layer (an expert's): a share of the samples the loss averages
+    #: over, which differs from rank to rank, so output gradients are scaled by the layer's rows over all ranks
+    #: divided by the world size rather than by the rank's own (docs/moe.md, "P ranks").
+    routed_rows: bool = False
     #: What the low-rank rows are, in the studies' ``reference`` column: ``"exact"`` per-sample gradients,
     #: or the name of a surrogate (a convolution's ``conv_rows``).
     rows_form: str = "exact"
@@ -214,6 +218,12 @@ class LayerMath(ABC):
     def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
         """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""
         return float(rows) ** 2
+
+    def layer_output(self, output: Any) -> Tensor | None:
+        """The tensor of the module's output that is the layer's output s, whose gradient the hooks capture: the
+        output itself when it is a tensor (a module returning several, such as a router's (logits, weights,
+        index), says which), or None: nothing to capture in this call."""
+        return output if isinstance(output, Tensor) else None
 
     def exact_rows_math(self) -> LayerMath | None:
         """The same layer with rows that are its exact per-sample gradients, where :meth:`lowrank_rows` are

@@ -12,8 +12,9 @@ class's ``forward``: a subclass with a ``forward`` of its own (Hugging Face's le
 tables, which look up positions computed from their argument) is not assumed to compute the
 registered class's operation on its first argument, and stays with the optimizer with its reason
 until it is registered itself (docs/extending.md, "Subclasses"). Layer types of other
-packages (Hugging Face's ``Conv1D``) are registered through :func:`register_layer_type` once their
-module has been imported, never importing it (docs/extending.md, "Layers of other packages").
+packages (Hugging Face's ``Conv1D``, Mixtral's and Qwen2-MoE's fused experts and routers) are registered through
+:func:`register_layer_type` once their module has been imported, never importing it (docs/extending.md, "Layers of
+other packages"; docs/moe.md).
 The walk over a model that applies the registry is :mod:`hylo.layers.walk`.
 """
 
@@ -29,14 +30,17 @@ from torch import nn
 from hylo.layers.conv import ConvMath
 from hylo.layers.conv_transpose import ConvTransposeMath
 from hylo.layers.embedding import EmbeddingMath
+from hylo.layers.experts import experts_refused, fused_experts, router
+from hylo.layers.fused import FusedLayers
 from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
 
 if TYPE_CHECKING:
     from hylo.config import HyLoConfig
 
-#: Builds a layer type's math for one module, or returns None when this module cannot be preconditioned.
-MathFactory = Callable[[nn.Module, "HyLoConfig"], LayerMath | None]
+#: Builds a layer type's math for one module (a :class:`~hylo.layers.fused.FusedLayers` for a module holding several
+#: layers), or returns None when this module cannot be preconditioned.
+MathFactory = Callable[[nn.Module, "HyLoConfig"], LayerMath | FusedLayers | None]
 #: Why a module of a registered type that the factory refused stays with the optimizer.
 UnsupportedReason = Callable[[nn.Module], str]
 
@@ -128,21 +132,26 @@ def _registered_base(module_class: type[nn.Module], base: type[nn.Module]) -> La
     return found
 
 
-#: Layer types of other packages: (module, class name, math). Each is registered through
-#: :func:`register_layer_type` when a model is walked after its module was imported (a model holding
-#: one has imported it) and the class is not registered yet, so a user's registration of the class,
-#: made before or after, wins (docs/extending.md, "Layers of other packages").
-OTHER_PACKAGES: tuple[tuple[str, str, MathFactory], ...] = (
-    ("transformers.pytorch_utils", "Conv1D", lambda module, config: TransposedLinearMath(module)),
+#: Layer types of other packages: (module, class name, math, why a refused instance is left alone). Each is
+#: registered through :func:`register_layer_type` when a model is walked after its module was imported (a model
+#: holding one has imported it) and the class is not registered yet, so a user's registration of the class, made
+#: before or after, wins (docs/extending.md, "Layers of other packages"). transformers' fused experts and their
+#: routers are docs/moe.md's.
+OTHER_PACKAGES: tuple[tuple[str, str, MathFactory, UnsupportedReason | None], ...] = (
+    ("transformers.pytorch_utils", "Conv1D", lambda module, config: TransposedLinearMath(module), None),
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralExperts", fused_experts, experts_refused),
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", router, None),
+    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts", fused_experts, experts_refused),
+    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter", router, None),
 )
 
 
 def _register_other_packages() -> None:
     """Register the :data:`OTHER_PACKAGES` types whose module is imported and whose class is not registered."""
-    for module_name, class_name, math in OTHER_PACKAGES:
+    for module_name, class_name, math, unsupported in OTHER_PACKAGES:
         cls = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in _LAYER_TYPES:
-            register_layer_type(cls, math)
+            register_layer_type(cls, math, unsupported=unsupported)
 
 
 def _class_type(cls: type) -> LayerType | None:
@@ -190,17 +199,18 @@ def own_forward(module: nn.Module, layer_type: LayerType) -> str | None:
     )
 
 
-def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | None:
-    """The math of ``module`` by its registered type, or None when its type is not registered, refuses it,
-    or the module's class is a subclass with a ``forward`` of its own (:func:`own_forward`)."""
+def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | FusedLayers | None:
+    """The math of ``module`` by its registered type (its layers, for a module holding several), or None when its
+    type is not registered, refuses it, or the module's class is a subclass with a ``forward`` of its own
+    (:func:`own_forward`)."""
     layer_type = layer_type_of(module)
     if layer_type is None or own_forward(module, layer_type) is not None:
         return None
     math = layer_type.math(module, config)
-    if math is not None and not isinstance(math, LayerMath):
+    if math is not None and not isinstance(math, (LayerMath, FusedLayers)):
         raise ValueError(
             f"the math registered for {type(module).__name__} returned {type(math).__name__}, "
-            "not a hylo.layers.LayerMath"
+            "not a hylo.layers.LayerMath or FusedLayers"
         )
     return math
 

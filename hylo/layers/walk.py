@@ -25,6 +25,7 @@ from hylo.layers.attention import PROJECTIONS, AttentionTap, OutProjectionMath, 
 from hylo.layers.capture import LayerCapture
 from hylo.layers.compiled import unwrap_compiled
 from hylo.layers.coverage import SKIPPED, Coverage, measure
+from hylo.layers.fused import FusedLayers, Tap
 from hylo.layers.math import LayerMath, named_error
 from hylo.layers.registry import layer_math, layer_type_of, own_forward, unsupported_reason
 from hylo.layers.ties import Holder, find_holders, own_attr, tied_reason
@@ -46,13 +47,14 @@ class FoundLayer:
 class Registration:
     """Result of walking a model: registered layers and the modules left alone, with reasons.
 
-    ``taps`` are the hooks of attention modules whose projections are registered layers.
+    ``taps`` are the hooks of modules holding several registered layers (attention modules' projections, fused
+    experts).
     """
 
     layers: list[FoundLayer] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)
-    taps: list[AttentionTap] = field(default_factory=list)
+    taps: list[Tap] = field(default_factory=list)
     #: The share of the model's trainable matrix parameters the registered layers hold (:mod:`hylo.layers.coverage`).
     coverage: Coverage = field(default_factory=lambda: Coverage(0, 0, ()))
 
@@ -201,6 +203,46 @@ _NORMALISATIONS: tuple[type[nn.Module], ...] = tuple(
 )
 
 
+def _parts(module: nn.Module, math: LayerMath) -> list[tuple[str, Tensor]]:
+    """The layer's weight and bias, each with the attribute of ``module`` holding it (for :func:`tied_reason`)."""
+    return [
+        (own_attr(module, tensor, role), tensor)
+        for role, tensor in (("weight", math.weight), ("bias", math.bias))
+        if tensor is not None
+    ]
+
+
+def _register_fused(
+    name: str,
+    fused: FusedLayers,
+    skip: Callable[[str, nn.Module], bool],
+    holders: dict[int, list[Holder]],
+    result: Registration,
+) -> None:
+    """Register the layers of a module holding several (fused experts; docs/extending.md, "Fused layers"), each
+    named ``<module>.<its suffix>``, and hook the module once to feed them."""
+    module = fused.module
+    captures: dict[str, LayerCapture] = {}
+    for suffix, math in fused.layers():
+        layer_name = f"{name}.{suffix}" if name else suffix
+        math.name = layer_name
+        if skip(layer_name, module):
+            result.skipped.append((layer_name, SKIPPED))
+            continue
+        tied = tied_reason(holders, module, _parts(module, math))
+        if tied is not None:
+            result.unsupported.append((layer_name, tied))
+            continue
+        if not math.weight.requires_grad:
+            result.skipped.append((layer_name, "weight does not require grad"))
+            continue
+        capture = LayerCapture(None, layer_name)
+        captures[suffix] = capture
+        result.layers.append(FoundLayer(layer_name, math, capture))
+    if captures:
+        result.taps.append(fused.tap(captures, name or "<root>"))
+
+
 def _stays_with_optimizer(module: nn.Module) -> str | None:
     """Why a module's parameters are left to the optimizer by design (normalisation, vectors only), or None."""
     if isinstance(module, _NORMALISATIONS):
@@ -287,12 +329,10 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
             if math is None:
                 result.unsupported.append((name, _own_forward_tied(module, holders) or unsupported_reason(module)))
                 continue
-            parts = [
-                (own_attr(module, tensor, role), tensor)
-                for role, tensor in (("weight", math.weight), ("bias", math.bias))
-                if tensor is not None
-            ]
-            tied = tied_reason(holders, module, parts)
+            if isinstance(math, FusedLayers):
+                _register_fused(name, math, skip, holders, result)
+                continue
+            tied = tied_reason(holders, module, _parts(module, math))
             if tied is not None:
                 result.unsupported.append((name, tied))
                 continue
@@ -300,7 +340,7 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
             if not math.weight.requires_grad:
                 result.skipped.append((name, "weight does not require grad"))
                 continue
-            capture = LayerCapture(module, name)
+            capture = LayerCapture(module, name, math.layer_output)
             result.layers.append(FoundLayer(name, math, capture))
     except BaseException:
         result.remove()  # leave no hooks behind

@@ -14,7 +14,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hylo.distributed import Communicator
+from hylo.distributed.payload import Payload
+from hylo.layers.batch import LayerBatch
 from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
@@ -30,6 +32,8 @@ from hylo.state import RegisteredLayer
 
 #: Steps taken by any torch optimizer in this process (:func:`optimizer_steps`).
 _OPTIMIZER_STEPS = [0]
+#: The payload key of the routed layers' row counts (:meth:`Guard.routed_scales`).
+_ROUTED = ("", "routed_rows")
 _STEP_HOOK: list[Any] = []
 
 
@@ -241,6 +245,20 @@ class Guard:
         if not all_finite:  # rare: re-measure in a form that cannot over- or underflow, then agree again
             norms, all_finite = self._safe_norms(grads)
         return Agreement(bool(all_finite), present, rows, gives, norms, recheck)
+
+    def routed_scales(self, batches: Sequence[LayerBatch]) -> list[LayerBatch]:
+        """``batches`` with each routed layer's row scale: its rows summed over ranks over the world size, so that
+        P ranks scale its output gradients as one process on the whole batch (docs/moe.md, "P ranks"); one
+        all-reduce when some layer is routed and the job has several ranks."""
+        routed = [i for i, batch in enumerate(batches) if batch.math.routed_rows]
+        if not routed or self.comm.world_size == 1:
+            return list(batches)
+        local = torch.tensor([float(batches[i].rows) for i in routed], dtype=torch.float64, device=self.device)
+        total = self.comm.all_reduce(Payload({_ROUTED: local}), "sum").wait()[_ROUTED].tolist()
+        scaled = list(batches)
+        for i, rows in zip(routed, total, strict=True):
+            scaled[i] = replace(batches[i], row_scale=rows / self.comm.world_size)
+        return scaled
 
     def _accumulated_message(self, step: int) -> str:
         where = f"layers {self.accumulated[:4]}" if self.accumulated else "another rank's layers"

@@ -1,0 +1,131 @@
+"""Small mixture-of-experts models built from their ``transformers`` configs, and their ``nn.Linear`` twins
+(docs/moe.md).
+
+Hugging Face's transformers 5.x stores each MoE layer's experts fused, as 3-D parameters (``gate_up_proj``
+[E, 2I, H], ``down_proj`` [E, H, I]) applied to the tokens routed to each expert. :func:`linear_twin` writes the
+same model with one ``nn.Linear`` per expert and projection, holding the same weights and computing the same
+function in the same order (the eager loop of transformers' experts): the reference the tests hold hylo's fused
+experts to, and the comparison ``scripts/bench_moe.py`` times.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: The tiny models' sizes: width, heads, blocks, experts, experts per token and each expert's MLP width.
+WIDTH = 32
+HEADS = 4
+LAYERS = 2
+EXPERTS = 4
+TOP_K = 2
+EXPERT_WIDTH = 48
+VOCAB = 256
+SEQ = 16
+
+
+def _transformers() -> Any:
+    import transformers
+
+    return transformers
+
+
+def mixtral(
+    width: int = WIDTH,
+    layers: int = LAYERS,
+    experts: int = EXPERTS,
+    expert_width: int = EXPERT_WIDTH,
+    seq: int = SEQ,
+    implementation: str | None = None,
+) -> nn.Module:
+    """A Mixtral (top-2 of ``experts`` SwiGLU experts per block, untied embeddings), float32, train mode; its experts
+    run by transformers' ``implementation`` (``"eager"``, ``"grouped_mm"``, ``"batched_mm"``; None: its default)."""
+    config = _transformers().MixtralConfig(
+        vocab_size=VOCAB, hidden_size=width, intermediate_size=expert_width, num_hidden_layers=layers,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=experts, num_experts_per_tok=TOP_K,
+        max_position_embeddings=seq, attention_dropout=0.0, router_jitter_noise=0.0, bos_token_id=1,
+        eos_token_id=2, experts_implementation=implementation,
+    )  # fmt: skip
+    model: nn.Module = _transformers().MixtralForCausalLM(config)
+    return model.train()
+
+
+def qwen2_moe(
+    width: int = WIDTH, layers: int = LAYERS, experts: int = EXPERTS, seq: int = SEQ, implementation: str | None = None
+) -> nn.Module:
+    """A Qwen2-MoE (top-2 of ``experts`` routed experts and a gated shared expert per block, untied embeddings)."""
+    config = _transformers().Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * EXPERT_WIDTH, moe_intermediate_size=EXPERT_WIDTH,
+        shared_expert_intermediate_size=EXPERT_WIDTH, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, num_experts=experts, num_experts_per_tok=TOP_K, max_position_embeddings=seq,
+        attention_dropout=0.0, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+        bos_token_id=1, eos_token_id=2, experts_implementation=implementation,
+    )  # fmt: skip
+    model: nn.Module = _transformers().Qwen2MoeForCausalLM(config)
+    return model.train()
+
+
+class LinearExperts(nn.Module):
+    """Fused experts written with one ``nn.Linear`` per expert and projection (``<gate_up>.<e>``, ``<down>.<e>``:
+    the names hylo gives the fused experts' layers), the same function in the same order."""
+
+    def __init__(self, fused: nn.Module, gate_up: str = "gate_up_proj", down: str = "down_proj") -> None:
+        super().__init__()
+        gate_up_weight, down_weight = getattr(fused, gate_up), getattr(fused, down)
+        assert isinstance(gate_up_weight, Tensor) and isinstance(down_weight, Tensor)
+        experts, double, hidden = gate_up_weight.shape
+        self.num_experts = int(experts)
+        self.act_fn: Callable[[Tensor], Tensor] = fused.act_fn  # type: ignore[assignment]
+        self.names = (gate_up, down)
+        dtype, device = gate_up_weight.dtype, gate_up_weight.device
+        setattr(self, gate_up, nn.ModuleList(nn.Linear(hidden, double, False, device, dtype) for _ in range(experts)))
+        setattr(self, down, nn.ModuleList(nn.Linear(double // 2, hidden, False, device, dtype) for _ in range(experts)))
+        with torch.no_grad():
+            for e in range(experts):
+                self.projection(0, e).weight.copy_(gate_up_weight[e])
+                self.projection(1, e).weight.copy_(down_weight[e])
+
+    def projection(self, which: int, expert: int) -> nn.Linear:
+        """Expert ``expert``'s gate_up (``which`` 0) or down (1) Linear."""
+        linears = getattr(self, self.names[which])
+        assert isinstance(linears, nn.ModuleList)
+        linear = linears[expert]
+        assert isinstance(linear, nn.Linear)
+        return linear
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Each expert on its routed tokens (in ``torch.where`` order of (slot, token)), weighted and summed."""
+        final = torch.zeros_like(hidden_states)
+        routed = top_k_index.mT  # (k, tokens)
+        for e in range(self.num_experts):
+            slot, token = torch.where(routed == e)
+            if token.numel() == 0:
+                continue
+            gate, up = self.projection(0, e)(hidden_states[token]).chunk(2, dim=-1)
+            out = self.projection(1, e)(self.act_fn(gate) * up) * top_k_weights[token, slot, None]
+            final.index_add_(0, token, out.to(final.dtype))
+        return final
+
+
+def fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's fused experts modules (those with 3-D ``gate_up_proj`` and ``down_proj``), by name."""
+    found = []
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(gate_up, Tensor) and gate_up.dim() == 3:
+            found.append((name, module))
+    return found
+
+
+def linear_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose fused experts are :class:`LinearExperts` holding the same weights."""
+    twin = copy.deepcopy(model)
+    for name, module in fused_experts(twin):
+        parent_name, _, child = name.rpartition(".")
+        parent = twin.get_submodule(parent_name) if parent_name else twin
+        setattr(parent, child, LinearExperts(module))
+    return twin
