@@ -244,15 +244,28 @@ NORM_CLAMP = (1e-18, 1e8)
 
 
 def result_scale(norm: Tensor, damping: float | None, dtype: torch.dtype) -> Tensor:
-    """The check's scale s = c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, c = λ (1 where there is no
-    length bound: ``damping`` None or 0), in float64 then clamped into ``dtype``'s finite positive range and cast
-    to it (0-dim, on ``norm``'s device, no host sync)."""
-    return _in_range(_raw_scales(norm, damping or 1.0), dtype).to(dtype)
+    """The check's scale s = c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, c = λ (where there is no
+    length bound, ``damping`` None or 0: s = 1/(:data:`UNBOUNDED_FLOOR` + ‖∇W‖·m), :func:`_raw_scales`), in
+    float64 then clamped into ``dtype``'s finite positive range and cast to it (0-dim, on ``norm``'s device, no
+    host sync)."""
+    return _in_range(_raw_scales(norm, damping or 1.0, None if damping else UNBOUNDED_FLOOR), dtype).to(dtype)
 
 
-def _raw_scales(norms: Tensor, bound: Tensor | float) -> Tensor:
-    """c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, in float64 (``bound``: c)."""
-    return bound / (norms * norms.clamp(*NORM_CLAMP))
+#: What the scale's denominator of a result without a length bound adds to ‖∇W‖·m: a step of up to 10¹⁴ taken where
+#: ∇W = 0 (an idle expert's momentum step under ``kfac_adam``) then stays finite when scaled by s ≤ 10²⁴, and for
+#: ‖∇W‖ ≥ 10⁻⁶ it changes s by less than 10⁻¹² (docs/solvers.md, "Numerics").
+UNBOUNDED_FLOOR = 1e-24
+
+
+def _raw_scales(norms: Tensor, bound: Tensor | float, floor: Tensor | float | None = None) -> Tensor:
+    """c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, in float64 (``bound``: c); with a ``floor`` (per layer:
+    :data:`UNBOUNDED_FLOOR` where unbounded, else 0) c/(floor + ‖∇W‖·m), in as many operations."""
+    clamped = norms.clamp(*NORM_CLAMP)
+    if floor is None:
+        return bound / (norms * clamped)
+    if isinstance(floor, Tensor):
+        return bound / torch.addcmul(floor, norms, clamped)
+    return bound / (norms * clamped + floor)
 
 
 def _in_range(scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -364,13 +377,14 @@ def sound_results(
 
 
 def unit_scales(
-    norms: Tensor, bound: Tensor, spans: Sequence[tuple[int, int, torch.dtype]]
+    norms: Tensor, bound: Tensor, spans: Sequence[tuple[int, int, torch.dtype]], floor: Tensor | None = None
 ) -> tuple[list[Tensor], Tensor]:
-    """:func:`result_scale` of many layers at once (``bound``: each layer's c): per span (start, stop, dtype) of
-    ``norms`` (float64) the scales in its dtype, and all of them in float64, clamped to each span's dtype range as
+    """:func:`result_scale` of many layers at once (``bound``: each layer's c; ``floor``: :data:`UNBOUNDED_FLOOR`
+    where a layer has no length bound, 0 elsewhere, or None when every layer has one, :func:`_raw_scales`): per
+    span (start, stop, dtype) of ``norms`` (float64) the scales in its dtype, and all of them in float64, clamped to each span's dtype range as
     the cast ones are (they differ by the cast's rounding, a relative 2⁻²⁴ in float32: what the check's sums,
     divided by them, then carry)."""
-    raw = _raw_scales(norms, bound)
+    raw = _raw_scales(norms, bound, floor)
     clamped = {dtype: _in_range(raw, dtype) for dtype in dict.fromkeys(dtype for _, _, dtype in spans)}
     cast = {dtype: scales.to(dtype) for dtype, scales in clamped.items()}
     if len(clamped) == 1:

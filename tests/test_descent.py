@@ -181,6 +181,10 @@ def test_sound_results_judges_each_condition() -> None:
     assert dict(zip(cases, ok, strict=True)) == {name: want for name, (_, _, want) in cases.items()}
     zero = GradMatrix(torch.zeros(1, 2), None)
     assert _judge(zero, [torch.zeros(1, 2), torch.tensor([[1e-30, 0.0]])], [0.1, 0.1]) == [True, False]
+    # ∇W = 0 without a bound (kfac_adam's momentum step for an expert no token reached): any finite step
+    steps = [torch.tensor([[10.0, -3.0]]), torch.tensor([[1e13, 0.0]]), torch.tensor([[float("inf"), 0.0]])]
+    assert _judge(zero, steps, [None, None, None]) == [True, True, False]
+    assert _judge(zero, [torch.tensor([[10.0, -3.0]])], [0.1]) == [False]
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19])

@@ -165,6 +165,24 @@ def test_every_solver_gives_fused_experts_the_gradients_of_the_linear_twin(famil
             assert not torch.allclose(got[name], raw[name]), f"{name} was not preconditioned at step {step}"
 
 
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "sngd"])
+def test_the_experts_of_a_block_are_applied_as_one_group(solver: str) -> None:
+    model = tiny()
+    pre = hylo.HyLoPreconditioner(model, **options(solver))
+    for step in range(2):  # an update, then a step between updates: the plan's groups
+        model.zero_grad()
+        lm_loss(model, batch(step)).backward()
+        pre.step()
+    plan = pre._placement.grouped.plan
+    assert plan is not None
+    names = [layer.name for layer in pre._layers]
+    groups = [{names[plan.order[i]] if plan.order is not None else names[i] for i in range(g.start, g.stop)}
+              for g in plan.groups]  # fmt: skip
+    for attr in ("gate_up_proj", "down_proj"):
+        experts = {f"model.layers.0.mlp.experts.{attr}.{e}" for e in range(4)}
+        assert any(experts <= group for group in groups), (attr, groups)
+
+
 def test_grouped_mm_experts_are_preconditioned_as_the_eager_ones() -> None:
     eager = tiny(dtype=torch.float32)
     grouped = tiny(dtype=torch.float32, implementation="grouped_mm")
@@ -172,6 +190,19 @@ def test_grouped_mm_experts_are_preconditioned_as_the_eager_ones() -> None:
     for step, (_, got, expected) in enumerate(run_pair(grouped, eager, "kfac", 3, rtol=1e-4)):
         for name, value in got.items():
             torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-5, msg=f"{name} at step {step}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_changes_nothing(reentrant: bool) -> None:
+    """transformers' gradient checkpointing: the recomputed forward is not captured again; the preconditioned
+    gradients are those without checkpointing."""
+    checkpointed, plain = tiny(), tiny()
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    got = run_pair(checkpointed, linear_twin(checkpointed), "sngd", 3)
+    expected = run_pair(plain, linear_twin(plain), "sngd", 3)
+    for (_, mine, _), (_, want, _) in zip(got, expected, strict=True):
+        for name, value in want.items():
+            assert torch.equal(mine[name], value), name
 
 
 # ----------------------------------------------------------------------------------- SNGD against the definition
@@ -219,16 +250,19 @@ def test_sngd_on_experts_and_router_is_the_dense_solve_of_the_true_per_token_fis
 # ------------------------------------------------------------------------------ routing: idle, overloaded, dropped
 class Routed(nn.Module):
     """A Linear, then fused experts called with a fixed routing (``index``: experts per token; ``num_experts`` is a
-    dropped token)."""
+    dropped token), positionally or by the ``keywords`` of the routing's two arguments."""
 
-    def __init__(self, experts: nn.Module, index: Tensor, weights: Tensor) -> None:
+    def __init__(self, experts: nn.Module, index: Tensor, weights: Tensor, keywords: tuple[str, str] | None = None):
         super().__init__()
         self.inp = nn.Linear(SIZE["width"], SIZE["width"], dtype=DT)
         self.experts = experts
-        self.index, self.weights = index, weights
+        self.index, self.weights, self.keywords = index, weights, keywords
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.experts(self.inp(x), self.index, self.weights)
+        if self.keywords is None:
+            out: Tensor = self.experts(self.inp(x), self.index, self.weights)
+        else:
+            out = self.experts(self.inp(x), **dict(zip(self.keywords, (self.index, self.weights), strict=True)))
         return out
 
 
@@ -270,6 +304,27 @@ def test_idle_experts_keep_their_state_unwarned_and_counted_and_overloaded_exper
     assert pre._layers[[x.name for x in pre._layers].index("experts.down_proj.1")].kept == (12, 12)  # 9 + 3 tokens
 
 
+def test_under_kfac_adam_an_expert_idle_between_updates_takes_its_momentum_step_without_a_fallback() -> None:
+    """At a step between updates an expert no token reached has ∇W = 0; Adam's step from its moments is finite and
+    applied (as AdamW steps a zero gradient of the fused parameter), not refused as non-finite."""
+    fused = tiny(dtype=torch.float32).model.layers[0].mlp.experts
+    every = torch.tensor([[0, 1], [2, 3]] * 6)
+    model = Routed(fused, every, torch.full((12, 2), 0.5))
+    model.inp.float()
+    # p = 1 and a tiny ε: the step m̂/v̂ of a small gradient has entries far above 1 (the check's scale overflowed)
+    options = {"adam_exponent": 1.0, "adam_eps": 1e-12}
+    pre = hylo.HyLoPreconditioner(model, solver="kfac_adam", update_freq=2, damping=0.1, **options)
+    x = torch.randn(12, SIZE["width"], generator=torch.Generator().manual_seed(5))
+    for step in range(2):
+        model.index = every if step == 0 else torch.tensor([[0, 1], [2, 1]] * 6)  # expert 3 idle at step 1
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        pre.step()
+    assert not pre._guard.fallbacks.any()  # counted here, reported at the next update
+    grad = fused.gate_up_proj.grad
+    assert torch.isfinite(grad).all() and grad[3].abs().max() > 1  # the momentum step, written into the zero slice
+
+
 # ------------------------------------------------------------------------------------------------ your own module
 class MyExperts(nn.Module):
     """A user's fused experts: other parameter names, a GELU gate, keyword routing arguments."""
@@ -289,20 +344,6 @@ class MyExperts(nn.Module):
         return out
 
 
-class Call(nn.Module):
-    """Fused experts called by keyword, with a fixed routing, after a Linear."""
-
-    def __init__(self, experts: nn.Module, index: Tensor, weights: Tensor) -> None:
-        super().__init__()
-        self.inp = nn.Linear(SIZE["width"], SIZE["width"], dtype=DT)
-        self.experts = experts
-        self.index, self.weights = index, weights
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.experts(self.inp(x), experts=self.index, scores=self.weights)
-        return out
-
-
 def test_a_users_fused_experts_registered_with_their_layout_equal_their_twin() -> None:
     layout = ExpertsLayout(gate_up="w_in", down="w_out", arguments=("x", "experts", "scores"))
     handle = hylo.register_layer_type(MyExperts, lambda module, config: ExpertsLayers(module, layout))
@@ -310,10 +351,9 @@ def test_a_users_fused_experts_registered_with_their_layout_equal_their_twin() -
         torch.manual_seed(3)
         mine = MyExperts(3, SIZE["width"], 6)
         index = torch.stack([torch.arange(12) % 3, (torch.arange(12) + 1) % 3], dim=1)
-        model = Call(mine, index, torch.rand(12, 2, dtype=DT))
+        model = Routed(mine, index, torch.rand(12, 2, dtype=DT), ("experts", "scores"))
         twin = copy.deepcopy(model)
-        twin.experts = LinearExperts(mine, "w_in", "w_out")
-        twin.forward = lambda x: twin.experts(twin.inp(x), twin.index, twin.weights)  # type: ignore[method-assign]
+        twin.experts, twin.keywords = LinearExperts(mine, "w_in", "w_out"), None
         x = torch.randn(12, SIZE["width"], generator=torch.Generator().manual_seed(4), dtype=DT)
 
         def loss(m: nn.Module, step: Tensor) -> Tensor:

@@ -185,9 +185,10 @@ class ExpertsLayers(FusedLayers):
         if problem is not None:
             raise ValueError(problem)
         self.layout = layout
-        self.experts = int(self._stored(layout.gate_up).shape[0])
+        self.experts = int(self.parameter(layout.gate_up).shape[0])
 
-    def _stored(self, attr: str) -> Tensor:
+    def parameter(self, attr: str) -> Tensor:
+        """The module's 3-D parameter ``attr`` (read on every access: replacing the Parameter is followed)."""
         parameter = _parameter(self.module, attr)
         assert parameter is not None
         return parameter
@@ -288,8 +289,8 @@ class ExpertsTap:
         layers, layout = self.layers, self.layers.layout
         order, counts = self._routing(x, index, weights)
         x, weights, tokens = x.detach(), weights.detach(), x.shape[0]
-        gate_up = layers._stored(layout.gate_up).detach()
-        down = layers._stored(layout.down).detach()
+        gate_up = layers.parameter(layout.gate_up).detach()
+        down = layers.parameter(layout.down).detach()
         records: list[tuple[Record, Callable[[Tensor], Tensor]]] = []
         start = 0
         for expert, count in enumerate(counts):

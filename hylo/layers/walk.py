@@ -142,6 +142,20 @@ def _parametrized_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _tapped(name: str, math: LayerMath, tied: str | None, result: Registration) -> LayerCapture | None:
+    """Register one layer a tap feeds (an attention projection, a fused expert's projection), or list it as left
+    alone: tied (``tied``, the reason) or frozen. Its capture, or None."""
+    if tied is not None:
+        result.unsupported.append((name, tied))
+        return None
+    if not math.weight.requires_grad:
+        result.skipped.append((name, "weight does not require grad"))
+        return None
+    capture = LayerCapture(None, name)
+    result.layers.append(FoundLayer(name, math, capture))
+    return capture
+
+
 def _register_attention(
     name: str,
     attention: nn.MultiheadAttention,
@@ -173,16 +187,9 @@ def _register_attention(
         else:
             packed = attention.in_proj_weight is not None
             parts = [("in_proj_weight" if packed else f"{part}_proj_weight", math.weight), ("in_proj_bias", math.bias)]
-        tied = tied_reason(holders, attention, parts)
-        if tied is not None:
-            result.unsupported.append((layer_name, tied))
-            continue
-        if not math.weight.requires_grad:
-            result.skipped.append((layer_name, "weight does not require grad"))
-            continue
-        capture = LayerCapture(None, layer_name)
-        captures[part] = capture
-        result.layers.append(FoundLayer(layer_name, math, capture))
+        capture = _tapped(layer_name, math, tied_reason(holders, attention, parts), result)
+        if capture is not None:
+            captures[part] = capture
     for extra in ("bias_k", "bias_v"):
         if getattr(attention, extra, None) is not None:
             result.skipped.append((f"{name}.{extra}" if name else extra, "a bias vector: stays with the optimizer"))
@@ -229,16 +236,9 @@ def _register_fused(
         if skip(layer_name, module):
             result.skipped.append((layer_name, SKIPPED))
             continue
-        tied = tied_reason(holders, module, _parts(module, math))
-        if tied is not None:
-            result.unsupported.append((layer_name, tied))
-            continue
-        if not math.weight.requires_grad:
-            result.skipped.append((layer_name, "weight does not require grad"))
-            continue
-        capture = LayerCapture(None, layer_name)
-        captures[suffix] = capture
-        result.layers.append(FoundLayer(layer_name, math, capture))
+        capture = _tapped(layer_name, math, tied_reason(holders, module, _parts(module, math)), result)
+        if capture is not None:
+            captures[suffix] = capture
     if captures:
         result.taps.append(fused.tap(captures, name or "<root>"))
 

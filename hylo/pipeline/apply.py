@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import STACK_CAP_MB, check_limits, kl_scale, sound, unit_scales
+from hylo.numerics import STACK_CAP_MB, UNBOUNDED_FLOOR, check_limits, kl_scale, sound, unit_scales
 from hylo.solvers import LayerState, family_named
 from hylo.solvers.base import GroupKernel, SolverFamily
 from hylo.state import RegisteredLayer
@@ -60,6 +60,9 @@ class ApplyPlan:
     slack: Tensor
     #: Per layer in plan order, whether only finiteness is checked (λ NaN: the state gives no bound).
     unbounded: Tensor
+    #: Per layer in plan order, what its check's scale adds to the denominator (:data:`~hylo.numerics.UNBOUNDED_FLOOR`
+    #: where unbounded, else 0), or None when every layer has a bound.
+    floor: Tensor | None
     #: 0 and 1 (long, 0-dim): a fallback counted without a cast.
     zero: Tensor
     one: Tensor
@@ -133,7 +136,9 @@ def build_plan(
     index = None if full == list(range(total)) else torch.tensor(full, dtype=torch.long).to(device)
     powers = torch.tensor([1.0, 2.0], dtype=torch.float64).to(device)
     zero, one = torch.tensor([0, 1], dtype=torch.long).to(device).unbind(0)
-    return ApplyPlan(key, groups, index, bound, damping, slack, damping.isnan(), zero, one, powers, position)
+    unbounded = damping.isnan()
+    floor = unbounded.to(torch.float64) * UNBOUNDED_FLOOR if any(b is None for b in bounds) else None
+    return ApplyPlan(key, groups, index, bound, damping, slack, unbounded, floor, zero, one, powers, position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +166,8 @@ class GroupedApply:
         plan = self.plan
         if plan is None:
             return []
-        limits = [plan.bound, plan.damping, plan.slack, plan.order, plan.unbounded, plan.powers, plan.zero, plan.one]
+        limits = [plan.bound, plan.damping, plan.slack, plan.order, plan.unbounded, plan.floor, plan.powers, plan.zero]
+        limits.append(plan.one)
         return [t for group in plan.groups for t in group.kernel.tensors()] + [t for t in limits if t is not None]
 
     def plan_for(
@@ -205,7 +211,8 @@ class GroupedApply:
                 torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
         if plan.order is not None:
             norms = norms.index_select(0, plan.order)
-        scales, scale64 = unit_scales(norms, plan.bound, [(g.start, g.stop, g.dtype) for g in plan.groups])
+        spans = [(g.start, g.stop, g.dtype) for g in plan.groups]
+        scales, scale64 = unit_scales(norms, plan.bound, spans, plan.floor)
         members = [[states[i] for i in group.members] for group in plan.groups]
         applied = _apply_all(plan.groups, [stack[:, 0] for stack in stacks], members)
         sums: list[Tensor] = []
