@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -86,23 +87,25 @@ class LayerCapture:
     """
 
     def __init__(
-        self, module: nn.Module | None, name: str = "", output: Callable[[Any], Tensor | None] | None = None
+        self, name: str, module: nn.Module | None = None, output: Callable[[Any], Tensor | None] | None = None
     ) -> None:
         self.records: list[Record] = []
-        self.name = name or type(module).__name__
+        self.name = name
         #: Whether this layer captures at the current step (set by :meth:`arm` between steps).
         self.active = False
         #: Reduces each call in its gradient hook; None keeps inputs and output gradients until step().
         self.reducer: Reducer | None = None
         #: Calls of its module at this step that routed it no row (an idle expert; docs/moe.md, "Idle experts").
         self.idle = 0
-        #: The tensor of the module's output that is the layer's output s (the math's ``layer_output``).
-        self._output = output or _tensor
         self._warned = False
-        # None: another hook feeds this capture through open() (an attention module's projections)
-        self._handle: RemovableHandle | None = (
-            None if module is None else module.register_forward_hook(self._forward_hook, with_kwargs=True)
-        )
+        # None: another hook feeds this capture through open() (an attention module's projections, fused experts);
+        # else ``module``'s forward hook, ``output`` giving the tensor of its output that is the layer's s (the math's
+        # ``layer_output``)
+        self._handle: RemovableHandle | None = None
+        if module is not None:
+            assert output is not None, "a hooked module's capture needs the math's layer_output"
+            hook = functools.partial(self._forward_hook, output)
+            self._handle = module.register_forward_hook(hook, with_kwargs=True)
 
     def arm(self, active: bool) -> None:
         """Capture at the coming step or not; while capturing, compiled code runs eagerly (hylo.layers.compiled)."""
@@ -113,10 +116,17 @@ class LayerCapture:
         """Whether this layer captures at the current step (the module's mode and autograd aside)."""
         return self.active
 
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _forward_hook(
+        self,
+        layer_output: Callable[[Any], Tensor | None],
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: Any,
+    ) -> None:
         if not (self.active and module.training and torch.is_grad_enabled()):
             return
-        output = self._output(output)
+        output = layer_output(outputs)
         if output is None or not output.requires_grad:
             return
         x = args[0] if args else kwargs["input"]
@@ -209,10 +219,6 @@ class KeptCalls:
 
 def _whole(grad: Tensor) -> Tensor:
     return grad
-
-
-def _tensor(output: Any) -> Tensor | None:
-    return output if isinstance(output, Tensor) else None
 
 
 def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor], Tensor]]]) -> None:

@@ -78,6 +78,14 @@ def _parameter(module: nn.Module, attr: str) -> Tensor | None:
     return value if isinstance(value, Tensor) else None
 
 
+def stored(module: nn.Module, attr: str) -> Tensor:
+    """The module's parameter ``attr``, one that :func:`layout_problem` found (read on every access: replacing the
+    Parameter is followed)."""
+    parameter = _parameter(module, attr)
+    assert parameter is not None
+    return parameter
+
+
 def layout_problem(module: nn.Module, layout: ExpertsLayout = TRANSFORMERS_LAYOUT) -> str | None:
     """Why ``module`` is not fused experts of ``layout`` that hylo can precondition, or None when it is."""
     kind = type(module).__name__
@@ -113,9 +121,7 @@ class ExpertMath(LinearMath):
         super().__init__(module)
 
     def _parameter(self) -> Tensor:
-        parameter = _parameter(self.module, self.attr)
-        assert parameter is not None
-        return parameter
+        return stored(self.module, self.attr)
 
     def _current_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """(d_out, d_in) from the parameter's shape (no slice: under FSDP2 slicing would gather it), no bias."""
@@ -185,13 +191,7 @@ class ExpertsLayers(FusedLayers):
         if problem is not None:
             raise ValueError(problem)
         self.layout = layout
-        self.experts = int(self.parameter(layout.gate_up).shape[0])
-
-    def parameter(self, attr: str) -> Tensor:
-        """The module's 3-D parameter ``attr`` (read on every access: replacing the Parameter is followed)."""
-        parameter = _parameter(self.module, attr)
-        assert parameter is not None
-        return parameter
+        self.experts = int(stored(module, layout.gate_up).shape[0])
 
     def layers(self) -> list[tuple[str, LayerMath]]:
         """``<gate_up>.<e>`` for every expert e, then ``<down>.<e>``."""
@@ -289,8 +289,8 @@ class ExpertsTap:
         layers, layout = self.layers, self.layers.layout
         order, counts = self._routing(x, index, weights)
         x, weights, tokens = x.detach(), weights.detach(), x.shape[0]
-        gate_up = layers.parameter(layout.gate_up).detach()
-        down = layers.parameter(layout.down).detach()
+        gate_up = stored(layers.module, layout.gate_up).detach()
+        down = stored(layers.module, layout.down).detach()
         records: list[tuple[Record, Callable[[Tensor], Tensor]]] = []
         start = 0
         for expert, count in enumerate(counts):

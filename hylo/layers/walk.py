@@ -151,7 +151,7 @@ def _tapped(name: str, math: LayerMath, tied: str | None, result: Registration) 
     if not math.weight.requires_grad:
         result.skipped.append((name, "weight does not require grad"))
         return None
-    capture = LayerCapture(None, name)
+    capture = LayerCapture(name)
     result.layers.append(FoundLayer(name, math, capture))
     return capture
 
@@ -340,7 +340,7 @@ def register_layers(model: nn.Module, config: HyLoConfig) -> Registration:
             if not math.weight.requires_grad:
                 result.skipped.append((name, "weight does not require grad"))
                 continue
-            capture = LayerCapture(module, name, math.layer_output)
+            capture = LayerCapture(name, module, math.layer_output)
             result.layers.append(FoundLayer(name, math, capture))
     except BaseException:
         result.remove()  # leave no hooks behind

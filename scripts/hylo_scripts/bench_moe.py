@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import functools
 import re
 import statistics
@@ -68,6 +67,7 @@ from hylo_scripts.bench_models import excluding, left_alone, matrices
 from hylo_scripts.moe import TOP_K, fused_experts, linear_twin, mixtral, qwen2_moe
 from hylo_scripts.optimizers import combine
 from hylo_scripts.peers import Float32Muon, muon_matrices
+from hylo_scripts.rundir import write_rows
 from hylo_scripts.text import VOCAB, TokenWindows, read_corpus, stdlib_files, stdlib_root
 
 PARTS = ("coverage", "cost", "race")
@@ -478,14 +478,6 @@ def race_table(runs: Sequence[RaceRun]) -> str:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    """``records`` (dicts with the same keys) as a CSV file with a header."""
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print the tables of the chosen parts (module docstring) and, with ``--out``, write their CSV files."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -529,13 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\ncoverage: the tiny models, hylo.HyLoOptimizer(model, AdamW) at its defaults, as registered\n")
         print(coverage_table(rows))
         if args.out is not None:
-            write_csv(args.out / "coverage.csv", [row.csv() for row in rows])
+            write_rows(args.out / "coverage.csv", [row.csv() for row in rows])
     if "cost" in args.parts:
         costs = cost_rows(size, args.cost_steps, args.warmup, lrs, notes)
         print(f"\ncost: {size.line()}; {args.cost_steps} timed steps after {args.warmup}\n")
         print(cost_table(costs))
         if args.out is not None:
-            write_csv(
+            write_rows(
                 args.out / "cost.csv",
                 [
                     {
@@ -560,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(race_table(runs))
         if args.out is not None:
-            write_csv(
+            write_rows(
                 args.out / "race.csv",
                 [
                     {"method": run.method, "lr": run.lr, "step": step, "seconds": seconds, "loss": loss}
