@@ -137,7 +137,9 @@ def build_plan(
     powers = torch.tensor([1.0, 2.0], dtype=torch.float64).to(device)
     zero, one = torch.tensor([0, 1], dtype=torch.long).to(device).unbind(0)
     unbounded = damping.isnan()
-    floor = unbounded.to(torch.float64) * UNBOUNDED_FLOOR if any(b is None for b in bounds) else None
+    floor = None
+    if any(b is None for b in bounds):
+        floor = torch.tensor([UNBOUNDED_FLOOR if b is None else 0.0 for b in bounds], dtype=torch.float64).to(device)
     return ApplyPlan(key, groups, index, bound, damping, slack, unbounded, floor, zero, one, powers, position)
 
 
