@@ -100,7 +100,7 @@ class Local(Placement):
         return self.grouped.tensors()
 
     def precondition(self, ready: Ready) -> Applied:
-        """Per group, or per layer: the same results to round-off (``tests/test_grouped_step.py``)."""
+        """Per group, or per layer: the same results to round-off (``tests/library/test_grouped_step.py``)."""
         held, names = ready.held(), ready.names
         items = list(zip(names, held, ready.grads, strict=True))
         if ready.config.grouped:

@@ -2,7 +2,7 @@
 (docs/models.md, "Model families").
 
 One definition, shared by ``scripts/bench_models.py`` (the table of coverage and losses) and
-``tests/test_model_families.py``: for each family (:data:`FAMILIES`) a builder of a tiny model (dropout 0,
+``tests/application/test_model_families.py``: for each family (:data:`FAMILIES`) a builder of a tiny model (dropout 0,
 small vocabulary, train mode), a deterministic batch maker and the full-size model whose proportions it keeps
 (built on the meta device: shapes without memory). The loss is the model's own (:func:`loss_of`); what hylo
 leaves alone in each, and why, is the tests' specification (docs/models.md, "What is left alone").

@@ -26,7 +26,7 @@ ENV = "HYLO_TEST_DEVICE"
 #: The marker of the modules whose tests run on the chosen device.
 TIER = "device_tier"
 #: The marker of a tier test that places its tensors itself, on the CPU (it forks gloo ranks) or on the chosen device
-#: explicitly (tests/test_cuda.py: a library tensor made without a device then fails): no default-device mode.
+#: explicitly (tests/library/test_cuda.py: a library tensor made without a device then fails): no default-device mode.
 EXPLICIT = "explicit_device"
 
 

@@ -1,7 +1,7 @@
 """The options tables of docs/usage.md, made from ``hylo.config.options()``: the config is their one source.
 
 ``python -m tests.kit.options_table`` rewrites every table between ``<!-- options: SECTION -->`` and
-``<!-- /options -->`` in docs/usage.md; ``tests/test_docs.py`` checks that the page equals its rewrite.
+``<!-- /options -->`` in docs/usage.md; ``tests/repository/test_docs.py`` checks that the page equals its rewrite.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the training-stack tests share (tests/test_trainer.py, test_lightning.py, test_accelerate.py): the record a
+"""What the training-stack tests share (tests/library/test_trainer.py, test_lightning.py, test_accelerate.py): the record a
 run leaves and the one step of the hand-written loops each stack is held to (docs/training-stacks.md)."""
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from tests.kit.harness import run_distributed
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("conv", "fc1", "fc2")
 #: (d_a, d_g) of Net's layers, bias column included.
 DIMS = {"conv": (2 * 3 * 3 + 1, 3), "fc1": (27 + 1, 5), "fc2": (5, 3)}
@@ -347,7 +347,7 @@ def _profiled_rank(rank: int, world_size: int, directory: str) -> dict[str, Any]
     return {"world_size": pre.comm.world_size, "rank": pre.comm.rank}
 
 
-@pytest.mark.explicit_device(reason="forks gloo ranks on the CPU (NCCL: tests/test_distributed.py)")
+@pytest.mark.explicit_device(reason="forks gloo ranks on the CPU (NCCL: tests/library/test_distributed.py)")
 def test_files_at_two_ranks(tmp_path: Path) -> None:
     """Each rank writes its own timing and steps files; rank 0 alone writes the others, once; update
     steps send bytes (the studies' traffic not counted), steps between updates none; the rank study sees

@@ -8,7 +8,7 @@
 - the pivoted Cholesky stops at the target with the pivots of the run to the cap (both of its paths), and the mass
   it leaves is the first below the target;
 - P ranks: every rank keeps what one process keeps on its rows, all ranks record the same (rows kept, rows), and at
-  energy 1 P ranks give one process's step (the DDP equality is tests/test_distributed.py's);
+  energy 1 P ranks give one process's step (the DDP equality is tests/library/test_distributed.py's);
 - the chosen rank is recorded (``layer_info``, ``summary()``, ``decision_log``) and read by the cost model at the
   next update; a checkpoint carries it and resumes bit for bit; a bad saved entry is refused naming the layer;
 - bad options are ``ValueError`` naming them, and a registered variant that cannot choose its rank is refused.

@@ -35,7 +35,7 @@ from hylo.solvers import FAMILIES, LayerState, LoopKernel, SolverFamily
 from hylo.solvers.kfac import KFACInverseState, KFACState
 from hylo.solvers.kfac_adam import KFACAdamState
 from hylo.solvers.smw import LowRankState
-from tests.test_fuzz_resume import SOLVERS as RESUME_SOLVERS
+from tests.library.test_fuzz_resume import SOLVERS as RESUME_SOLVERS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -42,7 +42,7 @@ from tests.kit.reference import dense_natural_gradient
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "extend_hylo.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "extend_hylo.py"
 
 
 def _load_example() -> ModuleType:

@@ -1,5 +1,5 @@
 """The scripts' plain-optimizer smoke run, their import hygiene, the profiling and study flags and files
-of train.py, and bench_overhead's profiled timing (the engine's own tests: tests/test_training.py)."""
+of train.py, and bench_overhead's profiled timing (the engine's own tests: tests/application/test_training.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, 
 from hylo_scripts.models import MODELS, build_model, models_for
 from hylo_scripts.options import build_parser, config_from_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSV_HEADER = metrics_header("classification")
 
 

@@ -9,7 +9,7 @@
   ``torch.cuda.max_memory_allocated``.
 
 bf16 autocast, CUDA-event profiling and the dense oracles run on CUDA in the tier's other modules
-(tests/test_mixed_precision.py, tests/test_profiling.py, ...).
+(tests/library/test_mixed_precision.py, tests/library/test_profiling.py, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import hylo
 from hylo.solvers import solver_names
 from tests.kit.checks import rel_err
 from tests.kit.devices import chosen, tolerances
-from tests.test_distributed import Net  # conv (stride 2) → Linear → Linear; full-rank factors at batch 32
+from tests.library.test_distributed import Net  # conv (stride 2) → Linear → Linear; full-rank factors at batch 32
 
 pytestmark = [
     pytest.mark.device_tier,
@@ -40,7 +40,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: (name, {}) for name in (*solver_names(), "hybrid")},
     "kfac-inverse": ("kfac", {"kfac_method": "inverse"}),
 }
-#: kfac_adam's ε bounds Adam's amplification of round-off (tests/test_distributed.py's cases do the same).
+#: kfac_adam's ε bounds Adam's amplification of round-off (tests/library/test_distributed.py's cases do the same).
 EXTRA: dict[str, dict[str, Any]] = {"kfac_adam": {"adam_eps": 1e-3}}
 STEPS, BATCH = 6, 32
 

@@ -612,7 +612,7 @@ def _ddp_attention_run(
     return out
 
 
-@pytest.mark.explicit_device(reason="forks gloo ranks on the CPU (NCCL: tests/test_distributed.py)")
+@pytest.mark.explicit_device(reason="forks gloo ranks on the CPU (NCCL: tests/library/test_distributed.py)")
 @pytest.mark.parametrize("solver", ("kfac", "sngd"))
 def test_two_ranks_with_ddp_equal_one_process_on_the_whole_batch(solver: str) -> None:
     gen = torch.Generator().manual_seed(5)

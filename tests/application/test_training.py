@@ -28,7 +28,7 @@ from hylo_scripts.options import build_parser, config_from_args
 from hylo_scripts.schedules import damping_schedule, lr_factor
 from tests.kit import fixtures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIME_COLUMNS = {"epoch_time_s", "total_time_s", "precondition_time_s"}
 
 

@@ -10,7 +10,7 @@ Specified against independent references:
 - an update owed (a skipped step) updates every layer at the next step;
 - the combinations it cannot serve are refused at construction.
 
-P ranks = one process with staggered updates: tests/test_distributed.py.
+P ranks = one process with staggered updates: tests/library/test_distributed.py.
 """
 
 from __future__ import annotations

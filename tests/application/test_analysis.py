@@ -23,7 +23,7 @@ import hylo_analysis
 from hylo_analysis.cli import main as cli_main
 from hylo_scripts import make_figures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("capture", "reduce", "solve", "precondition", "gather", "broadcast")
 #: A study small enough for the default suite: 2 epochs of 4 steps at batch 128, every update studied.
 SIZE = make_figures.StudySize(

@@ -97,7 +97,7 @@ def test_float32_sngd_on_duplicated_rows_follows_the_float64_reference(kind: str
 @pytest.mark.slow
 def test_duplicated_rows_measurement() -> None:
     """50 seeds × Linear/Conv2d × λ ∈ {10⁻², 10⁻³, 10⁻⁴}: no uphill step, no step over 2% too long (printed:
-    ``python -m pytest -q -s -m slow tests/test_descent.py``)."""
+    ``python -m pytest -q -s -m slow tests/library/test_descent.py``)."""
     for kind in ("linear", "conv"):
         for damping in (1e-2, 1e-3, 1e-4):
             steps = [m for seed in range(50) for m in duplicated_step(kind, damping, seed)]

@@ -95,7 +95,7 @@ def test_registry_names_tasks_and_errors(tmp_path: Path) -> None:
         *("mnist5k", "digits", "fashion-mnist", "cifar10", "cifar100", "imagenet", "lgg", "stdlib", "text")
     }
     assert [n for n, s in DATASETS.items() if s.task == "segmentation"] == ["lgg"]
-    assert [n for n, s in DATASETS.items() if s.task == "lm"] == ["stdlib", "text"]  # tests/test_lm.py
+    assert [n for n, s in DATASETS.items() if s.task == "lm"] == ["stdlib", "text"]  # tests/application/test_lm.py
     assert {n for n, s in DATASETS.items() if not s.needs_data_dir} == {"mnist5k", "digits", "stdlib"}
     assert all(s.layout for s in DATASETS.values())
     with pytest.raises(ValueError, match="unknown dataset 'svhn'"):

@@ -234,6 +234,6 @@ def test_import_hylo_imports_no_training_stack() -> None:
         "import sys, hylo, hylo.integrations\n"
         "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     found = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "[]"

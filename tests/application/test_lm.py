@@ -40,7 +40,7 @@ from hylo_scripts.text import (
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIME_COLUMNS = {"epoch_time_s", "total_time_s", "precondition_time_s"}
 #: The tiny model and data of the end-to-end runs.
 TINY = {"seq_len": 16, "layers": 1, "width": 32, "heads": 2}

@@ -38,7 +38,7 @@ from tests.kit.reference import dense_natural_gradient
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "hybrid")
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt2.py"
 
 
 class Conv1D(nn.Module):

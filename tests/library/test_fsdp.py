@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import hylo
 from tests.kit.checks import rel_err
 from tests.kit.harness import run_distributed
-from tests.test_distributed import DAMPING, LAYERS, NORM_FLOOR, Net, assert_rel_close, make_data, make_model
+from tests.library.test_distributed import DAMPING, LAYERS, NORM_FLOOR, Net, assert_rel_close, make_data, make_model
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "kfac_adam")
 #: The decoder's solvers: kfac_adam is left out, its embeddings' A are rank-deficient (unseen tokens; see options()).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: What a build must not copy from the checkout (the repository's own state, earlier builds).
 NOT_SOURCES = (".git", "build", "dist", "*.egg-info", ".venv", "venv", "__pycache__", ".*_cache", ".hypothesis")
 

@@ -11,7 +11,7 @@ Specified against independent references:
 - a step is transactional: a failed or skipped step leaves the moments as they were.
 
 P ranks = one process (DDP, both strategies; FSDP2), checkpoints and bf16 are in the shared suites
-(tests/test_distributed.py, tests/test_fsdp.py, tests/test_checkpoint.py, tests/test_mixed_precision.py).
+(tests/library/test_distributed.py, tests/library/test_fsdp.py, tests/library/test_checkpoint.py, tests/library/test_mixed_precision.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.kit.cases import conv_case
 from tests.kit.checks import DT, assert_rel_close, rel_err
 from tests.kit.models import fixed_target, one_step
 from tests.kit.reference import dense_kfac, linear_rows
-from tests.test_mixed_precision import _run
+from tests.library.test_mixed_precision import _run
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 

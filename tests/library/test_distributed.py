@@ -47,7 +47,7 @@ class Net(nn.Module):
 
 #: Test cases that are a solver with options: K-FAC's inverse method; kfac_adam with ε 1e-3, which bounds Adam's
 #: amplification of round-off, and (compared with one process) without fc1, whose A is rank-deficient (d_a 28 > 8
-#: rows a step): see tests/test_fsdp.py's options().
+#: rows a step): see tests/library/test_fsdp.py's options().
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac-inverse": ("kfac", {"kfac_method": "inverse"}),
     "kfac_adam": ("kfac_adam", {"adam_eps": 1e-3}),

@@ -13,7 +13,7 @@ Specified against independent references:
 - a refresh that fails the check (a non-finite factor) is redone by the eigendecomposition, and the update stage
   then rejects the non-finite state.
 
-P ranks = one process with the power refresh: tests/test_distributed.py (case ``kfac_adam-power``).
+P ranks = one process with the power refresh: tests/library/test_distributed.py (case ``kfac_adam-power``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ state tensor row-major at offset 0 of its own storage, :func:`hylo.solvers.layou
 drifted for K-FAC, its inverse method, kfac_adam, the low-rank solvers and hybrid.
 
 ``test_resume`` runs a bounded, derandomized set of examples per solver configuration; ``test_resume_many``
-(``-m slow``) many more. ``python -m tests.test_fuzz_resume N`` counts, over N drawn examples, how many forks
+(``-m slow``) many more. ``python -m tests.library.test_fuzz_resume N`` counts, over N drawn examples, how many forks
 of each kind differed (the figures of docs/reliability.md, "One layout"); ``--before`` counts them with states
 that keep their tensors as built, as hylo did before.
 """

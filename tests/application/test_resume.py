@@ -27,7 +27,7 @@ from hylo_scripts.checkpoint import RunError
 from hylo_scripts.engine import RunConfig, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE_CSVS = ("timing-r0.csv", "steps-r0.csv", "decisions.csv", "grad-norm.csv")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from tests.kit.options_table import USAGE, render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 CODE_DIRS = ("hylo", "scripts", "analysis", "examples", "tests")
 CODE_SUFFIXES = (".py", ".sh")

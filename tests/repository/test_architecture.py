@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "hylo"
+ROOT = Path(__file__).resolve().parents[2] / "hylo"
 NAMES = {"kfac", "sngd", "kid", "kis", "lowrank", "hybrid"}
 MAY_NAME_SOLVERS = ("solvers/", "config.py", "policy.py")
 
@@ -136,3 +136,44 @@ def test_only_solvers_config_and_policy_compare_solver_names() -> None:
         and (found := solver_name_comparisons(path.read_text()))
     }
     assert offenders == {}
+
+
+TESTS = ROOT.parent / "tests"
+#: The library's tests that use a piece of the application, with the piece and why (docs/contributing.md, "Tests").
+APPLICATION_IN_LIBRARY = {
+    "test_fsdp.py": "hylo_scripts.models: the decoder LM whose sharded embedding and attention are held to one process",
+    "test_moe.py": "hylo_scripts.moe: the Mixtral and Qwen2-MoE builders and their nn.Linear-per-expert twin",
+    "test_optimizer_form.py": "hylo_scripts.bench_ops: the op counter the step-cost pins read",
+    "test_step_cost.py": "hylo_scripts.bench_ops: the op counts the benchmark reports, pinned",
+}
+
+
+def application_imports(source: str) -> set[str]:
+    """The modules of ``hylo_scripts`` and ``hylo_analysis`` a test file imports, at any level."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        found |= {name for name in names if name.split(".")[0] in ("hylo_scripts", "hylo_analysis")}
+    return found
+
+
+def test_the_library_tests_use_the_application_only_where_listed() -> None:
+    using = {
+        path.name: imports
+        for path in sorted((TESTS / "library").glob("*.py"))
+        if (imports := application_imports(path.read_text()))
+    }
+    assert sorted(using) == sorted(APPLICATION_IN_LIBRARY), using
+    assert all(not imported.startswith("hylo_analysis") for found in using.values() for imported in found)
+
+
+def test_the_tests_are_in_their_three_folders() -> None:
+    assert sorted(path.name for path in TESTS.glob("test_*.py")) == []
+    assert {path.name for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith("_")} >= {
+        "library",
+        "application",
+        "repository",
+        "kit",
+    }
