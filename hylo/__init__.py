@@ -30,9 +30,8 @@ from hylo.memory import MemoryUsage
 from hylo.optimizer import HyLoOptimizer
 from hylo.pipeline.checkpoint import load_checkpoint, save_checkpoint
 from hylo.preconditioner import HyLoPreconditioner, LayerInfo
-from hylo.records import Decision, LayerStats
+from hylo.records import Decision, LayerStats, Progress, StateView
 from hylo.solvers import RowReduction, register_family, register_variant
-from hylo.solvers.adam_rule import KFACAdamConfig
 from hylo.version import __version__
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "HyLoConfig",
     "HyLoOptimizer",
     "HyLoPreconditioner",
-    "KFACAdamConfig",
     "KFACConfig",
     "LayerInfo",
     "LayerMath",
@@ -52,7 +50,9 @@ __all__ = [
     "LowRankConfig",
     "MemoryUsage",
     "PolicyConfig",
+    "Progress",
     "RowReduction",
+    "StateView",
     "TelemetryConfig",
     "__version__",
     "load_checkpoint",

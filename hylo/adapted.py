@@ -2,9 +2,9 @@
 wrapped optimizer, and the parameters hylo cannot precondition handed back to it (docs/usage.md, "The optimizer
 form").
 
-``kfac_adam``'s result is the whole step, so its parameters take SGD without momentum at their group's ``lr`` and
-``weight_decay`` (decoupled, as AdamW's). A registered layer whose hooks capture no rows at the first update (its
-weight used without its module's forward, as Mamba's ``dt_proj``) holds no state, and hylo leaves its gradient
+A whole-step solver's result (Adam in K-FAC's eigenbasis) is the whole step, so its parameters take SGD without
+momentum at their group's ``lr`` and ``weight_decay`` (decoupled, as AdamW's). A registered layer whose hooks capture
+no rows at the first update (its weight used without its module's forward, as Mamba's ``dt_proj``) holds no state, and hylo leaves its gradient
 raw: SGD at an Adam-scale learning rate would barely move it, so at that step its parameters go back to the group
 of the wrapped optimizer they came from, which steps them from then on. The wrapped optimizer keeps every group it
 had (a group left empty stays, so that group indices and an LR scheduler's lists stay aligned).

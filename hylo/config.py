@@ -2,9 +2,10 @@
 
 docs/usage.md, "Options". Each option is a field of one section — the top level (the solver,
 its cadence and damping), :class:`KFACConfig`, :class:`LowRankConfig`, :class:`ConvConfig`,
-:class:`PolicyConfig`, :class:`DistributedConfig` and :class:`TelemetryConfig` — and carries its
-documentation and its rule in the field's metadata, the one place its default, meaning and
-check live (:func:`options` lists them; the training scripts build their flags from it).
+:class:`PolicyConfig`, :class:`DistributedConfig`, :class:`TelemetryConfig`, and the section of
+each family registered with :func:`hylo.register_family` — and carries its documentation and its
+rule in the field's metadata, the one place its default, meaning and check live (:func:`options`
+lists them; the training scripts build their flags from it).
 Options are given flat (``HyLoConfig(damping=0.3, trend_window=50)``) or as sections
 (``HyLoConfig(policy=PolicyConfig(trend_window=50))``); every value is checked when the config
 is made, and a bad one is a ``ValueError`` naming the option.
@@ -15,23 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
+from types import MappingProxyType
+from typing import Any, TypeVar, cast
 
 from hylo.layers.batch import DampingConvention
-from hylo.layers.conv import DEFAULT_MAX_UNFOLD_MB, ConvRows
-from hylo.records import LayerStats
+from hylo.layers.statistics import CallStatistic
 from hylo.rules import (
     COUNT,
-    DECAY,
-    MEGABYTES,
-    MEGABYTES_OR_ZERO,
-    NON_NEGATIVE,
-    PATH,
     POSITIVE,
-    RATIO,
     REGEXES,
     Hyper,
     IntHyper,
@@ -39,261 +33,37 @@ from hylo.rules import (
     Rule,
     Section,
     default_of,
-    is_collection,
-    is_count,
     option,
-    window_decay,
 )
-from hylo.solvers import HYBRID, solver_names, variant_names
-from hylo.solvers.adam_rule import KFACAdamConfig
+from hylo.sections import (
+    ConvConfig,
+    DistributedConfig,
+    PolicyConfig,
+    TelemetryConfig,
+)
+from hylo.solvers import FAMILIES, HYBRID, FamilyOptions, SolverFamily, family_of
 from hylo.solvers.kfac import KFACConfig
-from hylo.solvers.lowrank import ADAPTIVE, LowRankConfig
-from hylo.solvers.registry import adapts_rank, solver_rule, variant_rule
+from hylo.solvers.lowrank import LowRankConfig
+from hylo.solvers.registry import RESERVED_NAMES, adapts_rank, family_sections, solver_rule
 
 T = TypeVar("T", int, float)
-#: How owners share solved layers between ranks (see :class:`DistributedConfig`).
-Strategy = Literal["inverse", "gradient"]
-#: The studies ``studies`` accepts (docs/profiling.md, "Studies").
-Study = Literal["grad_norm", "rank", "grad_error"]
-STUDIES: tuple[Study, ...] = get_args(Study)
-#: The most eigenvalue columns the rank study writes per layer (``rank_top_k``).
-MAX_RANK_TOP_K = 4096
 
 
-# --------------------------------------------------------------------------- sections
-@dataclass(frozen=True)
-class ConvConfig(Section):
-    """How a convolution's rows are built (docs/solvers.md, "Convolutions"; docs/design.md, "Memory")."""
-
-    section_name: ClassVar[str | None] = "conv"
-
-    conv_rows: ConvRows = option(
-        "sum",
-        doc="a convolution's low-rank rows: 'sum' (rank one per sample, mean patch × summed output gradient: "
-        "the right scale), 'exact' (the true per-sample gradients, m·d_a·d_g numbers per layer) or 'mean' "
-        "(HyLo's surrogate, L times too small for L output positions)",
-        fixed=True,
-    )
-    max_unfold_mb: float = option(
-        DEFAULT_MAX_UNFOLD_MB,
-        doc="the most megabytes of a convolution's unfolded patches in flight at once: K-FAC's factor A, "
-        "exact per-sample rows and the patch means are built in blocks of samples (or of one sample's output "
-        "rows) of at most this size",
-        rule=MEGABYTES,
-        fixed=True,
-    )
-
-
-@dataclass(frozen=True)
-class PolicyConfig(Section):
-    """How each layer's solver is chosen at an update (docs/hybrid-policy.md)."""
-
-    section_name: ClassVar[str | None] = "policy"
-
-    layer_solvers: Mapping[str, str] = option(
-        doc="per-layer overrides {name regex (full match): solver}; the first match wins",
-        rule=Rule(lambda m: isinstance(m, Mapping), "a mapping {name regex: solver}"),
-        default_factory=dict,
-    )
-    solver_fn: Callable[[str, int, LayerStats], str] | None = option(
-        None,
-        doc="(layer_name, step, stats) -> solver, called at update steps with a hylo.LayerStats; overrides "
-        "the built-in hybrid rule",
-        rule=Rule(callable, "callable (layer_name, step, stats) -> solver"),
-    )
-    fidelity_budget: float = option(
-        0.05,
-        doc="a layer gets exact sngd (else kfac) when that costs at most this share of an average layer's "
-        "forward+backward work over the period; 0 turns the rule off",
-        rule=NON_NEGATIVE,
-    )
-    comm_flops_per_byte: float = option(
-        100.0,
-        doc="with P > 1 ranks: the multiply-adds one byte of traffic is worth in the cost model (compute "
-        "rate over network bandwidth)",
-        rule=NON_NEGATIVE,
-    )
-    adaptive: tuple[int, int, int] | None = option(
-        None,
-        doc="HyLo's fixed windows (a0, a1, a2) in epochs of I = iters_per_epoch steps: the critical variant "
-        "iff step < I·a0 or I·a1 < step <= I·a2 (0-based step, as HyLo's code counts), the stable one "
-        "otherwise; replaces the trend",
-        rule=Rule(
-            lambda w: len(tuple(w)) == 3 and all(is_count(e, 0) for e in w) and w[1] <= w[2],
-            "three epochs (a0, a1, a2) with a1 <= a2",
-        ),
-    )
-    iters_per_epoch: int | None = option(None, doc="steps per epoch, required by adaptive", rule=COUNT)
-    trend_decay: float | None = option(
-        None,
-        doc="EMA decay of each layer's gradient norm (and of its square); None: 1 − 2/(trend_window + 1), a "
-        "memory of one window",
-        rule=Rule(DECAY.holds, "in [0, 1) (or None: matched to trend_window)"),
-    )
-    trend_window: int = option(100, doc="steps over which the EMA's relative change is measured", rule=COUNT)
-    critical_enter: float = option(
-        0.2,
-        doc="a layer turns critical when the change exceeds this (or critical_noise times its noise, if larger)",
-        rule=POSITIVE,
-    )
-    critical_exit: float = option(
-        0.1,
-        doc="a critical layer turns stable when the change falls below this (or half the noise threshold, if larger)",
-        rule=POSITIVE,
-    )
-    critical_noise: float = option(
-        3.0,
-        doc="z: the change must exceed z times its measured noise (std) to turn a layer critical (z/2 to "
-        "keep it critical); 0 disables the noise floor",
-        rule=NON_NEGATIVE,
-    )
-    critical_variant: str = option(
-        "kid", doc="the low-rank variant of a layer in the critical regime", rule=variant_rule()
-    )
-    stable_variant: str = option("kis", doc="the low-rank variant of a layer in the stable regime", rule=variant_rule())
-    kfac_solver: str = option(
-        "kfac",
-        doc="what hybrid gives a layer where K-FAC wins (fidelity or cost): 'kfac', or 'kfac_adam' (Adam in the "
-        'K-FAC eigenbasis; docs/hybrid-policy.md, "With kfac_adam")',
-        rule=Rule(
-            lambda x: x in solver_names() and x not in variant_names(),
-            lambda: (
-                "a registered solver that is "
-                f"not a low-rank variant, one of {tuple(n for n in solver_names() if n not in variant_names())}"
-            ),
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for pattern, solver in dict(self.layer_solvers).items():
-            if solver not in solver_names():
-                raise ValueError(f"layer_solvers[{pattern!r}] must be one of {solver_names()}, got {solver!r}")
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"layer_solvers key {pattern!r} is not a valid regular expression: {err}") from err
-        if self.adaptive is not None:
-            self._set("adaptive", tuple(self.adaptive))
-            if self.iters_per_epoch is None:
-                raise ValueError("iters_per_epoch must be an int >= 1 when adaptive is set")
-        if not self.critical_exit <= self.critical_enter:
-            raise ValueError(
-                f"critical_exit must satisfy 0 < critical_exit <= critical_enter, got "
-                f"critical_exit={self.critical_exit!r}, critical_enter={self.critical_enter!r}"
-            )
-
-    def override_for(self, layer: str) -> str | None:
-        """The ``layer_solvers`` entry whose pattern fully matches ``layer`` first, if any."""
-        for pattern, solver in self.layer_solvers.items():
-            if re.fullmatch(pattern, layer):
-                return solver
-        return None
-
-    @property
-    def decay(self) -> float:
-        """The trend's EMA decay: ``trend_decay``, or the one whose memory is ``trend_window`` steps."""
-        return window_decay(self.trend_window) if self.trend_decay is None else self.trend_decay
-
-
-@dataclass(frozen=True)
-class DistributedConfig(Section):
-    """How ranks share the work (docs/distributed.md)."""
-
-    section_name: ClassVar[str | None] = "distributed"
-
-    strategy: Strategy = option(
-        "inverse",
-        doc="'inverse': owners broadcast solved states (no traffic between updates); 'gradient': owners keep "
-        "their states and broadcast preconditioned gradients every step (less memory per rank)",
-        fixed=True,
-    )
-    bucket_cap_mb: float = option(
-        25.0,
-        doc="largest flat buffer of one fused collective (of the default communicator)",
-        rule=MEGABYTES,
-        fixed=True,
-    )
-
-
-@dataclass(frozen=True)
-class TelemetryConfig(Section):
-    """Profiling and the paper's studies (docs/profiling.md)."""
-
-    section_name: ClassVar[str | None] = "telemetry"
-
-    profile_dir: str | os.PathLike[str] | None = option(
-        None,
-        doc="directory of the profiling and study CSVs (timing-r{rank}.csv and steps-r{rank}.csv on every "
-        "rank; decisions.csv, run.json and the studies' files on rank 0); None: nothing is timed or written",
-        rule=PATH,
-        fixed=True,
-    )
-    profile_append: bool = option(
-        False,
-        doc="continue the files already in profile_dir (a resumed run) instead of refusing them",
-        rule=Rule(lambda x: isinstance(x, bool), "a bool"),
-        fixed=True,
-    )
-    studies: tuple[Study, ...] = option(
-        (),
-        doc="any of 'grad_norm' (every step), 'rank' and 'grad_error' (sampled updates); they need profile_dir",
-        rule=Rule(lambda s: is_collection(s) and all(x in STUDIES for x in s), f"drawn from {STUDIES}"),
-        fixed=True,
-    )
-    rank_every: int = option(1, doc="run the rank study at every rank_every-th update", rule=COUNT)
-    rank_top_k: int = option(
-        10,
-        doc=f"eigenvalues of K/B written per layer (sv_1 … sv_k, one CSV column each; at most {MAX_RANK_TOP_K})",
-        rule=Rule(lambda x: is_count(x) and x <= MAX_RANK_TOP_K, f"an int in [1, {MAX_RANK_TOP_K}]"),
-        fixed=True,
-    )
-    grad_error_every: int = option(
-        1, doc="run the gradient-error study at every grad_error_every-th update", rule=COUNT
-    )
-    grad_error_methods: tuple[str, ...] = option(
-        ("kid", "kis"),
-        doc="the solvers compared with exact SNGD by the gradient-error study: any registered solver ('kfac' "
-        "from the batch's factors, 'sngd' on the run's own convolution rows)",
-        rule=Rule(
-            lambda m: is_collection(m) and len(m) > 0 and all(x in solver_names() for x in m),
-            "a non-empty selection of the registered solvers",
-        ),
-    )
-    grad_error_ratios: tuple[float | Literal["auto"], ...] | None = option(
-        None,
-        doc="the ρ at which row-reducing solvers (KID, KIS) are measured ('auto': at rank_energy and the cap); "
-        "None: (rank_ratio,)",
-        rule=Rule(
-            lambda r: is_collection(r) and len(r) > 0 and all(x == ADAPTIVE or RATIO.holds(x) for x in r),
-            "ratios in (0, 1] or 'auto'",
-        ),
-    )
-    study_exact_rows_mb: float = option(
-        256.0,
-        doc="largest gathered exact per-sample rows (m·d_a·d_g numbers) of a convolution the studies build "
-        "for their reference; above it the reference uses conv_rows",
-        rule=MEGABYTES_OR_ZERO,
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("studies", "grad_error_methods", "grad_error_ratios"):
-            if getattr(self, name) is not None:
-                self._set(name, tuple(getattr(self, name)))
-        if self.studies and self.profile_dir is None:
-            raise ValueError(f"studies {self.studies} write CSV files: set profile_dir")
-
-
-SECTIONS: dict[str, type[Section]] = {
+#: The sections every configuration has, by name: the built-in families' and the preconditioner's own.
+BUILTIN_SECTIONS: dict[str, type[Section]] = {
     "kfac": KFACConfig,
-    "kfac_adam": KFACAdamConfig,
     "lowrank": LowRankConfig,
     "conv": ConvConfig,
     "policy": PolicyConfig,
     "distributed": DistributedConfig,
     "telemetry": TelemetryConfig,
 }
+
+
+def sections() -> dict[str, type[Section]]:
+    """Every section by name: the built-in ones, then the registered families' in registration order."""
+    registered = {str(cls.section_name): cls for cls in family_sections() if cls.section_name not in BUILTIN_SECTIONS}
+    return {**BUILTIN_SECTIONS, **registered}
 
 
 @dataclass(frozen=True, init=False)
@@ -365,33 +135,46 @@ class HyLoConfig(Section):
         rule=Rule(lambda x: isinstance(x, bool), "a bool"),
     )
     kfac: KFACConfig = field(default_factory=KFACConfig)
-    kfac_adam: KFACAdamConfig = field(default_factory=KFACAdamConfig)
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
     conv: ConvConfig = field(default_factory=ConvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    #: The registered families' sections by name (read with :meth:`section`); give one as a keyword, its name
+    #: the section's ``section_name`` (``HyLoConfig(<name>=MySection(...))``), or its options flat.
+    family_sections: Mapping[str, Section] = field(default_factory=dict)
 
     def __init__(self, **options: Any) -> None:
-        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        known = sections()
+        given_sections = {**options.pop("family_sections", {})}
+        flat: dict[str, dict[str, Any]] = {name: {} for name in known}
+        section_of = _section_of()
         for key, value in options.items():
-            if key in SECTIONS:
-                if not isinstance(value, SECTIONS[key]):
-                    raise ValueError(f"{key} must be a {SECTIONS[key].__name__}, got {type(value).__name__}")
+            if key in known:
+                given_sections[key] = value
                 continue
-            section = _SECTION_OF.get(key, ...)
+            section = section_of.get(key, ...)
             if section is ...:
-                close = [name for name in sorted(_SECTION_OF) if name.startswith(key[:4])][:3]
+                close = [name for name in sorted(section_of) if name.startswith(key[:4])][:3]
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise TypeError(f"unknown hylo option {key!r}{hint} (see hylo.config.options())")
             if section is None:
                 self._set(key, value)
             else:
-                sections[section][key] = value
+                flat[section][key] = value
+        built: dict[str, Section] = {}
+        for name, cls in known.items():
+            base = given_sections.pop(name, None) or cls()
+            if not isinstance(base, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {type(base).__name__}")
+            built[name] = dataclasses.replace(cast(Any, base), **flat[name]) if flat[name] else base
+        if given_sections:
+            raise TypeError(f"unknown hylo sections {sorted(given_sections)} (registered: {sorted(known)})")
         for f in fields(self):
-            if f.name in SECTIONS:
-                base: Any = options.get(f.name) or SECTIONS[f.name]()
-                self._set(f.name, dataclasses.replace(base, **sections[f.name]) if sections[f.name] else base)
+            if f.name in BUILTIN_SECTIONS:
+                self._set(f.name, built[f.name])
+            elif f.name == "family_sections":
+                self._set(f.name, MappingProxyType({n: s for n, s in built.items() if n not in BUILTIN_SECTIONS}))
             elif f.name not in options:
                 self._set(f.name, default_of(f))
         self.__post_init__()
@@ -436,8 +219,41 @@ class HyLoConfig(Section):
 
     def value(self, name: str) -> Any:
         """The value of option ``name`` (a flat name, whatever its section)."""
-        section = _SECTION_OF[name]
-        return getattr(self if section is None else getattr(self, section), name)
+        section = _section_of()[name]
+        return getattr(self if section is None else self.section(section), name)
+
+    def section(self, name: str) -> Section:
+        """The section called ``name``: a built-in one (``"kfac"``, …) or a registered family's."""
+        if name in BUILTIN_SECTIONS:
+            return cast(Section, getattr(self, name))
+        if name in self.family_sections:
+            return self.family_sections[name]
+        raise KeyError(f"no section {name!r}; this config has {sorted([*BUILTIN_SECTIONS, *self.family_sections])}")
+
+    def family_options(self) -> FamilyOptions:
+        """Every family's options section, looked up by type (what the families read at an update and in their
+        cost estimates: ``config.family_options()(KFACConfig)``)."""
+        return FamilyOptions([self.kfac, self.lowrank, *self.family_sections.values()])
+
+    def families(self) -> tuple[SolverFamily[Any], ...]:
+        """The registered families this config can give a layer, in registration order: every one under a
+        ``solver_fn``; else those of ``solver`` (or, for ``"hybrid"``, of ``kfac_solver`` and the two regimes'
+        variants) and of the ``layer_solvers`` overrides."""
+        policy = self.policy
+        if policy.solver_fn is not None:
+            return tuple(FAMILIES)
+        named = {*policy.layer_solvers.values()}
+        if self.solver == HYBRID:
+            named |= {policy.kfac_solver, policy.critical_variant, policy.stable_variant}
+        else:
+            named.add(self.solver)
+        reached = {id(family_of(name)) for name in named}
+        return tuple(family for family in FAMILIES if id(family) in reached)
+
+    def statistics(self) -> tuple[CallStatistic[Any], ...]:
+        """The statistics of :meth:`families`, each once, in their order: what the hooks may reduce calls to and the
+        ranks agree on (docs/design.md, "Memory")."""
+        return tuple(dict.fromkeys(family.statistic for family in self.families()))
 
     def initial_solver(self, layer: str) -> str:
         """A layer's solver before its first update: its override, else ``solver``."""
@@ -452,23 +268,42 @@ class HyLoConfig(Section):
         return values
 
 
-#: The top level and every section, in the order :func:`options` lists them.
-_CLASSES: tuple[type[Section], ...] = (HyLoConfig, *SECTIONS.values())
-
-
 def options() -> list[OptionSpec]:
-    """Every option of :class:`HyLoConfig`, top level first, then section by section."""
-    return [spec for cls in _CLASSES for spec in cls.option_specs().values()]
+    """Every option of :class:`HyLoConfig`, top level first, then section by section (the registered families'
+    sections last, in registration order)."""
+    return list(_specs().values())
 
 
-#: Every option by flat name; an option name is defined once.
-_SPECS: dict[str, OptionSpec] = {}
-for _spec_ in options():
-    if _spec_.name in _SPECS or _spec_.name in SECTIONS:
+#: The option specs by flat name, per tuple of sections they were built for (the registry may change).
+_SPECS_CACHE: dict[tuple[type[Section], ...], dict[str, OptionSpec]] = {}
+
+
+def _specs() -> dict[str, OptionSpec]:
+    """Every option by flat name (an option name is defined once: :func:`hylo.register_family` checks it)."""
+    classes: tuple[type[Section], ...] = (HyLoConfig, *sections().values())
+    if classes not in _SPECS_CACHE:
+        _SPECS_CACHE.clear()
+        _SPECS_CACHE[classes] = {spec.name: spec for cls in classes for spec in cls.option_specs().values()}
+    return _SPECS_CACHE[classes]
+
+
+def _section_of() -> dict[str, str | None]:
+    """Each option's section (None: the top level), by flat name."""
+    return {name: spec.section for name, spec in _specs().items()}
+
+
+# The names a registered family's section may not take (hylo.register_family checks them), and each option
+# name defined once: the built-in ones here, the registered families' sections (some registered before this
+# module was imported) against them.
+RESERVED_NAMES.update(BUILTIN_SECTIONS, ("family_sections",))
+_BUILTIN: tuple[type[Section], ...] = (HyLoConfig, *BUILTIN_SECTIONS.values())
+for _spec_ in (spec for cls in _BUILTIN for spec in cls.option_specs().values()):
+    if _spec_.name in RESERVED_NAMES:
         raise ImportError(f"option name {_spec_.name!r} is defined twice")
-    _SPECS[_spec_.name] = _spec_
-#: Each option's section (None: the top level), by flat name.
-_SECTION_OF: dict[str, str | None] = {name: spec.section for name, spec in _SPECS.items()}
+    RESERVED_NAMES.add(_spec_.name)
+for _section_ in (cls for cls in family_sections() if cls.section_name not in BUILTIN_SECTIONS):
+    if {str(_section_.section_name), *_section_.option_specs()} & RESERVED_NAMES:
+        raise ImportError(f"a registered family's section {_section_.__name__} reuses a built-in option name")
 
 
 def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
@@ -476,7 +311,7 @@ def resolve(name: str, value: T | Callable[[int], T], step: int) -> T:
 
     A float option's value comes back as a float: an int the rule accepts (at most 2**63) never reaches
     torch as a Python int, whose products (``lr²``) would leave int64."""
-    spec = _SPECS[name]
+    spec = _specs()[name]
     if callable(value):
         result = value(step)
         assert spec.rule is not None, f"{name} is not a schedule"

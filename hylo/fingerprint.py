@@ -22,7 +22,7 @@ import torch
 
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
-from hylo.distributed.payload import CONTROL, Payload
+from hylo.payload import CONTROL, Payload
 from hylo.pipeline.guard import Guard
 from hylo.pipeline.planner import Planner
 from hylo.pipeline.step import StepValues

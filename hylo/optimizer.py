@@ -21,7 +21,7 @@ from hylo.adapted import AdaptedSplit
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
 from hylo.preconditioner import HyLoPreconditioner
-from hylo.solvers import HYBRID, whole_step
+from hylo.solvers import FAMILIES, HYBRID, family_of, whole_step
 
 #: Optimizers that scale each coordinate by its own statistics: with one of these (or any optimizer whose
 #: ``defaults`` hold ``betas``, as third-party Adam variants' do) the optimizer sets the step's length.
@@ -36,19 +36,12 @@ ADAPTIVE_BASES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RMSprop,
     torch.optim.SparseAdam,
 )
-#: hylo's options under an adaptive optimizer when no ``solver`` is given: Adam in K-FAC's eigenbasis, whose
-#: result is the whole step, updated every 3 steps with the warm-started refresh — the language-model bench's
-#: settings (docs/benchmarks.md, "The LM race with cheaper updates").
-ADAPTIVE_DEFAULTS: dict[str, Any] = {"solver": "kfac_adam", "update_freq": 3, "basis_refresh": "power", "damping": 0.3}
 #: hylo's options under an adaptive optimizer with a natural-gradient ``solver`` given: a damping small enough for
 #: the curvature to turn the gradient, which the optimizer then scales (docs/transformers.md, "Damping under AdamW").
 NATURAL_UNDER_ADAPTIVE_DEFAULTS: dict[str, Any] = {"damping": 1e-3}
 #: hylo's options under any other optimizer (SGD, …): the training scripts' damping, and the whole step bounded
 #: by ``kl_clip`` at the optimizer's learning rate (read from its first group at every step).
 PLAIN_DEFAULTS: dict[str, Any] = {"damping": 0.3, "kl_clip": 1e-3}
-
-#: hylo's ``kfac_adam`` options taken from the wrapped optimizer's ``defaults`` (theirs → ours) when not given.
-INHERITED = {"adam_betas": "betas", "adam_eps": "eps"}
 
 OptimizerOrFactory: TypeAlias = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -58,20 +51,31 @@ def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ADAPTIVE_BASES) or "betas" in optimizer.defaults
 
 
+def adaptive_defaults() -> dict[str, Any] | None:
+    """hylo's options under an adaptive optimizer when no ``solver`` is given: those of the first registered family
+    that declares them (``SolverFamily.adaptive_defaults``: Adam in K-FAC's eigenbasis, updated every 3 steps with
+    the warm-started refresh), None where no family does."""
+    declared = [family.adaptive_defaults for family in FAMILIES if family.adaptive_defaults is not None]
+    return dict(declared[0]) if declared else None
+
+
 def default_options(optimizer: torch.optim.Optimizer, given: Mapping[str, Any]) -> dict[str, Any]:
     """hylo's options under ``optimizer``: the defaults for its kind, overridden by the options ``given``."""
     solver = given.get("solver")
-    if solver is None and is_adaptive(optimizer):
-        chosen = dict(ADAPTIVE_DEFAULTS)
+    adaptive = adaptive_defaults()
+    if solver is None and is_adaptive(optimizer) and adaptive is not None:
+        chosen = adaptive
     elif solver is not None and whole_step(solver):
         chosen = {}
     elif is_adaptive(optimizer):
         chosen = dict(NATURAL_UNDER_ADAPTIVE_DEFAULTS)
     else:
         chosen = dict(PLAIN_DEFAULTS)
-    if whole_step(given.get("solver", chosen.get("solver", HYBRID))):  # Adam's constants: the optimizer's own
+    final = given.get("solver", chosen.get("solver", HYBRID))
+    if final != HYBRID:  # the options the solver's family takes from the optimizer (Adam's constants: its own)
+        inherited = family_of(final).inherited_options
         chosen |= {
-            ours: optimizer.defaults[theirs] for ours, theirs in INHERITED.items() if theirs in optimizer.defaults
+            ours: optimizer.defaults[theirs] for ours, theirs in inherited.items() if theirs in optimizer.defaults
         }
     return {**chosen, **given}
 
@@ -88,7 +92,8 @@ class HyLoOptimizer(torch.optim.Optimizer):
         communicator, grad_scaler: as for :class:`HyLoPreconditioner`.
         **options: hylo's options, over the defaults for the optimizer's kind (:func:`default_options`).
 
-    When hylo's solver returns the whole step (``kfac_adam``) the parameters hylo preconditions leave the wrapped
+    When hylo's solver returns the whole step (:func:`hylo.solvers.whole_step`: Adam in K-FAC's eigenbasis) the
+    parameters hylo preconditions leave the wrapped
     optimizer's groups and are stepped by SGD without momentum at their group's ``lr`` and ``weight_decay``
     (decoupled, as AdamW's); the wrapped optimizer keeps the rest, and takes back at the first update those of
     layers hylo captured no rows of (:mod:`hylo.adapted`). ``param_groups`` lists the wrapped optimizer's groups,
@@ -125,7 +130,9 @@ class HyLoOptimizer(torch.optim.Optimizer):
                     "trainable parameter of the model (or leave those layers out with skip_layers)"
                 )
             if adapted and base.defaults.get("maximize", False):
-                raise ValueError("HyLoOptimizer: maximize=True is not supported with kfac_adam (its step descends)")
+                raise ValueError(
+                    "HyLoOptimizer: maximize=True is not supported with a whole-step solver (its step descends)"
+                )
             split = AdaptedSplit(base, pre.parameters()) if adapted else None
         except BaseException:
             pre.remove()
@@ -146,7 +153,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         """The optimizers it steps, in order: the wrapped one, then the SGD of the parameters whose preconditioned
-        gradient is the whole step (``kfac_adam``), if any."""
+        gradient is the whole step (a whole-step solver's layers), if any."""
         return tuple(self._optimizers)
 
     def _group_lr(self, _step: int) -> float:
@@ -189,7 +196,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
         listed = [self._names.get(id(self._split.adapted[i]), "?") for i in raw]
         warnings.warn(
             f"HyLoOptimizer: hylo could not precondition {listed} (no rows at its first update: see its warning); "
-            f"{type(self._optimizers[0]).__name__} trains them from now on instead of the SGD of kfac_adam's layers "
+            f"{type(self._optimizers[0]).__name__} trains them from now on instead of the SGD of the whole-step layers "
             '(docs/usage.md, "The optimizer form")',
             stacklevel=3,
         )
@@ -239,7 +246,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
         if self._split is None:
             if state_dict.get("returned"):
                 raise ValueError(
-                    "HyLoOptimizer.load_state_dict: the state was saved by a kfac_adam split, this is none"
+                    "HyLoOptimizer.load_state_dict: the state was saved by a whole-step split, this is none"
                 )
             return []
         return self._split.check_returned(state_dict.get("returned", []))
@@ -297,7 +304,7 @@ def _adapted_split(config: HyLoConfig) -> bool:
     if len(kinds) > 1 or policy.solver_fn is not None:
         raise ValueError(
             "HyLoOptimizer splits the parameters once, at construction, between the wrapped optimizer and SGD for the "
-            "layers whose hylo step is the whole step (kfac_adam); these options can give both kinds of layer "
+            "layers whose hylo step is the whole step (whole_step solvers); these options can give both kinds of layer "
             f"(solver={config.solver!r}, kfac_solver={policy.kfac_solver!r}, layer_solvers, solver_fn): use "
             'HyLoPreconditioner with optimizers of your own (docs/usage.md, "Adaptive solvers")'
         )

@@ -73,12 +73,6 @@ def is_dynamic(config: HyLoConfig) -> bool:
     return config.solver == HYBRID or config.policy.solver_fn is not None
 
 
-def priced(shape: LayerShape, config: HyLoConfig) -> LayerShape:
-    """``shape`` with the methods ``config`` solves K-FAC's factors by (``kfac_method``, ``basis_refresh``), which
-    the families' cost estimates read (docs/hybrid-policy.md, "Cost model")."""
-    return dataclasses.replace(shape, kfac_method=config.kfac.kfac_method, basis_refresh=config.kfac_adam.basis_refresh)
-
-
 #: Bytes of a MB in ``kfac_max_state_mb``.
 MB = 2**20
 
@@ -162,11 +156,12 @@ class SolverPolicy:
         flops_per_byte = config.policy.comm_flops_per_byte if world_size > 1 else 0.0
         average_work = update_freq * sum(shape.step_work for shape in shapes) / max(len(shapes), 1)
         budget = config.policy.fidelity_budget * average_work
+        options = config.family_options()
         decisions = []
         for i, name in enumerate(self.names):
-            shape = priced(shapes[i], config)
+            shape = shapes[i]
             costs = {
-                solver: family_of(solver).cost(shape, solver).per_period(update_freq, flops_per_byte)
+                solver: family_of(solver).cost(shape, solver, options).per_period(update_freq, flops_per_byte)
                 for solver in solver_names()
             }
             lowrank, _ = regime_variant(step, critical[i], config.policy)

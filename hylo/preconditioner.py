@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hylo import memory
+from hylo import memory, views
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator, default_communicator
 from hylo.fingerprint import Fingerprint
@@ -38,11 +38,11 @@ from hylo.pipeline.checkpoint import OptionsOnLoad
 from hylo.pipeline.effect import EffectWatch
 from hylo.pipeline.guard import Agreement, Guard
 from hylo.pipeline.placement import placement_for
-from hylo.pipeline.planner import STATISTICS, Planner
+from hylo.pipeline.planner import Planner
 from hylo.pipeline.stage import UpdateStage
 from hylo.pipeline.step import Outcome, StepValues, precondition, refresh, update
 from hylo.policy import SolverPolicy, check_kfac_budget
-from hylo.records import Decision, LayerInfo, format_summary
+from hylo.records import Decision, LayerInfo, Progress, format_summary
 from hylo.state import RegisteredLayer, layer_parameters, registered_layers
 from hylo.telemetry import recording
 from hylo.telemetry.monitor import Telemetry
@@ -223,7 +223,9 @@ class HyLoPreconditioner:
                 self._fingerprint.compare(config, step, values)
             grads = self._guard.gradients()
             capturing = [self._planner.capturing(config, layer.name) for layer in self._layers]
-            agreed = self._guard.agree(step, grads, capturing, STATISTICS, self._fingerprint.compared is config)
+            agreed = self._guard.agree(
+                step, grads, capturing, config.statistics(), self._fingerprint.compared is config
+            )
             if agreed.recheck:  # some rank's options changed (reconfigure, load_state_dict): compare them again
                 self._fingerprint.compare(config, step, values)
             watch.lap("check")
@@ -352,12 +354,17 @@ class HyLoPreconditioner:
 
     # ------------------------------------------------------------------ introspection
     def layer_info(self) -> list[LayerInfo]:
-        """One record per registered layer: name, module type, d_a, d_g, bias, current solver and owner."""
-        return [layer.info(self._config) for layer in self._layers]
+        """Each registered layer as it stands, read-only: shapes, solver, owner, state, captured calls, the policy's
+        and the guard's facts of it (docs/usage.md, "Inspecting layers"); reads its counters from the device."""
+        return views.layer_infos(self._layers, self._config, self._policy.trend, self._planner, self._guard)
+
+    def progress(self) -> Progress:
+        """Where the run stands: steps, updates, an update owed, profiling (docs/usage.md, "Inspecting layers")."""
+        return views.progress(self._planner, self._telemetry)
 
     def parameters(self, *, solved: bool | None = None) -> list[nn.Parameter]:
         """The parameters whose gradients ``step()`` rewrites, each once (a parameter several layers share, such as
-        MultiheadAttention's ``in_proj_weight``, once). For ``solver="kfac_adam"``, whose result is the whole
+        MultiheadAttention's ``in_proj_weight``, once). For a solver whose result is the whole
         update direction, give them to an optimizer that applies only lr and weight decay (docs/usage.md,
         "Adaptive solvers"). ``solved``: only those of layers that hold a state (True), or of layers that hold
         none yet, whose gradients ``step()`` leaves raw (False)."""
@@ -366,10 +373,9 @@ class HyLoPreconditioner:
 
     def solver_of(self, name: str) -> str:
         """The solver layer ``name`` used at the latest update (its configured one before any)."""
-        for layer in self._layers:
-            if layer.name == name:
-                return layer.solver
-        raise KeyError(f"no registered layer named {name!r}")
+        if name not in self._index:
+            raise KeyError(f"no registered layer named {name!r}")
+        return self._layers[self._index[name]].solver
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of curvature state held per layer."""
@@ -398,8 +404,7 @@ class HyLoPreconditioner:
         table = format_summary(head, self.layer_info(), [*registration.skipped, *registration.unsupported])
         return f"{table}\n{registration.coverage.line()}"
 
-    def __repr__(self) -> str:
-        return self.summary()
+    __repr__ = summary
 
     # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:

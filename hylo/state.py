@@ -41,8 +41,8 @@ class RegisteredLayer:
     idle: int = 0
 
     def info(self, config: HyLoConfig) -> LayerInfo:
-        """The layer as :meth:`hylo.HyLoPreconditioner.layer_info` reports it, with why ``config`` keeps it
-        from K-FAC, if it does."""
+        """The layer's registration as :meth:`hylo.HyLoPreconditioner.layer_info` reports it, with why ``config`` keeps
+        it from K-FAC, if it does (:func:`hylo.views.layer_infos` adds its state and the policy's facts)."""
         math = self.math
         why = kfac_refusal(math.d_a, math.d_g, math.dtype.itemsize, config)
         notes = [] if why is None else [f"never K-FAC: {why}"]
@@ -59,6 +59,7 @@ class RegisteredLayer:
             self.owner,
             note,
             self.kept,
+            math=math,
         )
 
     def shape(self) -> tuple[str, str, int, int, torch.dtype]:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hylo.config import PolicyConfig
 from hylo.rules import is_index, is_number
+from hylo.sections import PolicyConfig
 
 #: The largest norm a sample contributes: its square, and a difference of two squares, stay finite in float64.
 NORM_CAP = math.sqrt(torch.finfo(torch.float64).max) / 2.0

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hylo.distributed.payload import CONTROL, Payload, PayloadKey
+from hylo.payload import CONTROL, Payload, PayloadKey
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 ReduceOp = Literal["sum", "min", "max"]

@@ -30,8 +30,7 @@ class LayerShape:
     ``rows`` are the local samples n, ``kfac_rows`` the K-FAC rows n_k (samples × output
     positions for a convolution), ``kept_local`` the rows r a rank keeps on the KID/KIS path,
     ``dense_rows`` whether the low-rank rows are whole per-sample gradients, ``row_work`` the
-    multiply-adds of building them, ``itemsize`` the bytes per number sent, and the methods the run solves
-    K-FAC's factors by.
+    multiply-adds of building them, and ``itemsize`` the bytes per number sent.
     """
 
     d_a: int
@@ -43,10 +42,6 @@ class LayerShape:
     dense_rows: bool = False
     row_work: float = 0.0
     itemsize: int = 4
-    #: How the run solves and refreshes K-FAC's factors (``kfac_method``, ``kfac_adam``'s ``basis_refresh``): the
-    #: policy sets them from the config, so that each family prices the method it will run.
-    kfac_method: str = "eigen"
-    basis_refresh: str = "eigh"
 
     @classmethod
     def of(cls, math: LayerMath, rows: int, kfac_rows: int, kept: int, world_size: int) -> LayerShape:

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -34,9 +34,6 @@ from hylo.solvers.registry import HYBRID
 from hylo.state import UNSOLVED, RegisteredLayer
 from hylo.trend import GradNormTrend, checked_trend
 from hylo.version import __version__
-
-if TYPE_CHECKING:
-    from hylo.preconditioner import HyLoPreconditioner
 
 #: Format of the ``state_dict`` written now (2: adds ``hylo_version``; 3: adds the ``checksum``).
 STATE_FORMAT = 3
@@ -56,6 +53,17 @@ ENTRY_KEYS = frozenset(("solver", "d_a", "d_g", "owner", "kept", "remote", "carr
 #: warning listing those that differ), keep this preconditioner's, or refuse a state saved with others.
 OptionsOnLoad = Literal["restore", "keep", "refuse"]
 OPTION_MODES: tuple[OptionsOnLoad, ...] = ("restore", "keep", "refuse")
+
+
+class Checkpointable(Protocol):
+    """What :func:`save_checkpoint` and :func:`load_checkpoint` use of :class:`hylo.HyLoPreconditioner`: its
+    ``state_dict`` and ``load_state_dict``. The preconditioner imports this module, never the other way round."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, options: OptionsOnLoad = "restore", where: str | None = None
+    ) -> None: ...
 
 
 def check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
@@ -432,14 +440,14 @@ def _layer(
     return solver, full, owner if in_world else 0, False
 
 
-def save_checkpoint(pre: HyLoPreconditioner, path: str | os.PathLike[str]) -> None:
+def save_checkpoint(pre: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Write ``pre.state_dict()`` (sealed with its checksum) to ``path`` with ``torch.save``, atomically
     (:func:`hylo.integrity.save_atomic`; docs/usage.md, "Checkpoints")."""
     integrity.save_atomic(pre.state_dict(), path)
 
 
 def load_checkpoint(
-    pre: HyLoPreconditioner,
+    pre: Checkpointable,
     path: str | os.PathLike[str],
     *,
     options: OptionsOnLoad = "restore",

@@ -16,9 +16,16 @@ import torch
 from torch import Tensor
 
 from hylo.pipeline.apply import Checked
+from hylo.solvers import solver_names, whole_step
 
 #: A layer's step counts as its raw gradient (up to scale) when its direction differs by less than this share.
 UNCHANGED = 0.01
+
+
+def _such_as() -> str:
+    """`` such as solver='<name>'`` for the first registered solver whose result is the whole step, if any."""
+    names = [name for name in solver_names() if whole_step(name)]
+    return f" such as solver={names[0]!r}" if names else ""
 
 
 class EffectWatch:
@@ -41,8 +48,8 @@ class EffectWatch:
             warnings.warn(
                 f"hylo: at step {step} every layer's preconditioned gradient pointed where its raw gradient does "
                 f"(within {UNCHANGED:.0%}): the damping ({damping:g}) dominates the curvature, so hylo costs time and "
-                "changes no direction. Lower the damping (under an Adam-type optimizer damping=1e-3, or use "
-                "solver='kfac_adam'), or build hylo.HyLoOptimizer, which chooses them "
+                "changes no direction. Lower the damping (under an Adam-type optimizer damping=1e-3, or use a solver "
+                f"whose result is the whole step{_such_as()}), or build hylo.HyLoOptimizer, which chooses them "
                 '(docs/reliability.md, "A step that changes nothing").',
                 stacklevel=4,
             )

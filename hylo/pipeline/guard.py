@@ -22,11 +22,11 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hylo.distributed import Communicator
-from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerBatch
 from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
+from hylo.payload import Payload
 from hylo.pipeline import sharding
 from hylo.state import RegisteredLayer
 
@@ -39,6 +39,15 @@ _STEP_HOOK: list[Any] = []
 
 def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _OPTIMIZER_STEPS[0] += 1
+
+
+def agreement_flags(layers: int, statistics: int = 0) -> int:
+    """How many flags :meth:`Guard.agree`'s all-reduce carries for ``layers`` registered layers: all norms finite,
+    this rank has some gradient, per layer "has a gradient" and "captured no rows", per layer and statistic "its
+    calls can give it" (``statistics``: at a capture step, the statistics the families capture; 0 otherwise), "no
+    backward added onto the last step's gradients" and "my options are those the ranks last compared"
+    (docs/reliability.md, "Agreement across ranks")."""
+    return 4 + (2 + statistics) * layers
 
 
 def optimizer_steps() -> int:
@@ -228,7 +237,9 @@ class Guard:
                 dtype=torch.bool,
                 device=self.device,
             )
-            flags = self.comm.all_true(torch.cat([finite.reshape(1), local])).tolist()
+            sent = torch.cat([finite.reshape(1), local])
+            assert len(sent) == agreement_flags(n, len(statistics) if paths else 0)
+            flags = self.comm.all_true(sent).tolist()
             recheck, accumulated = not flags[-1], not flags[-2]
             all_finite, all_usable = flags[0], flags[1]
             present = flags[2 : 2 + n]

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from hylo.config import HyLoConfig
-from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import checked_results
+from hylo.layers.gradmatrix import GradMatrix, checked_results
 from hylo.pipeline import sharding
 from hylo.pipeline.apply import Checked, GroupedApply
 from hylo.pipeline.stage import UpdateStage

@@ -32,17 +32,14 @@ import torch
 
 from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator
-from hylo.distributed.payload import CONTROL, Payload
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.capture import LayerCapture
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
-from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic, priced
+from hylo.payload import CONTROL, Payload
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
 from hylo.records import Decision
-from hylo.solvers import FAMILIES, SolverFamily, family_of
+from hylo.solvers import SolverFamily, family_of
 from hylo.state import RegisteredLayer
-
-#: Every family's statistic, in the order of the families (the agreement's flags follow it).
-STATISTICS: tuple[CallStatistic[Any], ...] = tuple(dict.fromkeys(family.statistic for family in FAMILIES))
 
 
 def stagger_offsets(costs: Sequence[float], update_freq: int) -> list[int]:
@@ -170,10 +167,11 @@ class Planner:
         solve, computed once per value of ``update_freq``)."""
         if freq not in self._offsets:
             costs = []
+            options = config.family_options()
             for layer in self.layers:
                 solver = config.initial_solver(layer.name)
-                shape = priced(LayerShape.of(layer.math, 0, 0, 0, self.world_size), config)
-                costs.append(family_of(solver).cost(shape, solver).solve)
+                shape = LayerShape.of(layer.math, 0, 0, 0, self.world_size)
+                costs.append(family_of(solver).cost(shape, solver, options).solve)
             self._offsets[freq] = stagger_offsets(costs, freq)
         return self._offsets[freq]
 
@@ -194,9 +192,11 @@ class Planner:
 
     def _make_plans(self, config: HyLoConfig, study_due: bool, scale: float) -> list[CapturePlan | None]:
         update, refreshing = self.cadence(config)
-        if not update:
-            kept = frozenset(family.statistic for family in FAMILIES if family.refreshes)
-            return [CapturePlan(kept, scale) if layer.name in refreshing else None for layer in self.layers]
+        if not update:  # the layers refreshing their family's running statistics capture that statistic
+            return [
+                CapturePlan(frozenset({family_of(layer.solver).statistic}), scale) if layer.name in refreshing else None
+                for layer in self.layers
+            ]
         if study_due:
             return [None] * len(self.layers)
         fixed = [self._fixed_family(layer.name, config) for layer in self.layers]
@@ -281,7 +281,7 @@ class Planner:
         for decision in decisions:
             i = index[decision.layer]
             if not gives[family_of(decision.solver).statistic][i]:
-                served = [family for family in FAMILIES if gives[family.statistic][i]]
+                served = [family for family in config.families() if gives[family.statistic][i]]
                 if served:
                     decision = self.policy.substitute(decision, served[0], config)
             reconciled.append(decision)

@@ -24,10 +24,9 @@ from torch import Tensor
 
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
-from hylo.distributed.payload import CONTROL, Payload
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix, checked_results
 from hylo.layers.sharded import is_sharded, local
-from hylo.numerics import checked_results
+from hylo.payload import CONTROL, Payload
 from hylo.solvers import LayerState
 from hylo.solvers.base import Clock, Exchange
 from hylo.state import RegisteredLayer
@@ -142,9 +141,9 @@ def agree_results(
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """The results with the raw-gradient fallback and ``kl_clip`` (``clip`` = (kl_clip, lr)) decided over
     every rank's rows, 1 per layer that fell back (docs/reliability.md, "Fallbacks") and the terms summed over
-    the ranks (:func:`~hylo.numerics.checked_results`).
+    the ranks (:func:`~hylo.layers.gradmatrix.checked_results`).
 
-    One all-reduce of two numbers per layer, each rank's :func:`~hylo.numerics.result_terms` (⟨∇W, V̂⟩ and
+    One all-reduce of two numbers per layer, each rank's :func:`~hylo.layers.gradmatrix.result_terms` (⟨∇W, V̂⟩ and
     ‖V̂‖² over its rows, every rank scaling by the same s from the global ‖∇W‖ ``norms``): every rank judges the
     same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with :func:`~hylo.numerics.sound_results`, so all decide alike,
     and the fallback's ⟨∇W, ∇W⟩ is the norm's square (no second collective).

@@ -30,13 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hylo.config import Strategy
 from hylo.distributed import Communicator, Pending, assign_owners
-from hylo.distributed.payload import Payload
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix, checked_results
 from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
-from hylo.numerics import checked_results
+from hylo.payload import Payload
+from hylo.sections import Strategy
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of, whole_step
 from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
 

@@ -21,12 +21,10 @@ from hylo.layers.gradmatrix import GradMatrix
 from hylo.pipeline.apply import Checked
 from hylo.pipeline.placement import Placement, Ready
 from hylo.pipeline.stage import UpdateStage
-from hylo.records import Decision
+from hylo.records import Decision, StudyResult
 from hylo.solvers import HeldState, RemoteState, UpdateContext
-from hylo.solvers.base import UpdateJob
+from hylo.solvers.base import Clock, UpdateJob
 from hylo.state import UNSOLVED, RegisteredLayer
-from hylo.telemetry.monitor import StudyResult
-from hylo.telemetry.profiling import Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,18 +47,15 @@ class StepValues:
             lr=None if config.lr is None or kl_clip is None else resolve("lr", config.lr, step),
         )
 
-    def context(self, config: HyLoConfig, rank: int, seed: int, watch: Stopwatch) -> UpdateContext:
+    def context(self, config: HyLoConfig, rank: int, seed: int, watch: Clock) -> UpdateContext:
         """The per-update values the solver families read (``seed``: of this update's random draws)."""
         return UpdateContext(
             rank=rank,
             damping=self.damping,
             factor_decay=self.factor_decay,
             seed=seed,
-            kis_estimator=config.lowrank.kis_estimator,
-            kfac_method=config.kfac.kfac_method,
-            kfac_adam=config.kfac_adam,
             watch=watch,
-            rank_energy=config.lowrank.energy,
+            options=config.family_options(),
         )
 
 
@@ -163,7 +158,7 @@ def precondition(
     outcome: Outcome,
     values: StepValues,
     config: HyLoConfig,
-    watch: Stopwatch,
+    watch: Clock,
 ) -> tuple[dict[str, Tensor], Checked]:
     """Every ready layer's preconditioned gradient (with kl_clip scaling), by layer, not yet written back,
     and the check (:class:`~hylo.pipeline.apply.Checked`; ``indices``: each ready layer's among the registered

@@ -6,13 +6,24 @@
 - :mod:`~hylo.solvers.kfac`: the K-FAC family; :mod:`~hylo.solvers.lowrank`: the low-rank family
   and its variants (:class:`RowReduction`), with :mod:`~hylo.solvers.reduce` (KIS sampling, the
   KID skeleton) and :mod:`~hylo.solvers.smw` (the Sherman–Morrison–Woodbury solve);
-- :mod:`~hylo.solvers.kfac_adam`: Adam's moments in the K-FAC eigenbasis, registered as a family;
+- :mod:`~hylo.solvers.bundled`: the families that ship with hylo and register themselves through
+  :func:`register_family` (Adam's moments in the K-FAC eigenbasis);
 - :mod:`~hylo.solvers.registry`: solver names → families, :func:`register_family` and :func:`register_variant`.
 """
 
 from __future__ import annotations
 
-from hylo.solvers.base import GroupKernel, HeldState, LayerState, LoopKernel, RemoteState, SolverFamily, UpdateContext
+from hylo.solvers import bundled  # noqa: F401  (registers the bundled families)
+from hylo.solvers.base import (
+    FamilyOptions,
+    GroupKernel,
+    HeldState,
+    LayerState,
+    LoopKernel,
+    RemoteState,
+    SolverFamily,
+    UpdateContext,
+)
 from hylo.solvers.lowrank import RowReduction
 from hylo.solvers.registry import (
     FAMILIES,
@@ -22,6 +33,7 @@ from hylo.solvers.registry import (
     VariantHandle,
     family_named,
     family_of,
+    family_sections,
     register_family,
     register_variant,
     solver_names,
@@ -32,6 +44,7 @@ from hylo.solvers.smw import LowRankUpdate
 
 __all__ = [
     "FAMILIES",
+    "FamilyOptions",
     "HYBRID",
     "LAYER_SOLVERS",
     "GroupKernel",
@@ -46,6 +59,7 @@ __all__ = [
     "FamilyHandle",
     "VariantHandle",
     "family_named",
+    "family_sections",
     "family_of",
     "register_family",
     "register_variant",

@@ -24,17 +24,18 @@ import dataclasses
 import enum
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-from hylo.distributed.payload import Payload, PayloadKey
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.statistics import CallStatistic
+from hylo.payload import Payload, PayloadKey
+from hylo.rules import Section
 from hylo.solvers.layout import canonicalize
 
 
@@ -275,6 +276,27 @@ class UpdateJob:
     previous: HeldState | None
 
 
+SectionT = TypeVar("SectionT", bound=Section)
+
+
+class FamilyOptions:
+    """Every solver family's options section of one configuration, looked up by the section's type
+    (docs/extending.md, "Family options and statistics"): ``options(KFACConfig).kfac_method``. A section the
+    configuration does not hold (a family registered after it was made) reads as its defaults."""
+
+    def __init__(self, sections: Iterable[Section] = ()) -> None:
+        self._by_type: dict[type[Section], Section] = {type(section): section for section in sections}
+
+    def __call__(self, section: type[SectionT]) -> SectionT:
+        """The configuration's ``section``, or ``section()`` (its defaults) where it holds none."""
+        found = self._by_type.get(section)
+        return found if isinstance(found, section) else section()
+
+    def replaced(self, section: Section) -> FamilyOptions:
+        """These options with ``section`` in place of the one of its type."""
+        return FamilyOptions({**self._by_type, type(section): section}.values())
+
+
 @dataclass(frozen=True)
 class UpdateContext:
     """Per-update values every family phase may need."""
@@ -286,15 +308,8 @@ class UpdateContext:
     seed: int
     #: Where the phases charge their time.
     watch: Clock
-    #: KIS's estimator: ``"unbiased"`` (Horvitz–Thompson weights) or ``"hylo"`` (unweighted).
-    kis_estimator: str = "unbiased"
-    #: How K-FAC layers are solved: ``"eigen"`` or ``"inverse"`` (docs/solvers.md, "The inverse method").
-    kfac_method: str = "eigen"
-    #: The kfac_adam family's options (:class:`hylo.solvers.adam_rule.KFACAdamConfig`; None: its defaults).
-    kfac_adam: Any = None
-    #: Under ``rank_ratio="auto"``, the share of the damped kernel's trace the kept rows explain (None: fixed rank;
-    #: docs/solvers.md, "Adaptive rank").
-    rank_energy: float | None = None
+    #: The families' options: ``context.options(MySection)`` is the configuration's section of that type.
+    options: FamilyOptions = field(default_factory=FamilyOptions)
 
 
 def stacked(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
@@ -351,8 +366,20 @@ class SolverFamily(ABC, Generic[PreparedT]):
     name: ClassVar[str]
     #: The type of this family's solved states.
     state_type: ClassVar[type[LayerState]]
-    #: The statistic of every captured call this family's updates read (docs/design.md, "Memory").
+    #: The statistic of every captured call this family's updates read (docs/design.md, "Memory"): a built-in one
+    #: (:data:`~hylo.layers.FACTORS`, :data:`~hylo.layers.ROWS`) or the family's own :class:`CallStatistic`.
     statistic: ClassVar[CallStatistic[Any]]
+    #: The family's options, a frozen dataclass :class:`~hylo.rules.Section` with a ``section_name`` (None: it has
+    #: none): :class:`hylo.HyLoConfig` holds it, its options are flat keywords, and the phases read it as
+    #: ``context.options(section)`` (docs/extending.md, "Family options and statistics").
+    section: ClassVar[type[Section] | None] = None
+    #: The options :class:`hylo.HyLoOptimizer` gives when it picks this family for an adaptive optimizer (AdamW, …)
+    #: and no ``solver`` is given, ``solver`` among them; the first registered family that has them is picked
+    #: (None: never picked; docs/usage.md, "The optimizer form").
+    adaptive_defaults: ClassVar[Mapping[str, Any] | None] = None
+    #: This family's options taken from the wrapped optimizer's ``defaults`` (ours → theirs) when its solver runs
+    #: under :class:`hylo.HyLoOptimizer` and they are not given.
+    inherited_options: ClassVar[Mapping[str, str]] = {}
 
     @property
     @abstractmethod
@@ -376,8 +403,8 @@ class SolverFamily(ABC, Generic[PreparedT]):
         """Each job's solve inputs from the collective's result; identical on every rank."""
 
     @abstractmethod
-    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
-        """Estimated multiply-adds of a layer of ``shape`` on this family's path."""
+    def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
+        """Estimated multiply-adds of a layer of ``shape`` on this family's path, run with ``options``."""
 
     @abstractmethod
     def solve_cost(self, prepared: PreparedT) -> float:

@@ -19,17 +19,18 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerShape
 from hylo.layers.conv import DEFAULT_KFC_EXPONENT
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
 from hylo.numerics import eigh_many, spd_inverse_many
+from hylo.payload import Payload
 from hylo.rules import COUNT, DECAY, Hyper, IntHyper, Rule, Section, is_real, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     Exchange,
+    FamilyOptions,
     GroupKernel,
     HeldState,
     LayerState,
@@ -89,7 +90,7 @@ class KFACConfig(Section):
         doc="the most MB of one layer's K-FAC state (A, G, their eigenvectors and eigenvalues: 2(d_a² + d_g²) + "
         "d_a + d_g numbers in the working dtype, held on every rank), known at construction: over it "
         "solver='kfac' (or a layer_solvers entry) refuses the layer, naming it, and hybrid never gives it K-FAC. "
-        "2048 (MB of 2²⁰ bytes, an eighth of a 16 GB GPU) keeps K-FAC for layers up to 11,585 wide (a 4096×11008 "
+        "2048 (MB of 2²⁰ bytes, an eighth of a 16 GB GPU) keeps K-FAC for layers up to 11,584 wide (a 4096×11008 "
         "MLP: 1,053 MB) and refuses vocabulary-sized ones (V = 32,000: 7,813 MB); inf or None: no limit",
         rule=Rule(lambda x: is_real(x) and x > 0, "a number > 0 (inf or None: no limit)"),
     )
@@ -101,7 +102,7 @@ class KFACConfig(Section):
 
 def eigen_shapes(d_a: int, d_g: int) -> dict[str, tuple[int, ...]]:
     """The shapes of a (d_g, d_a) layer's running factors and their eigendecompositions, by field name (what
-    :class:`KFACState` holds, and the K-FAC part of :class:`~hylo.solvers.kfac_adam.KFACAdamState`)."""
+    :class:`KFACState` holds, and the K-FAC part of a state that builds on it)."""
     return {
         "factor_a": (d_a, d_a),
         "factor_g": (d_g, d_g),
@@ -379,6 +380,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
     name = "kfac"
     state_type = KFACState
     statistic = FACTORS
+    section = KFACConfig
 
     @property
     def solvers(self) -> tuple[str, ...]:
@@ -398,21 +400,23 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACFactors]:
         """Blend the rank-averaged batch factors into each layer's running factors."""
         factors = running_factors(jobs, received, context.factor_decay, self.name)
-        return [KFACFactors(factor_a, factor_g, context.kfac_method) for factor_a, factor_g in factors]
+        method = context.options(KFACConfig).kfac_method
+        return [KFACFactors(factor_a, factor_g, method) for factor_a, factor_g in factors]
 
-    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
-        """Factors n_k(d_a² + d_g²); by ``shape.kfac_method``, eigendecompositions 4(d_a³ + d_g³) and rotations
+    def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
+        """Factors n_k(d_a² + d_g²); by ``kfac_method``, eigendecompositions 4(d_a³ + d_g³) and rotations
         2 d_a d_g (d_a + d_g) a step, or damped inverses (d_a³ + d_g³) and two products d_a d_g (d_a + d_g).
 
         With P > 1 a rank sends and receives about 3(d_a² + d_g²) numbers per update: the
         all-reduce of A and G (twice their size) and the broadcast of the eigenvectors (or inverses).
         """
         d_a, d_g = shape.d_a, shape.d_g
+        method = options(KFACConfig).kfac_method
         exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
         return CostEstimate(
             build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=solve_work(d_a, d_g, shape.kfac_method),
-            apply=(1.0 if shape.kfac_method == "inverse" else 2.0) * d_a * d_g * (d_a + d_g),
+            solve=solve_work(d_a, d_g, method),
+            apply=(1.0 if method == "inverse" else 2.0) * d_a * d_g * (d_a + d_g),
             bytes=exchanged * shape.itemsize,
         )
 

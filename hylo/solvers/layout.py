@@ -44,7 +44,7 @@ def canonical(tensor: Tensor) -> Tensor:
 
 #: Values that hold no tensor (a tuple: ``isinstance`` with a ``|`` union would build the union at every call).
 _PLAIN = (int, float, str, bool, type(None))
-#: Init fields of each dataclass type :func:`canonical_held` has walked (a state is rebuilt at every kfac_adam step).
+#: Init fields of each dataclass type :func:`canonical_held` has walked (a state that advances is rebuilt at every step).
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 

@@ -28,15 +28,16 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.rows import FactoredRows, OneHotRows, SampleRows, rows_from_fields
 from hylo.layers.statistics import ROWS
+from hylo.payload import Payload
 from hylo.rules import COUNT, RATIO, Rule, Section, is_bool, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     Exchange,
+    FamilyOptions,
     GroupKernel,
     LayerState,
     LoopKernel,
@@ -148,13 +149,14 @@ class RowReduction(ABC):
     ``rank_ratio``/``rank``, or n when :attr:`keeps_all`), optionally with interpolation weights
     W_p; after the all-gather, :meth:`update` turns every rank's kept rows into the SMW solve's
     input. The solve and the preconditioned gradient are the family's (docs/solvers.md, "SNGD").
-    Under ``rank_ratio="auto"`` r is the cap and ``context.rank_energy`` the energy target: a variant
+    Under ``rank_ratio="auto"`` r is the cap and ``context.options(LowRankConfig).energy`` the energy target: a variant
     that :attr:`adapts_rank` keeps as few rows as the target allows (it may return fewer than r).
     """
 
     #: Whether the variant keeps every row (``r = n``) instead of the configured rank.
     keeps_all: ClassVar[bool] = False
-    #: Whether :meth:`reduce` chooses its rank from ``context.rank_energy`` under ``rank_ratio="auto"``.
+    #: Whether :meth:`reduce` chooses its rank from ``context.options(LowRankConfig).energy`` under
+    #: ``rank_ratio="auto"``.
     adapts_rank: ClassVar[bool] = False
 
     @classmethod
@@ -216,9 +218,10 @@ class SampledRows(RowReduction):
         if r >= rows.count:
             return rows, None
         weights = rows.sq_norms()
-        if context.rank_energy is not None:
-            r = sketched_rank(rows, weights, r, dropped_mass(rows, context.damping, context.rank_energy), generator)
-        if context.kis_estimator == "hylo":
+        options = context.options(LowRankConfig)
+        if options.energy is not None:
+            r = sketched_rank(rows, weights, r, dropped_mass(rows, context.damping, options.energy), generator)
+        if options.kis_estimator == "hylo":
             return rows.select(kis_select(weights, r, generator)), None
         keep, factors = priority_sample(weights, r, generator)
         return rows.select(keep).scaled(factors.sqrt()), None
@@ -227,7 +230,7 @@ class SampledRows(RowReduction):
         self, rows: SampleRows, counts: list[list[float]], weights: Tensor | None, context: UpdateContext
     ) -> LowRankUpdate:
         """The gathered samples with divisor B (``"hylo"``: m)."""
-        divisor = rows.count if context.kis_estimator == "hylo" else _total_rows(counts)
+        divisor = rows.count if context.options(LowRankConfig).kis_estimator == "hylo" else _total_rows(counts)
         return LowRankUpdate(rows, divisor)
 
     def local_work(self, shape: LayerShape) -> float:
@@ -251,7 +254,8 @@ class SkeletonRows(RowReduction):
         ``rank_ratio="auto"`` the pivoted Cholesky stops once the rows left carry at most the allowed mass."""
         n = rows.count
         if r < n:
-            stop = None if context.rank_energy is None else dropped_mass(rows, context.damping, context.rank_energy)
+            energy = context.options(LowRankConfig).energy
+            stop = None if energy is None else dropped_mass(rows, context.damping, energy)
             keep, w_local = kid_skeleton(rows, r, stop)
             return rows.select(keep), w_local.to(rows.dtype)
         return rows, torch.eye(n, dtype=rows.dtype, device=rows.device)
@@ -285,6 +289,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
     name = "lowrank"
     state_type = LowRankState
     statistic = ROWS
+    section = LowRankConfig
 
     def __init__(self) -> None:
         #: The variants by solver name, in registration order.
@@ -318,7 +323,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
             rows = job.batch.collect(ROWS)
             context.watch.lap("capture", job.name)
             n, r = rows.count, self.rows_kept(job.batch, job.solver)
-            if context.rank_energy is not None and not variant.runs_adaptive():
+            if context.options(LowRankConfig).energy is not None and not variant.runs_adaptive():
                 raise ValueError(
                     f"low-rank variant {job.solver!r} does not choose its rank (adapts_rank is False): "
                     "rank_ratio='auto' needs kid, kis or a variant that does"
@@ -352,7 +357,7 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         """n for ``sngd``, the configured r for ``kid``/``kis``."""
         return batch.rows if self.variant(solver).keeps_all else batch.kept
 
-    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
+    def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
         """Rows and local reduction; gathered kernel m²·w and SMW m³; apply 2 m d_a d_g a step.
 
         m = P·n for ``sngd`` and P·r for ``kid``/``kis``; w = d_a + d_g for factored rows and

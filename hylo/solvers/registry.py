@@ -4,19 +4,21 @@ docs/design.md, "Solver families". The update stage groups layers by family and 
 family interface (:class:`~hylo.solvers.base.SolverFamily`); nothing outside this package, the
 configuration and the hybrid policy tests a solver's or a family's name. The built-in solvers are
 ``kfac`` (the K-FAC family) and the low-rank family's variants ``sngd``, ``kid`` and ``kis``;
-:func:`register_family` adds a family (``kfac_adam``, Adam in the K-FAC eigenbasis, is registered
-through it) and :func:`register_variant` a low-rank variant, from user code (docs/extending.md).
+:func:`register_family` adds a family with its options and statistic (the families of
+:mod:`hylo.solvers.bundled` are registered through it, as a user's is) and :func:`register_variant` a
+low-rank variant, from user code (docs/extending.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
-from hylo.rules import Rule
+from hylo.layers.statistics import CallStatistic
+from hylo.rules import Rule, Section
 from hylo.solvers.base import SolverFamily
 from hylo.solvers.kfac import KFACFamily
-from hylo.solvers.kfac_adam import KFACAdamFamily
 from hylo.solvers.lowrank import ExactRows, LowRankFamily, RowReduction, SampledRows, SkeletonRows
 
 #: The low-rank family: its variants are the registered row reductions.
@@ -24,6 +26,9 @@ LOWRANK = LowRankFamily()
 #: The families, in the order the stage launches their collectives (K-FAC's all-reduce first,
 #: so that it overlaps the low-rank local reductions), then those :func:`register_family` added.
 FAMILIES: list[SolverFamily[Any]] = [KFACFamily(), LOWRANK]
+#: Every option name and section name a configuration has beyond the families' sections (the top level and the
+#: sections of :mod:`hylo.config`, which fills it): a registered family's section and options take none of them.
+RESERVED_NAMES: set[str] = set()
 #: What ``solver="hybrid"`` asks for: a solver per layer and update, chosen by the policy.
 HYBRID = "hybrid"
 #: The built-in solvers, in their fixed order (the first entries of :func:`solver_names`).
@@ -48,7 +53,7 @@ def family_of(solver: str) -> SolverFamily:
 
 def whole_step(solver: str) -> bool:
     """Whether ``solver``'s result is the whole update direction (its family's states advance each step, as
-    ``kfac_adam``'s moments do), so that its parameters take SGD without momentum (docs/usage.md, "Adaptive
+    Adam's moments do), so that its parameters take SGD without momentum (docs/usage.md, "Adaptive
     solvers"); False for ``"hybrid"``, which is no one layer's solver."""
     return solver != HYBRID and family_of(solver).state_type.advances
 
@@ -134,19 +139,26 @@ class FamilyHandle:
 def register_family(family: SolverFamily[Any]) -> FamilyHandle:
     """Add a solver family: its solvers become names for ``solver``, ``layer_solvers``, ``solver_fn``, the policy's
     ``kfac_solver`` and the studies, with the stage, checkpoints, FSDP2 and the cost model going through its
-    interface (:class:`~hylo.solvers.base.SolverFamily`; docs/extending.md, "Solver families").
+    interface (:class:`~hylo.solvers.base.SolverFamily`; docs/extending.md, "Solver families"). Its options
+    section becomes a section of :class:`hylo.HyLoConfig` and its options flat keywords; its statistic is what the
+    layers' hooks capture for it.
 
     ``ValueError`` unless ``family`` is a ``SolverFamily`` instance whose name is new, whose solver names are
-    lowercase letters, digits and '_' and not taken, and whose ``statistic`` is one the built-in families capture
-    (K-FAC's factors or the per-sample rows). Register it on every rank, before making a config that names it.
+    lowercase letters, digits and '_' and not taken, whose ``statistic`` is a
+    :class:`~hylo.layers.statistics.CallStatistic` instance, and whose ``section`` (if any) is a frozen
+    :class:`~hylo.rules.Section` dataclass whose name and option names no other option or section has. Register it
+    on every rank, before making a config that names it.
     """
     if not isinstance(family, SolverFamily):
         raise ValueError(f"register_family needs a hylo.solvers.SolverFamily instance, got {type(family).__name__}")
     if any(other.name == family.name for other in FAMILIES):
         raise ValueError(f"a solver family named {family.name!r} is registered already")
-    statistics = [other.statistic for other in FAMILIES[:2]]
-    if family.statistic not in statistics:
-        raise ValueError(f"family {family.name!r} reads statistic {family.statistic!r}; expected one of {statistics}")
+    statistic = getattr(family, "statistic", None)
+    if not isinstance(statistic, CallStatistic):
+        raise ValueError(
+            f"family {family.name!r}: statistic must be a hylo.layers.CallStatistic instance, got {statistic!r}"
+        )
+    _check_section(family)
     taken = solver_names()
     for name in family.solvers:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -159,4 +171,33 @@ def register_family(family: SolverFamily[Any]) -> FamilyHandle:
     return FamilyHandle(family)
 
 
-register_family(KFACAdamFamily())
+def family_sections() -> list[type[Section]]:
+    """The options sections of the registered families, in registration order."""
+    return [family.section for family in FAMILIES if family.section is not None]
+
+
+def _check_section(family: SolverFamily[Any]) -> None:
+    """``ValueError`` unless ``family.section`` is None, a registered family's (the two share it), or a frozen Section
+    dataclass whose section and option names are free (none of :data:`RESERVED_NAMES`, none of another family's)."""
+    section = family.section
+    if section is None or section in family_sections():  # none, or shared with the family that brought it
+        return
+    if not (isinstance(section, type) and issubclass(section, Section) and dataclasses.is_dataclass(section)):
+        raise ValueError(f"family {family.name!r}: section must be a Section dataclass, got {section!r}")
+    if not section.__dataclass_params__.frozen:
+        raise ValueError(f"family {family.name!r}: section {section.__name__} must be a frozen dataclass")
+    name = section.section_name
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"family {family.name!r}: section {section.__name__} needs a section_name, got {name!r}")
+    taken = set(RESERVED_NAMES)
+    for other in family_sections():
+        taken |= {str(other.section_name), *other.option_specs()}
+    clashes = sorted({name, *section.option_specs()} & taken)
+    if clashes:
+        raise ValueError(f"family {family.name!r}: section {section.__name__} reuses option or section names {clashes}")
+    try:
+        section()
+    except Exception as err:
+        raise ValueError(
+            f"family {family.name!r}: section {section.__name__}() fails with its defaults: {err}"
+        ) from err

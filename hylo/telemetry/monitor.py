@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -18,23 +17,14 @@ from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.records import Decision
+from hylo.records import Decision, StudyResult
 from hylo.solvers import LAYER_SOLVERS, UpdateContext, family_of, solver_names
 from hylo.state import RegisteredLayer
 from hylo.telemetry.profiling import DISABLED, Stopwatch
 from hylo.telemetry.recorder import LayerTiming, Recorder
 from hylo.telemetry.recording import run_info
-from hylo.telemetry.studies import ErrorRecord, RankRecord, StudyRunner
+from hylo.telemetry.studies import StudyRunner
 from hylo.trend import GradNormTrend
-
-
-@dataclass
-class StudyResult:
-    """The studies' records of one update and the bytes they sent, by tag."""
-
-    rank: list[RankRecord]
-    errors: list[ErrorRecord]
-    traffic: dict[str, int]
 
 
 class Telemetry:

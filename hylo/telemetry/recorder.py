@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hylo.records import Decision
+from hylo.records import Decision, ErrorRecord, RankRecord
 from hylo.telemetry.profiling import PHASES, STEP_SLOTS, StepTimes
 from hylo.telemetry.recording import CsvLog, ProfileFiles
-from hylo.telemetry.studies import RANK_LEVELS, ErrorRecord, RankRecord
+from hylo.telemetry.studies import RANK_LEVELS
 
 _PHASE_MS = tuple(f"{phase}_ms" for phase in PHASES)
 TIMING_COLUMNS = (

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,6 +31,7 @@ from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import LayerMath
 from hylo.layers.rows import SampleRows
 from hylo.pipeline.stage import UpdateStage
+from hylo.records import ErrorRecord, RankRecord
 from hylo.solvers import family_of
 from hylo.solvers.base import LayerState, UpdateContext, UpdateJob
 from hylo.solvers.lowrank import ADAPTIVE
@@ -57,29 +57,6 @@ def numerical_ranks(eigenvalues: Tensor, levels: Sequence[float] = RANK_LEVELS) 
     targets = torch.tensor([level - 1e-12 for level in levels], dtype=cumulative.dtype)
     found = torch.searchsorted(cumulative, targets)
     return [min(int(i) + 1, eigenvalues.numel()) for i in found]
-
-
-@dataclass(frozen=True)
-class RankRecord:
-    """One layer's row of rank-analysis.csv."""
-
-    layer: str
-    batch_rows: int
-    reference: str
-    ranks: list[int]
-    eigenvalues: list[float]
-
-
-@dataclass(frozen=True)
-class ErrorRecord:
-    """One (layer, method, ratio) row of grad-error.csv."""
-
-    layer: str
-    method: str
-    #: The ρ measured at, ``"auto"`` (``rank_ratio="auto"``'s choice) or None (a method that keeps every row).
-    rank_ratio: float | str | None
-    rel_error: float
-    reference: str
 
 
 class StudyRunner:
@@ -178,6 +155,7 @@ class StudyRunner:
         for method in config.telemetry.grad_error_methods:
             family = family_of(method)
             for ratio in ratios if family.reduces_rows(method) else (None,):
+                method_context = context
                 if family.solves_rows(method) and ratio is None:  # exact SNGD on the run's own rows
                     method_batches = list(batches)
                 elif ratio is None:
@@ -186,8 +164,8 @@ class StudyRunner:
                     cap = config.lowrank.rank if ratio == ADAPTIVE else None  # a fixed ρ is measured at ρ itself
                     lowrank = dataclasses.replace(config.lowrank, rank_ratio=ratio, rank=cap)
                     method_batches = [dataclasses.replace(b, kept=lowrank.rows_kept(b.rows)) for b in reference_batches]
-                energy = config.lowrank.rank_energy if ratio == ADAPTIVE else None
-                states = self._solve(names, method, method_batches, dataclasses.replace(context, rank_energy=energy))
+                    method_context = dataclasses.replace(context, options=context.options.replaced(lowrank))
+                states = self._solve(names, method, method_batches, method_context)
                 if not lead:
                     continue
                 for name, target in targets.items():

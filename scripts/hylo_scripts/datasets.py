@@ -461,7 +461,7 @@ class TorchvisionOps:
         except ImportError as e:
             raise ImportError(
                 "image_backend='torchvision' needs torchvision, which does not import here "
-                f"({e}): pip install torchvision (or pip install -e '.[vision]'), or use image_backend='pillow'"
+                f"({e}): pip install torchvision (or pip install -e './scripts[vision]'), or use image_backend='pillow'"
             ) from e
 
     @staticmethod

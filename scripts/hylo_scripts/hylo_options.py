@@ -201,11 +201,7 @@ def check(cfg: RunConfig) -> None:
         raise ValueError(str(err)) from err
 
 
-def run_defaults() -> dict[str, Any]:
-    """A run's configuration at its defaults, as JSON values, with every option of ``hylo`` at its default:
-    what a checkpoint written before a field or an option existed is compared as."""
-    from hylo_scripts.runconfig import RunConfig
-
-    defaults = RunConfig().to_json()
-    defaults["hylo"] = json.loads(json.dumps({spec.name: _normal(spec, default(spec)) for spec in user_options()}))
-    return defaults
+def default_options() -> dict[str, Any]:
+    """Every option of :func:`user_options` at its default (:func:`default`), as JSON values, in hylo's order
+    (``RunConfig.hylo`` of :func:`hylo_scripts.runconfig.run_defaults`)."""
+    return json.loads(json.dumps({spec.name: _normal(spec, default(spec)) for spec in user_options()}))

@@ -48,11 +48,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 import hylo
 from hylo_scripts import checkpoint
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
-from hylo_scripts.hylo_options import ADAPTIVE, preconditioner_options, run_defaults
+from hylo_scripts.hylo_options import ADAPTIVE, preconditioner_options
 from hylo_scripts.models import MODELS, build_model
 from hylo_scripts.optimizers import adapted_optimizer
 from hylo_scripts.process import rank_and_world
-from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.runconfig import RunConfig, run_defaults
 from hylo_scripts.rundir import append_metrics, model_summary, write_run_files
 from hylo_scripts.schedules import lr_factor
 from hylo_scripts.tasks import TASKS

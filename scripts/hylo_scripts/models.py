@@ -2,8 +2,9 @@
 
 ``MODELS`` maps a name to a :class:`ModelSpec`: a builder ``build(input_shape, num_classes)``, the
 canonical image shape (C, H, W) and class count, the task, and :meth:`ModelSpec.fits`, which says
-why a model cannot take a given shape. :func:`build_model` builds one (canonical shape by default)
-and :func:`models_for` lists the models a dataset can train.
+why a model cannot take a given shape (by its task's :class:`Inputs`, in :data:`INPUTS`).
+:func:`build_model` builds one (canonical shape by default) and :func:`models_for` lists the models a
+dataset can train.
 
 - ``cnn``, ``mlp``: the small MNIST networks, for any (C, H, W) (cnn: H, W ≥ 4).
 - ``3c1f``: HyLo's Fashion-MNIST network, three 3×3 convolutions of 128 channels, a 3×3 max-pool
@@ -37,14 +38,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from hylo_scripts.tasks import Task
 
 #: An input shape: (channels, height, width) of an image, or (length,) of a token sequence.
 Shape = tuple[int, ...]
@@ -385,23 +383,110 @@ class ModelSpec:
 
     def fits(self, input_shape: Shape, num_classes: int | None = None) -> str | None:
         """None if the model takes ``input_shape`` inputs (and predicts ``num_classes``), else the reason."""
-        return _task(self.task).fits(self, input_shape, num_classes)
+        return INPUTS[self.task].fits(self, input_shape, num_classes)
 
     def shape(self, side: int | None = None) -> Shape:
         """The canonical input shape, with ``side`` as H and W (a language model's T) when given."""
-        return _task(self.task).shape(self, side)
+        return INPUTS[self.task].shape(self, side)
 
     def random_batch(self, batch: int, side: int | None = None) -> tuple[Tensor, Tensor]:
         """Random inputs of :meth:`shape` and targets from the global RNG: class labels, {0, 1} float
         masks of ``num_classes`` maps for segmentation, or uniform tokens (inputs and next tokens)."""
-        return _task(self.task).random_batch(self, batch, side)
+        return INPUTS[self.task].random_batch(self, batch, side)
 
 
-def _task(name: str) -> Task:
-    """The task of a model (:mod:`hylo_scripts.tasks`, which reads this registry: imported when first needed)."""
-    from hylo_scripts.tasks import TASKS
+class Inputs:
+    """What the models of one task take and predict (a :class:`ModelSpec`'s ``task`` is its key in :data:`INPUTS`,
+    as in :data:`hylo_scripts.tasks.TASKS`): which input shapes fit, the canonical one, random batches."""
 
-    return TASKS[name]
+    #: The task's key.
+    name: ClassVar[str]
+
+    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
+        """None if the task's model ``spec`` takes ``input_shape`` inputs (and predicts ``num_classes``), else why."""
+        raise NotImplementedError
+
+    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
+        """The model's canonical input shape, with ``side`` as H and W (a sequence's T) when given."""
+        raise NotImplementedError
+
+    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
+        """Random inputs of :meth:`shape` and targets of the task from the global RNG."""
+        raise NotImplementedError
+
+
+class ImageInputs(Inputs):
+    """The image tasks' inputs: (C, H, W) images."""
+
+    #: The fewest classes a model of the task predicts.
+    min_classes: ClassVar[int] = 1
+
+    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
+        if len(input_shape) != 3 or min(input_shape) < 1:
+            return f"the input shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
+        channels, height, width = input_shape
+        if spec.channels is not None and channels != spec.channels:
+            return f"it takes {spec.channels}-channel images, got {channels} channels"
+        if min(height, width) < spec.min_side:
+            return f"it needs H and W of at least {spec.min_side}, got {height}×{width}"
+        if height % spec.multiple or width % spec.multiple:
+            return f"it needs H and W divisible by {spec.multiple}, got {height}×{width}"
+        if num_classes is not None and num_classes < self.min_classes:
+            return f"a {self.name} model needs at least {self.min_classes} classes, got {num_classes}"
+        return None
+
+    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
+        channels, height, width = spec.input_shape
+        return (channels, height, width) if side is None else (channels, side, side)
+
+
+class ClassificationInputs(ImageInputs):
+    """Images and class labels."""
+
+    name = "classification"
+    min_classes = 2
+
+    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
+        channels, height, width = self.shape(spec, side)
+        return torch.randn(batch, channels, height, width), torch.randint(0, spec.num_classes, (batch,))
+
+
+class SegmentationInputs(ImageInputs):
+    """Images and {0, 1} float masks of ``num_classes`` maps."""
+
+    name = "segmentation"
+
+    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
+        channels, height, width = self.shape(spec, side)
+        x = torch.randn(batch, channels, height, width)
+        return x, torch.randint(0, 2, (batch, spec.num_classes, height, width)).float()
+
+
+class TokenInputs(Inputs):
+    """A language model's inputs: (T,) token sequences over a vocabulary of ``num_classes``; uniform tokens as
+    inputs and next tokens."""
+
+    name = "lm"
+
+    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
+        if len(input_shape) != 1 or input_shape[0] < 1:
+            return f"the input shape must be (T,) with a positive sequence length T, got {tuple(input_shape)}"
+        if num_classes is not None and num_classes < 2:
+            return f"a language model needs a vocabulary of at least 2 tokens, got {num_classes}"
+        return None
+
+    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
+        return spec.input_shape if side is None else (side,)
+
+    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
+        (length,) = self.shape(spec, side)
+        return torch.randint(0, spec.num_classes, (batch, length)), torch.randint(0, spec.num_classes, (batch, length))
+
+
+#: Each task's inputs, by the task's key (the keys of :data:`hylo_scripts.tasks.TASKS`).
+INPUTS: dict[str, Inputs] = {
+    inputs.name: inputs for inputs in (ClassificationInputs(), SegmentationInputs(), TokenInputs())
+}
 
 
 def _cifar_resnet(depth: int) -> Callable[[Shape, int], nn.Module]:
@@ -460,15 +545,9 @@ def build_model(
     return spec.build(shape, classes, **options)
 
 
-def _task_names() -> list[str]:
-    from hylo_scripts.tasks import TASKS
-
-    return list(TASKS)
-
-
 def model_names(task: str = "classification") -> list[str]:
     """Names of the registered ``task`` models (the image benchmarks' choices: classifiers)."""
-    tasks = tuple(_task_names())
+    tasks = tuple(INPUTS)
     if task not in tasks:
         raise ValueError(f"task must be one of {tasks}, got {task!r}")
     return [name for name, spec in MODELS.items() if spec.task == task]

@@ -1,4 +1,4 @@
-"""The run configuration: :class:`RunConfig`, one training run, checked when it is made."""
+"""The run configuration: :class:`RunConfig`, one training run, checked when it is made, and :func:`run_defaults`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hylo_scripts.data import DATASETS
-from hylo_scripts.hylo_options import check, run_options, solver_choices
+from hylo_scripts.hylo_options import check, default_options, run_options, solver_choices
 from hylo_scripts.models import MODELS
 from hylo_scripts.process import BACKENDS
 from hylo_scripts.schedules import LR_SCHEDULES
@@ -186,3 +186,9 @@ class RunConfig:
         """The fields as JSON values (tuples as lists; ``hylo`` an object); ``RunConfig(**cfg.to_json())`` gives
         ``cfg`` back."""
         return json.loads(json.dumps(asdict(self)))
+
+
+def run_defaults() -> dict[str, Any]:
+    """A run's configuration at its defaults, as JSON values, with every option of ``hylo`` at its default:
+    what a checkpoint written before a field or an option existed is compared as."""
+    return {**RunConfig().to_json(), "hylo": default_options()}

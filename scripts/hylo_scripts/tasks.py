@@ -4,7 +4,9 @@ A task owns everything the engine and the flags do differently for it: the train
 evaluation (and how it shards the test set over the ranks), the name of its test metric in
 ``metrics.csv``, the dtype of the model's input, the :class:`~hylo_scripts.runconfig.RunConfig`
 fields that are its alone, its data flags and the flags that mean nothing for it. A dataset's
-``spec.task`` (:data:`hylo_scripts.data.DATASETS`) is the key of its task in :data:`TASKS`.
+``spec.task`` (:data:`hylo_scripts.data.DATASETS`) is the key of its task in :data:`TASKS`; what the
+task's models take and predict (the input shapes that fit, random batches) is the model registry's,
+under the same key (:data:`hylo_scripts.models.INPUTS`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.utils.data import DataLoader
 from hylo_scripts.argtypes import byte_cap, positive_int
 from hylo_scripts.data import DATASETS, DataSplits
 from hylo_scripts.datasets import SliceDataset
-from hylo_scripts.models import MODELS, ModelSpec, Shape
+from hylo_scripts.models import MODELS
 from hylo_scripts.process import rank_and_world
 from hylo_scripts.segmentation import dice_loss, mean_volume_dsc
 from hylo_scripts.text import DEFAULT_SEQ_LEN
@@ -95,19 +97,6 @@ class Task:
                 raise ValueError(f"{', '.join(given)}: options of {task.models}, not of the {self.name} task")
         return {}
 
-    # ------------------------------------------------------------------ its models' inputs and targets
-    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
-        """None if the task's model ``spec`` takes ``input_shape`` inputs (and predicts ``num_classes``), else why."""
-        raise NotImplementedError
-
-    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
-        """The model's canonical input shape, with ``side`` as H and W (a sequence's T) when given."""
-        raise NotImplementedError
-
-    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
-        """Random inputs of :meth:`shape` and targets of the task from the global RNG."""
-        raise NotImplementedError
-
     # ------------------------------------------------------------------ flags
     def add_data_arguments(self, group: argparse._ArgumentGroup) -> None:
         """The task's data and size flags."""
@@ -125,28 +114,7 @@ class Task:
 
 
 class ImageTask(Task):
-    """The image tasks: (C, H, W) inputs, ImageNet's crop and pixel backend, LGG's slice size."""
-
-    #: The fewest classes a model of the task predicts.
-    min_classes: ClassVar[int] = 1
-
-    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
-        if len(input_shape) != 3 or min(input_shape) < 1:
-            return f"the input shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
-        channels, height, width = input_shape
-        if spec.channels is not None and channels != spec.channels:
-            return f"it takes {spec.channels}-channel images, got {channels} channels"
-        if min(height, width) < spec.min_side:
-            return f"it needs H and W of at least {spec.min_side}, got {height}×{width}"
-        if height % spec.multiple or width % spec.multiple:
-            return f"it needs H and W divisible by {spec.multiple}, got {height}×{width}"
-        if num_classes is not None and num_classes < self.min_classes:
-            return f"a {self.name} model needs at least {self.min_classes} classes, got {num_classes}"
-        return None
-
-    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
-        channels, height, width = spec.input_shape
-        return (channels, height, width) if side is None else (channels, side, side)
+    """The image tasks' flags: ImageNet's crop and pixel backend, LGG's slice size."""
 
     def add_data_arguments(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--image-size", type=positive_int, help="ImageNet crop / LGG slice side (default 224 / 256)")
@@ -174,12 +142,6 @@ class Classification(ImageTask):
     models = "classifiers"
     metric = "test_acc"
     label_smoothing = True
-    min_classes = 2
-
-    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
-        """Images and class labels."""
-        channels, height, width = self.shape(spec, side)
-        return torch.randn(batch, channels, height, width), torch.randint(0, spec.num_classes, (batch,))
 
     def loss(self, cfg: RunConfig, output: Tensor, target: Tensor) -> Tensor:
         return nn.functional.cross_entropy(output, target, label_smoothing=cfg.label_smoothing)
@@ -209,12 +171,6 @@ class Segmentation(ImageTask):
     name = "segmentation"
     models = "segmentation models"
     metric = "test_dsc"
-
-    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
-        """Images and {0, 1} float masks of ``num_classes`` maps."""
-        channels, height, width = self.shape(spec, side)
-        x = torch.randn(batch, channels, height, width)
-        return x, torch.randint(0, 2, (batch, spec.num_classes, height, width)).float()
 
     def loss(self, cfg: RunConfig, output: Tensor, target: Tensor) -> Tensor:
         return dice_loss(output, target)
@@ -255,21 +211,6 @@ class LanguageModel(Task):
 
     def loss(self, cfg: RunConfig, output: Tensor, target: Tensor) -> Tensor:
         return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
-
-    def fits(self, spec: ModelSpec, input_shape: Shape, num_classes: int | None) -> str | None:
-        if len(input_shape) != 1 or input_shape[0] < 1:
-            return f"the input shape must be (T,) with a positive sequence length T, got {tuple(input_shape)}"
-        if num_classes is not None and num_classes < 2:
-            return f"a language model needs a vocabulary of at least 2 tokens, got {num_classes}"
-        return None
-
-    def shape(self, spec: ModelSpec, side: int | None) -> Shape:
-        return spec.input_shape if side is None else (side,)
-
-    def random_batch(self, spec: ModelSpec, batch: int, side: int | None) -> tuple[Tensor, Tensor]:
-        """Uniform tokens: inputs and next tokens."""
-        (length,) = self.shape(spec, side)
-        return torch.randint(0, spec.num_classes, (batch, length)), torch.randint(0, spec.num_classes, (batch, length))
 
     @torch.no_grad()
     def evaluate(

@@ -18,6 +18,7 @@ from hylo_scripts.loop import make_preconditioner
 from hylo_scripts.models import build_model
 from hylo_scripts.options import build_parser, config_from_args
 from hylo_scripts.runconfig import RunConfig
+from tests.kit.internals import option_actions
 
 TRAINERS = {"classification": train, "segmentation": train_segmentation, "lm": train_lm}
 
@@ -27,7 +28,7 @@ def _parser(task: str) -> argparse.ArgumentParser:
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {action.dest: action for action in parser._actions if action.option_strings}
+    return {action.dest: action for action in option_actions(parser) if action.option_strings}
 
 
 @pytest.mark.parametrize("task", list(TRAINERS))

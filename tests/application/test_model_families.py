@@ -157,7 +157,9 @@ def expected_layers(model: nn.Module) -> list[str]:
     """The layers hylo should register, found without hylo: modules of exactly a supported class (a subclass with a
     forward of its own is another operation), convolutions ungrouped, whose weight is trainable and held by that
     module alone."""
-    holders = Counter(id(p) for module in model.modules() for p in module._parameters.values() if p is not None)
+    holders = Counter(
+        id(p) for module in model.modules() for _, p in module.named_parameters(recurse=False, remove_duplicate=False)
+    )
     return sorted(
         name
         for name, module in model.named_modules()

@@ -27,6 +27,7 @@ from hylo_scripts.models import build_model
 from hylo_scripts.options import build_parser, config_from_args
 from hylo_scripts.schedules import damping_schedule, lr_factor
 from tests.kit import fixtures
+from tests.kit.internals import option_actions
 
 ROOT = Path(__file__).resolve().parents[2]
 TIME_COLUMNS = {"epoch_time_s", "total_time_s", "precondition_time_s"}
@@ -132,7 +133,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
             script.main(["--help"])
         out = capsys.readouterr().out
         parser = build_parser("x", task="classification", defaults={})
-        for action in parser._actions:
+        for action in option_actions(parser):
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{action.option_strings} has no help"
         for flag in (

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from hylo import HyLoPreconditioner
 from hylo.layers.gradmatrix import GradMatrix
@@ -67,9 +69,23 @@ def grads(model: nn.Module) -> list[Tensor]:
 def state_snapshot(pre: HyLoPreconditioner) -> dict[str, dict[str, Tensor] | None]:
     """Copies of every registered layer's state tensors, by layer name (``None`` before any update)."""
     return {
-        layer.name: None if layer.state is None else {k: v.detach().clone() for k, v in layer.state.tensors().items()}
-        for layer in pre._layers
+        info.name: None if info.state is None else {k: v.detach().clone() for k, v in info.state.tensors.items()}
+        for info in pre.layer_info()
     }
+
+
+class Unfolds(TorchFunctionMode):
+    """Records the bytes of every block of patches ``F.unfold`` returns while active (a convolution's chunks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is F.unfold:
+            self.sizes.append(out.nbytes)
+        return out
 
 
 def assert_same_tensors(a: object, b: object) -> None:

@@ -148,17 +148,17 @@ class ThreadBackend:
                     f"ThreadCluster: all_gather on rank {self.rank}: output {p} is {_describe(out)}, "
                     f"the input is {_describe(tensor)}"
                 )
-        deposits = self.cluster._exchange(self.rank, "all_gather", tensor, None)
+        deposits = self.cluster.exchange(self.rank, "all_gather", tensor, None)
         for out, deposit in zip(outputs, deposits, strict=True):
             out.copy_(deposit.tensor)
-        self.cluster._leave(self.rank, "all_gather")
+        self.cluster.leave(self.rank, "all_gather")
         return DoneWork()
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp) -> DoneWork:
         """Reduce ``tensor`` over ranks in place, in the fixed order rank 0, 1, …"""
         if op not in ("sum", "min", "max"):
             raise RuntimeError(f"ThreadCluster: unknown reduce op {op!r} on rank {self.rank}")
-        deposits = self.cluster._exchange(self.rank, "all_reduce", tensor, op)
+        deposits = self.cluster.exchange(self.rank, "all_reduce", tensor, op)
         result = deposits[0].tensor.clone()
         for deposit in deposits[1:]:
             if op == "sum":
@@ -167,7 +167,7 @@ class ThreadBackend:
                 result = torch.minimum(result, deposit.tensor)
             else:
                 result = torch.maximum(result, deposit.tensor)
-        self.cluster._leave(self.rank, "all_reduce")
+        self.cluster.leave(self.rank, "all_reduce")
         tensor.copy_(result)
         return DoneWork()
 
@@ -175,10 +175,10 @@ class ThreadBackend:
         """Overwrite ``tensor`` with rank ``src``'s in place."""
         if not 0 <= src < self.world_size:
             raise RuntimeError(f"ThreadCluster: broadcast from rank {src} on rank {self.rank}: no such rank")
-        deposits = self.cluster._exchange(self.rank, "broadcast", tensor, src)
+        deposits = self.cluster.exchange(self.rank, "broadcast", tensor, src)
         if self.rank != src:
             tensor.copy_(deposits[src].tensor)
-        self.cluster._leave(self.rank, "broadcast")
+        self.cluster.leave(self.rank, "broadcast")
         return DoneWork()
 
 
@@ -291,7 +291,7 @@ class ThreadCluster:
             )
             raise RuntimeError(f"ThreadCluster: {op} on rank {rank} aborted while {phase}: {why}") from None
 
-    def _exchange(self, rank: int, op: Collective, tensor: Tensor, detail: int | str | None) -> list[_Deposit]:
+    def exchange(self, rank: int, op: Collective, tensor: Tensor, detail: int | str | None) -> list[_Deposit]:
         """Deposit ``tensor``, meet the others, check agreement; return every rank's deposit."""
         self.calls[rank][op] += 1
         self.log[rank].append(CallRecord(op, tensor.dtype, tensor.numel(), detail))
@@ -313,7 +313,7 @@ class ThreadCluster:
             )
         return deposits
 
-    def _leave(self, rank: int, op: Collective) -> None:
+    def leave(self, rank: int, op: Collective) -> None:
         """Second meeting: after it, slots may be overwritten by the next collective."""
         self._wait(rank, op, "waiting for the other ranks to read")
 

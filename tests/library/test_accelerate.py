@@ -44,11 +44,15 @@ FORMS = ("optimizer", "preconditioner")
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state() -> Iterator[None]:
     """Each test's Accelerator starts from nothing (Accelerate keeps its state in process-wide singletons)."""
-    accelerate.state.AcceleratorState._reset_state(True)
-    accelerate.state.GradientState._reset_state()
+    _reset_accelerate()
     yield
-    accelerate.state.AcceleratorState._reset_state(True)
-    accelerate.state.GradientState._reset_state()
+    _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    """Accelerate's singletons reset, as its own test cases reset them."""
+    for singleton, arguments in ((accelerate.state.AcceleratorState, (True,)), (accelerate.state.GradientState, ())):
+        singleton._reset_state(*arguments)
 
 
 def built(form: str) -> tuple[nn.Module, hylo.HyLoPreconditioner, torch.optim.Optimizer]:

@@ -31,6 +31,7 @@ from hylo import HyLoPreconditioner
 from tests.kit.checks import DT
 from tests.kit.devices import OnDevice, chosen, on_device
 from tests.kit.harness import run_distributed
+from tests.kit.internals import hooks
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
@@ -335,12 +336,12 @@ def test_capturing_forward_equals_the_stock_forward(variant: Variant) -> None:
     assert (got[1] is None) == (expected[1] is None)
     if got[1] is not None:
         torch.testing.assert_close(got[1], expected[1], rtol=1e-13, atol=1e-13)
-    assert all(not layer.capture.calls() for layer in pre._layers)  # no backward yet
+    assert all(not info.calls for info in pre.layer_info())  # no backward yet
     stock.head(torch.tanh(got[0])).square().mean().backward()
     for name, p in stock.named_parameters():
         torch.testing.assert_close(p.grad, expected_grads[name], rtol=1e-12, atol=1e-14, msg=name)
     rows, key_rows = _rows(variant)
-    counts = {layer.name: sum(call.rows for call in layer.capture.calls()) for layer in pre._layers}
+    counts = {info.name: sum(call.rows for call in info.calls) for info in pre.layer_info()}
     assert counts == {
         "attn.q_proj": rows,
         "attn.k_proj": key_rows,
@@ -357,6 +358,11 @@ def _forward_flops(module: nn.Module, *args: Any, **kwargs: Any) -> int:
     return counter.get_total_flops()
 
 
+def _modes_left() -> list[Any]:
+    """torch's function modes active now, less the device mode a test tier runs under: what a forward left behind."""
+    return [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, OnDevice)]
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_a_capture_step_multiplies_by_identities_only_outside_the_common_path(variant: Variant) -> None:
     stock, _ = _models(variant)
@@ -366,7 +372,7 @@ def test_a_capture_step_multiplies_by_identities_only_outside_the_common_path(va
     plain = _forward_flops(mha, *inputs, **variant.call)
     pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
     captured = _forward_flops(mha, *inputs, **variant.call)
-    assert all(layer.capture.records for layer in pre._layers if layer.name.startswith("attn."))
+    assert all(info.calls or info.pending for info in pre.layer_info() if info.name.startswith("attn."))
     rows, key_rows = _rows(variant)
     # the old path: q, k, v and the output multiplied by (E, E) identities, 2·rows·E² operations each
     identities = 0 if variant.common else 2 * E * E * (2 * rows + 2 * key_rows)
@@ -385,7 +391,7 @@ def test_an_active_function_mode_keeps_the_common_path() -> None:
     pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
     with torch.device(chosen()):
         captured = _forward_flops(mha, *inputs, **variant.call)
-    assert all(layer.capture.records for layer in pre._layers if layer.name.startswith("attn."))
+    assert all(info.calls or info.pending for info in pre.layer_info() if info.name.startswith("attn."))
     assert captured == plain
 
 
@@ -408,8 +414,8 @@ def test_calls_outside_the_common_path_fail_as_torch_fails_them(call: dict[str, 
     with pytest.raises(RuntimeError) as got:
         mha(*inputs, **call)
     assert str(got.value) == str(expected.value)
-    assert not [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, OnDevice)]
-    assert all(not layer.capture.calls() for layer in pre._layers)
+    assert not _modes_left()
+    assert all(not info.calls for info in pre.layer_info())
 
 
 @pytest.mark.parametrize("batch_first", (True, False))
@@ -430,7 +436,7 @@ def test_dropout_in_training_draws_the_stock_forwards_random_numbers(batch_first
     (got * weights).sum().backward()
     for (name, p), q in zip(block.named_parameters(), stock.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
-    assert all(layer.capture.calls() for layer in pre._layers)
+    assert all(info.calls for info in pre.layer_info())
     assert _forward_flops(block, x, src_mask=_causal(L)) == plain  # the common path: no identity products
 
 
@@ -441,7 +447,7 @@ def test_projections_are_preconditioned_as_plain_linear_layers(variant: Variant,
     stock, explicit = _models(variant)
     pre_stock = HyLoPreconditioner(stock, **_options(solver))
     pre_explicit = HyLoPreconditioner(explicit, **_options(solver))
-    assert [layer.name for layer in pre_stock._layers] == [layer.name for layer in pre_explicit._layers]
+    assert [info.name for info in pre_stock.layer_info()] == [info.name for info in pre_explicit.layer_info()]
     assert isinstance(stock.attn, nn.MultiheadAttention)
     for step in range(3):  # an update, a step between updates, an update with running statistics
         inputs = _inputs(variant, stock.attn, step)
@@ -457,7 +463,7 @@ def test_projections_are_preconditioned_as_plain_linear_layers(variant: Variant,
             torch.testing.assert_close(grad, expected[part], rtol=1e-9, atol=1e-11, msg=f"{part} at step {step}")
             if part != "head" or solver != "hybrid":
                 assert not torch.allclose(grad, raw_stock[part]), f"{part} was not preconditioned at step {step}"
-    assert [layer.solver for layer in pre_stock._layers] == [layer.solver for layer in pre_explicit._layers]
+    assert [info.solver for info in pre_stock.layer_info()] == [info.solver for info in pre_explicit.layer_info()]
 
 
 # --------------------------------------------------------------------------- remove, state_dict, checkpoints
@@ -467,7 +473,7 @@ def test_state_dict_keys_never_change_and_remove_restores_the_stock_forward() ->
     mha = stock.attn
     assert isinstance(mha, nn.MultiheadAttention)
     keys = list(stock.state_dict())
-    hooks = (dict(mha._forward_pre_hooks), dict(mha._forward_hooks), dict(mha.out_proj._forward_hooks))
+    attached = (hooks(mha), hooks(mha.out_proj))
     pre = HyLoPreconditioner(stock, solver="kfac", update_freq=1)
     assert type(mha) is nn.MultiheadAttention and "forward" not in vars(mha)
     assert list(stock.state_dict()) == keys
@@ -475,10 +481,10 @@ def test_state_dict_keys_never_change_and_remove_restores_the_stock_forward() ->
     pre.step()
     assert list(stock.state_dict()) == keys
     pre.remove()
-    assert (dict(mha._forward_pre_hooks), dict(mha._forward_hooks), dict(mha.out_proj._forward_hooks)) == hooks
+    assert (hooks(mha), hooks(mha.out_proj)) == attached
     inputs = _inputs(variant, mha, 1)
     _backward(stock, inputs, variant.call)
-    assert all(not layer.capture.records for layer in pre._layers)
+    assert all(not (info.calls or info.pending) for info in pre.layer_info())
     raw = _projection_grads(stock)
     fresh, _ = _models(variant)
     fresh.load_state_dict(stock.state_dict())
@@ -496,7 +502,7 @@ def test_a_forward_that_raises_leaves_no_mode_behind() -> None:
     query = _inputs(variant, mha, 0)[0]
     with pytest.raises((AssertionError, RuntimeError)):
         mha(query, query[:, :, :3], query)  # wrong key width
-    assert not [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, OnDevice)]
+    assert not _modes_left()
     out, _ = mha(query, query, query)
     assert out.shape == query.shape
 
@@ -533,13 +539,13 @@ def test_skip_layers_and_frozen_projections() -> None:
     assert isinstance(mha, nn.MultiheadAttention)
     mha.k_proj_weight.requires_grad_(False)
     pre = HyLoPreconditioner(stock, solver="sngd", skip_layers=("attn.v_proj",))
-    assert [layer.name for layer in pre._layers] == ["attn.q_proj", "attn.out_proj", "head"]
+    assert [info.name for info in pre.layer_info()] == ["attn.q_proj", "attn.out_proj", "head"]
     summary = pre.summary()
     assert "attn.v_proj (skip_layers)" in summary and "attn.k_proj (weight does not require grad)" in summary
     pre.remove()
     pre = HyLoPreconditioner(stock, solver="sngd", skip_layers=("MultiheadAttention",))
-    assert [layer.name for layer in pre._layers] == ["head"]
-    assert not mha._forward_pre_hooks
+    assert [info.name for info in pre.layer_info()] == ["head"]
+    assert not hooks(mha)[0]  # forward-pre hooks
 
 
 def test_bias_kv_stays_with_the_optimizer_and_is_listed() -> None:
@@ -552,7 +558,7 @@ def test_bias_kv_stays_with_the_optimizer_and_is_listed() -> None:
 def test_root_attention_registers_its_projections() -> None:
     mha = nn.MultiheadAttention(E, HEADS, dtype=DT)
     pre = HyLoPreconditioner(mha, solver="sngd", update_freq=1)
-    assert [layer.name for layer in pre._layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
+    assert [info.name for info in pre.layer_info()] == ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
 @pytest.mark.parametrize("layer_cls", (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
@@ -565,19 +571,19 @@ def test_transformer_layers_capture_every_projection_with_one_row_per_token(
     pre = HyLoPreconditioner(block, solver=solver, update_freq=1, damping=1e-3)
     attentions = ["self_attn"] + (["multihead_attn"] if layer_cls is nn.TransformerDecoderLayer else [])
     expected = [f"{a}.{p}_proj" for a in attentions for p in ("q", "k", "v", "out")] + ["linear1", "linear2"]
-    assert sorted(layer.name for layer in pre._layers) == sorted(expected)
+    assert sorted(info.name for info in pre.layer_info()) == sorted(expected)
     x = torch.randn(N, L, E, dtype=DT)
     args = (x,) if layer_cls is nn.TransformerEncoderLayer else (x, torch.randn(N, S, E, dtype=DT))
     out = block(
         *args, **({"src_mask": _causal(L)} if layer_cls is nn.TransformerEncoderLayer else {"tgt_mask": _causal(L)})
     )
     (out * torch.randn(out.shape, dtype=DT)).sum().backward()  # (LayerNorm makes the mean square constant)
-    for layer in pre._layers:
-        calls = layer.capture.calls()
-        assert len(calls) == 1, layer.name
+    for info in pre.layer_info():
+        calls = info.calls
+        assert len(calls) == 1, info.name
         rows = calls[0].rows
-        memory = layer.name.startswith("multihead_attn.") and layer.name[15] in "kv"
-        assert rows == N * (S if memory else L), layer.name
+        memory = info.name.startswith("multihead_attn.") and info.name[15] in "kv"
+        assert rows == N * (S if memory else L), info.name
     raw = {name: p.grad.clone() for name, p in block.named_parameters()}
     pre.step()
     for name, p in block.named_parameters():

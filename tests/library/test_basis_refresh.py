@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import hylo
 from hylo.numerics import eigh_many, power_refresh_many
-from hylo.solvers.kfac_adam import KFACAdamState
+from hylo.solvers.bundled.kfac_adam import KFACAdamState
 from tests.kit.checks import DT, assert_rel_close
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -113,7 +113,7 @@ def test_a_failed_refresh_is_redone_by_the_eigendecomposition() -> None:
 
 
 # --------------------------------------------------------------------------- in a run
-def _run(refresh: str, steps: int) -> tuple[list[dict[str, KFACAdamState]], list[dict[str, Tensor]]]:
+def _run(refresh: str, steps: int) -> tuple[list[dict[str, hylo.StateView]], list[dict[str, Tensor]]]:
     """Each step's held states of a two-layer MLP under kfac_adam (update every 2 steps), and its raw ∇W = [W | b]
     by layer."""
     torch.manual_seed(0)
@@ -134,8 +134,8 @@ def _run(refresh: str, steps: int) -> tuple[list[dict[str, KFACAdamState]], list
         )
         pre.step()
         opt.step()
-        states = {layer.name: layer.state for layer in pre._layers}
-        assert all(isinstance(state, KFACAdamState) for state in states.values())
+        states = {info.name: info.state for info in pre.layer_info()}
+        assert all(state is not None and state.kind == KFACAdamState.__name__ for state in states.values())
         held.append(states)  # type: ignore[arg-type]
     return held, grads
 
@@ -144,7 +144,7 @@ def test_the_first_update_eigendecomposes_and_later_ones_refresh_from_the_previo
     (power, grads), (eigh, _) = _run("power", 7), _run("eigh", 1)
     for name, state in power[0].items():
         for field in ("evals_a", "evecs_a", "evals_g", "evecs_g", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(state, field), getattr(eigh[0][name], field)), field
+            assert torch.equal(state.tensors[field], eigh[0][name].tensors[field]), field
     resorted = 0
     for update in (2, 4, 6):
         for name, state in power[update].items():
@@ -152,19 +152,21 @@ def test_the_first_update_eigendecomposes_and_later_ones_refresh_from_the_previo
             moments = {}
             for side in ("a", "g"):
                 want_e, want_q, order = _numpy_refresh(
-                    getattr(state, f"factor_{side}").numpy(), getattr(before, f"evecs_{side}").numpy()
+                    state.tensors[f"factor_{side}"].numpy(), before.tensors[f"evecs_{side}"].numpy()
                 )
-                assert_rel_close(getattr(state, f"evals_{side}"), torch.from_numpy(want_e.copy()), 1e-10)
-                assert_rel_close(getattr(state, f"evecs_{side}"), torch.from_numpy(want_q.copy()), 1e-8)
+                assert_rel_close(state.tensors[f"evals_{side}"], torch.from_numpy(want_e.copy()), 1e-10)
+                assert_rel_close(state.tensors[f"evecs_{side}"], torch.from_numpy(want_q.copy()), 1e-8)
                 moments[side] = torch.from_numpy(order.copy())
             # the update step advanced the moments carried into the new basis by this step's R = Q_gᵀ ∇W Q_a
-            assert state.steps == before.steps + 1
-            rotated = state.evecs_g.mT @ grads[update][name] @ state.evecs_a
-            carried_m = state.evecs_g.mT @ (before.evecs_g @ before.exp_avg @ before.evecs_a.mT) @ state.evecs_a
-            kept_v = before.exp_avg_sq.index_select(0, moments["g"]).index_select(1, moments["a"])
-            beta1, beta2 = state.rule.beta1, state.rule.beta2
-            assert_rel_close(state.exp_avg, beta1 * carried_m + (1 - beta1) * rotated, 1e-10)
-            assert_rel_close(state.exp_avg_sq, beta2 * kept_v + (1 - beta2) * rotated.square(), 1e-10)
+            assert state.fields["steps"] == before.fields["steps"] + 1
+            now, then = state.tensors, before.tensors
+            rotated = now["evecs_g"].mT @ grads[update][name] @ now["evecs_a"]
+            carried_m = now["evecs_g"].mT @ (then["evecs_g"] @ then["exp_avg"] @ then["evecs_a"].mT) @ now["evecs_a"]
+            kept_v = then["exp_avg_sq"].index_select(0, moments["g"]).index_select(1, moments["a"])
+            rule = state.fields["rule"]
+            beta1, beta2 = rule.beta1, rule.beta2
+            assert_rel_close(state.tensors["exp_avg"], beta1 * carried_m + (1 - beta1) * rotated, 1e-10)
+            assert_rel_close(state.tensors["exp_avg_sq"], beta2 * kept_v + (1 - beta2) * rotated.square(), 1e-10)
             resorted += int(any(not torch.equal(o, torch.arange(len(o))) for o in moments.values()))
     assert resorted  # some refresh re-sorted its basis (the check of v's re-sort is not vacuous)
 

@@ -228,7 +228,7 @@ def test_keep_keeps_the_constructors_options_and_reseeds() -> None:
         target.load_state_dict(pre.state_dict(), options="keep")
     assert target.config is config
     assert_same_tensors(state_snapshot(target), state_snapshot(pre))  # the state is restored
-    assert torch.equal(target._generator.get_state(), torch.Generator().manual_seed(9).get_state())
+    assert torch.equal(target.state_dict()["generator"], torch.Generator().manual_seed(9).get_state())
 
 
 def test_refuse_refuses_a_mismatch_and_changes_nothing() -> None:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import hylo
 from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator
-from hylo.distributed.payload import CONTROL, Payload, PayloadKey
+from hylo.payload import CONTROL, Payload, PayloadKey
 from tests.kit.cluster import Collective, InjectedFailure, ReduceOp, ThreadCluster
 
 WORLD_SIZES = (2, 3, 4)

@@ -30,18 +30,23 @@ STEPS = 6
 UPDATE_FREQ = 3  # steps 0 and 3 capture and update; 1, 2, 4, 5 do not
 
 
+def stance() -> str:
+    """torch.compile's current stance (``torch.compiler.set_stance`` sets it; nothing public reads it)."""
+    return str(dynamo.eval_frame._stance.stance)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Iterator[None]:
     """Every test starts and ends without compiled code and with the default stance (preconditioners that
     other tests left to the garbage collector, awaiting a capture step, hold "force_eager")."""
-    if dynamo.eval_frame._stance.stance != "default":
+    if stance() != "default":
         gc.collect()
-    assert dynamo.eval_frame._stance.stance == "default"
+    assert stance() == "default"
     dynamo.reset()
     yield
-    if dynamo.eval_frame._stance.stance != "default":
+    if stance() != "default":
         gc.collect()
-    assert dynamo.eval_frame._stance.stance == "default"
+    assert stance() == "default"
 
 
 class Net(nn.Module):
@@ -148,7 +153,7 @@ def test_compiled_model_gives_the_eager_preconditioned_gradients(
         compiled: nn.Module = torch.compile(model, backend=backend)
         compiled(warm).sum().backward()
         pre = HyLoPreconditioner(compiled, **_options(solver))  # the wrapper itself is handed over
-        assert [layer.name for layer in pre._layers] == [layer.name for layer in HyLoPreconditioner(build(0))._layers]
+        assert [i.name for i in pre.layer_info()] == [i.name for i in HyLoPreconditioner(build(0)).layer_info()]
     elif order == "before-.compile":
         model.compile(backend=backend)
         model(warm).sum().backward()
@@ -162,7 +167,7 @@ def test_compiled_model_gives_the_eager_preconditioned_gradients(
             compiled = torch.compile(model, backend=backend)
     model.zero_grad()
     _assert_same(_train(compiled, model, pre, shape), expected)
-    assert pre.steps == STEPS and all(layer.state is not None for layer in pre._layers)
+    assert pre.steps == STEPS and all(info.state is not None for info in pre.layer_info())
 
 
 class GraphCounter:
@@ -252,27 +257,26 @@ def test_a_layer_without_rows_beside_captured_ones_is_named_in_a_warning() -> No
 
 
 def test_the_stance_is_held_on_capture_steps_only_and_given_back() -> None:
-    stance = dynamo.eval_frame
     model = Net()
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=2)
-    assert stance._stance.stance == "force_eager"  # step 0 captures
+    assert stance() == "force_eager"  # step 0 captures
     x, y = _batch((2, 6, 6), 0)
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    assert stance._stance.stance == "default"  # step 1 does not
+    assert stance() == "default"  # step 1 does not
     pre.reconfigure(update_freq=1)
-    assert stance._stance.stance == "force_eager"
+    assert stance() == "force_eager"
     pre.remove()
-    assert stance._stance.stance == "default"
+    assert stance() == "default"
     # a preconditioner dropped without remove() gives it back too, and its hooks capture nothing more
     HyLoPreconditioner(model, solver="kfac", update_freq=1)
     gc.collect()
-    assert stance._stance.stance == "default"
+    assert stance() == "default"
     # a stance the user set meanwhile is left alone
     other = HyLoPreconditioner(model, solver="kfac", update_freq=1)
     torch.compiler.set_stance("eager_on_recompile")
     other.remove()
-    assert stance._stance.stance == "eager_on_recompile"
+    assert stance() == "eager_on_recompile"
     torch.compiler.set_stance("default")
 
 

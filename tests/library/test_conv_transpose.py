@@ -23,7 +23,15 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from hylo import HyLoPreconditioner
 from hylo.layers import ConvMath, ConvTransposeMath, DenseRows
-from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, assert_same_step, assert_same_tensors, rel_err
+from tests.kit.checks import (
+    DT,
+    REPLAY_RTOL,
+    Unfolds,
+    assert_rel_close,
+    assert_same_step,
+    assert_same_tensors,
+    rel_err,
+)
 from tests.kit.models import fixed_target
 from tests.kit.reference import dense_kfac, dense_natural_gradient, dense_sngd
 
@@ -243,21 +251,15 @@ def test_chunked_factors_and_rows_equal_one_block(name: str, shape: tuple[int, .
     out_rows = grad_out.shape[2] if grad_out.dim() == 4 else 1
     for cap in (one_row, 2.5 * one_row * out_rows):  # rows of one sample; whole samples
         chunked = {rows: kind(layer, rows, max_unfold_mb=cap) for rows in ("exact", "sum", "mean")}
-        sizes: list[int] = []
-        unfold = chunked["exact"]._unfold
-
-        def recording(block: Tensor, unfold: Callable[[Tensor], Tensor] = unfold, sizes: list[int] = sizes) -> Tensor:
-            patches = unfold(block)
-            sizes.append(patches.nbytes)
-            return patches
-
-        chunked["exact"]._unfold = recording  # type: ignore[method-assign]
-        for got, expected in zip(
-            chunked["exact"].kfac_factors(x, grad_out, 3.0), whole["exact"].kfac_factors(x, grad_out, 3.0), strict=True
-        ):
+        with Unfolds() as unfolds:  # the chunked exact math's blocks of patches
+            factors = chunked["exact"].kfac_factors(x, grad_out, 3.0)
+            exact = chunked["exact"].lowrank_rows(x, grad_out, 3.0)
+        sizes = unfolds.sizes
+        for got, expected in zip(factors, whole["exact"].kfac_factors(x, grad_out, 3.0), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         for rows in ("exact", "sum", "mean"):
-            got_rows, expected_rows = (m.lowrank_rows(x, grad_out, 3.0) for m in (chunked[rows], whole[rows]))
+            got_rows = exact if rows == "exact" else chunked[rows].lowrank_rows(x, grad_out, 3.0)
+            expected_rows = whole[rows].lowrank_rows(x, grad_out, 3.0)
             for field, value in got_rows.fields().items():
                 torch.testing.assert_close(value, expected_rows.fields()[field], rtol=1e-12, atol=1e-13)
         assert len(sizes) > 2 and max(sizes) <= cap * 2**20 * (1 + 1e-12), (cap, sizes)

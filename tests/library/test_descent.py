@@ -25,10 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import CHUNK_BYTES, result_terms, sound_results
+from hylo.layers.gradmatrix import CHUNK_BYTES, GradMatrix, result_terms
+from hylo.numerics import sound_results
+from hylo.solvers import LayerState
 from hylo.solvers.kfac import KFACState
 from tests.kit.checks import as_parts, grad_matrix
+from tests.kit.internals import replace_state
 from tests.kit.reference import dense_natural_gradient, per_sample_matrices
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
@@ -131,9 +133,13 @@ def test_an_unsound_result_falls_back_to_the_raw_gradient_with_a_warning(how: st
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     F.cross_entropy(model(x), y).backward()
     pre.step()  # update: states built
-    state = pre._layers[0].state
-    assert isinstance(state, KFACState)
-    pre._layers[0].state = _corrupt(state, how)
+    assert pre.layer_info()[0].state is not None and pre.layer_info()[0].state.kind == KFACState.__name__
+
+    def corrupted(state: LayerState) -> LayerState:
+        assert isinstance(state, KFACState)
+        return _corrupt(state, how)
+
+    replace_state(pre, 0, corrupted)
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     raw = [grad_matrix(model[0]), grad_matrix(model[2])]
@@ -282,7 +288,7 @@ def test_a_tiny_gradient_keeps_its_preconditioned_step() -> None:
     raw = grad_matrix(model)
     assert float(raw.abs().max()) < 1e-21 and float(torch.linalg.vector_norm(raw)) < 1e-20
     pre.step()
-    assert int(pre._guard.fallbacks.sum()) == 0
-    state = pre._layers[0].state
+    assert sum(info.fallbacks for info in pre.layer_info()) == 0
+    state = pre.layer_info()[0].state
     assert state is not None
     torch.testing.assert_close(grad_matrix(model), state.precondition(as_parts(raw, True)), rtol=1e-6, atol=0.0)

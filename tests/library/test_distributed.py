@@ -118,7 +118,11 @@ def train(
         pre.step()
         preconditioned.append({k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()})
         opt.step()
-    state_rows = {layer.name: layer.state.rows.count for layer in pre._layers if isinstance(layer.state, LowRankState)}
+    state_rows = {
+        info.name: info.state.fields["rows"]
+        for info in pre.layer_info()
+        if info.state is not None and info.state.kind == LowRankState.__name__
+    }
     return {
         "raw": raw,
         "pre": preconditioned,
@@ -415,7 +419,7 @@ def _load_with_one_bad_rank(rank: int, world_size: int, bad_rank: int) -> dict[s
     for i in range(3):
         one_step(i)
     saved = pre.state_dict()
-    before = [layer.state.tensors()["factor_a"].clone() for layer in pre._layers if layer.state is not None]
+    before = [info.state.tensors["factor_a"].clone() for info in pre.layer_info() if info.state is not None]
     corrupt = dict(saved, steps=1, layers=dict(saved["layers"]))
     if rank == bad_rank:
         first = next(iter(corrupt["layers"]))
@@ -425,7 +429,7 @@ def _load_with_one_bad_rank(rank: int, world_size: int, bad_rank: int) -> dict[s
         pre.load_state_dict(integrity.seal(corrupt))  # re-sealed: the entries themselves are refused
     except ValueError as err:
         error = str(err)
-    after = [layer.state.tensors()["factor_a"] for layer in pre._layers if layer.state is not None]
+    after = [info.state.tensors["factor_a"] for info in pre.layer_info() if info.state is not None]
     unchanged = pre.steps == 3 and len(after) == len(before) and all(map(torch.equal, after, before))
     pre.load_state_dict(saved)  # a valid state on every rank still loads, and the run goes on
     one_step(3)

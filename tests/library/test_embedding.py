@@ -247,7 +247,8 @@ def test_any_index_shape_is_rows_of_tokens(shape: tuple[int, ...]) -> None:
     per_token = per_token_gradients(net, idx, loss_fn)
     pre = step_once(net, idx, loss_fn, solver="sngd")
     grad = per_token.mean(0)
-    assert pre._layers[0].state.divisor == idx.numel()
+    state = pre.layer_info()[0].state
+    assert state is not None and state.fields["divisor"] == idx.numel()
     assert_rel_close(hylo_matrix(net), dense_natural_gradient(per_token, grad, DAMPING))
 
 
@@ -270,9 +271,10 @@ def test_kfac_matches_dense_with_diagonal_token_counts(kind: str) -> None:
     factor_a, factor_g = a.mT @ a / n, g.mT @ g / n
     counts = torch.bincount(idx.reshape(-1), minlength=V).to(DT)
     torch.testing.assert_close(factor_a, torch.diag(counts / n), rtol=0, atol=1e-15)
-    state = pre._layers[0].state
-    assert_rel_close(state.factor_a, factor_a, REPLAY_RTOL)
-    assert_rel_close(state.factor_g, factor_g, REPLAY_RTOL)
+    state = pre.layer_info()[0].state
+    assert state is not None
+    assert_rel_close(state.tensors["factor_a"], factor_a, REPLAY_RTOL)
+    assert_rel_close(state.tensors["factor_g"], factor_g, REPLAY_RTOL)
     expected = dense_kfac(factor_a, factor_g, grad, DAMPING)
     assert rel_err(expected, grad / DAMPING) > 1e-2
     assert_rel_close(hylo_matrix(net), expected)
@@ -346,7 +348,7 @@ def test_written_grad_keeps_its_tensor_dtype_and_shape(dtype: torch.dtype, solve
     assert torch.isfinite(after.float()).all()
     assert not torch.equal(after, raw)
     assert torch.equal(after[0], torch.zeros(D, dtype=dtype))
-    assert pre._layers[0].math.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert pre.layer_info()[0].math.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 # ---------------------------------------------------------------------------------------- (6) what is left alone

@@ -225,5 +225,5 @@ def test_a_layer_type_whose_math_is_not_layer_math_is_refused_at_construction() 
     # unregistered again: the module is left alone, and the constructor says why
     with pytest.warns(UserWarning, match="TransposedLinear is not a supported layer type"):
         pre = hylo.HyLoPreconditioner(nn.Sequential(example.TransposedLinear(3, 2), nn.Linear(2, 2)))
-    assert [layer.name for layer in pre._layers] == ["1"]
+    assert [info.name for info in pre.layer_info()] == ["1"]
     pre.remove()

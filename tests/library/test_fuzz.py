@@ -540,7 +540,7 @@ def _check_duplicated(case: DuplicatedCase) -> None:
     model = nn.Sequential(first, nn.Tanh(), nn.Flatten(), nn.Linear(features, 3)).to(case.dtype)
     options: dict[str, Any] = {"kl_clip": 1e-3, "lr": 0.1} if case.kl_clip else {}
     pre = HyLoPreconditioner(model, solver=case.solver, damping=case.damping, update_freq=case.update_freq, **options)
-    modules = {layer.name: layer.math.module for layer in pre._layers}
+    modules = {info.name: info.module for info in pre.layer_info()}
     for step in range(3):
         x = torch.randn((case.rows, 2, 5, 5) if case.conv else (case.rows, 5), dtype=case.dtype)
         y = torch.randint(0, 3, (case.rows,))
@@ -555,11 +555,12 @@ def _check_duplicated(case: DuplicatedCase) -> None:
             warnings.simplefilter("always")
             pre.step()
         reported = " ".join(str(w.message) for w in caught if "descent direction" in str(w.message))
-        pending = dict(zip(modules, pre._guard.fallbacks.tolist(), strict=True))
+        infos = {info.name: info for info in pre.layer_info()}
+        pending = {name: info.fallbacks for name, info in infos.items()}
         for name, module in modules.items():
             g, v = raw[name], grad_matrix(module).double()
             if torch.equal(v, g):
-                if pre._layers[list(modules).index(name)].state is not None and g.any():
+                if infos[name].state is not None and g.any():
                     assert f"'{name}'" in reported or pending[name] > 0, f"step {step}: {name} fell back silently"
                     event("a layer fell back to its raw gradient")
                 continue

@@ -48,6 +48,7 @@ from hylo.solvers import layout
 from hylo.solvers.base import HeldState, LayerState, RemoteState
 from hylo.solvers.layout import canonical, canonical_held, is_canonical
 from tests.kit.checks import assert_same_tensors, state_snapshot
+from tests.kit.internals import held_states
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -305,10 +306,6 @@ def test_a_relaid_state_continues_bit_for_bit(solver: str, layout: str) -> None:
     assert first_differences(_equal_layers_case(solver, layout)) == dict.fromkeys(FORKS)
 
 
-def _held(pre: HyLoPreconditioner) -> list[HeldState]:
-    return [layer.state for layer in pre._layers if layer.state is not None]
-
-
 def _assert_canonical(states: list[HeldState]) -> None:
     assert states
     for state in states:
@@ -330,9 +327,9 @@ def test_every_held_state_has_the_one_layout(solver: str) -> None:
         warnings.simplefilter("ignore", UserWarning)
         for step in range(5):
             _step(case, sample, live, step)
-            _assert_canonical(_held(live.pre))
+            _assert_canonical(held_states(live.pre))
         for layout in LAYOUTS:
-            _assert_canonical(_held(_fork(dataclasses.replace(case, layout=layout), live, "relaid").pre))
+            _assert_canonical(held_states(_fork(dataclasses.replace(case, layout=layout), live, "relaid").pre))
     state = live.pre.state_dict()
     entry = next((e for e in state["layers"].values() if "factor_a" in e.get("tensors", {})), None)
     if entry is not None:  # a remote entry (as a rank of 4 saves one) loads as a RemoteState of the one layout
@@ -343,7 +340,7 @@ def test_every_held_state_has_the_one_layout(solver: str) -> None:
         state.update(rank=0, world_size=4)
         pre = HyLoPreconditioner(copy.deepcopy(model), **_options(case))
         pre.load_state_dict(seal(relaid(state, "packed")))
-        remote = [s for s in _held(pre) if isinstance(s, RemoteState)]
+        remote = [s for s in held_states(pre) if isinstance(s, RemoteState)]
         assert remote
         _assert_canonical(remote)
 
@@ -383,7 +380,7 @@ def test_only_updates_copy(solver: str, monkeypatch: pytest.MonkeyPatch) -> None
         per_step.append(len(copied))
         copied.clear()
     assert per_step[0] > 0 and per_step[1] == per_step[3] == 0, per_step
-    _assert_canonical(_held(run.pre))
+    _assert_canonical(held_states(run.pre))
 
 
 # --------------------------------------------------------------------------- the tally

@@ -31,8 +31,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import hylo
-from hylo.layers import TransposedLinearMath, registry
+from hylo.layers import TransposedLinearMath
 from tests.kit.checks import DT
+from tests.kit.internals import restore_layer_types
 from tests.kit.reference import dense_natural_gradient
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
@@ -65,7 +66,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     module = types.ModuleType("transformers.pytorch_utils")
     module.Conv1D = Conv1D  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.pytorch_utils", module)
-    monkeypatch.setattr(registry, "_LAYER_TYPES", dict(registry._LAYER_TYPES))
+    restore_layer_types(monkeypatch)
     yield
 
 
@@ -111,12 +112,12 @@ def test_hylo_never_imports_transformers() -> None:
 def test_conv1d_is_registered_when_its_module_is_imported_and_a_users_registration_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(registry, "_LAYER_TYPES", dict(registry._LAYER_TYPES))
+    restore_layer_types(monkeypatch)
     monkeypatch.delitem(sys.modules, "transformers.pytorch_utils", raising=False)
     model, _ = _pair(0, (4, 3, 2))
     with pytest.warns(UserWarning, match="Conv1D is not a supported layer type"):
         pre = hylo.HyLoPreconditioner(nn.Sequential(model, nn.Linear(2, 2)))  # not where hylo looks: left alone
-    assert [layer.name for layer in pre._layers] == ["1"]
+    assert [info.name for info in pre.layer_info()] == ["1"]
     pre.remove()
 
     module = types.ModuleType("transformers.pytorch_utils")
@@ -127,7 +128,7 @@ def test_conv1d_is_registered_when_its_module_is_imported_and_a_users_registrati
         ("0", "Conv1D", 5, 3),
         ("2", "Conv1D", 4, 2),
     ]
-    assert all(type(layer.math) is TransposedLinearMath for layer in pre._layers)
+    assert all(type(info.math) is TransposedLinearMath for info in pre.layer_info())
     pre.remove()
 
     class Mine(TransposedLinearMath):
@@ -140,7 +141,7 @@ def test_conv1d_is_registered_when_its_module_is_imported_and_a_users_registrati
     handle.remove()  # restores the built-in
     assert {i.module_type for i in hylo.HyLoPreconditioner(model).layer_info()} == {"Conv1D"}
 
-    monkeypatch.setattr(registry, "_LAYER_TYPES", {k: v for k, v in registry._LAYER_TYPES.items() if k is not Conv1D})
+    restore_layer_types(monkeypatch, without=[Conv1D])
     handle = hylo.register_layer_type(Conv1D, lambda module, config: Mine(module))  # before any walk
     assert {i.module_type for i in hylo.HyLoPreconditioner(model).layer_info()} == {"mine"}
     handle.remove()
@@ -153,7 +154,7 @@ def test_every_solver_gives_conv1d_the_gradients_of_the_linear_twin(solver: str)
     conv, linear = _pair(1, (6, 8, 4))
     options: dict[str, Any] = {"solver": solver, "update_freq": 2, "damping": 0.05, "rank_ratio": 0.5, "seed": 3}
     pre_conv, pre_linear = hylo.HyLoPreconditioner(conv, **options), hylo.HyLoPreconditioner(linear, **options)
-    assert [layer.name for layer in pre_conv._layers] == ["0", "2"] == [layer.name for layer in pre_linear._layers]
+    assert [i.name for i in pre_conv.layer_info()] == ["0", "2"] == [i.name for i in pre_linear.layer_info()]
     gen = torch.Generator().manual_seed(2)
     for step in range(3):  # an update, a step between updates, an update with running statistics
         x = torch.randn(3, 5, 6, generator=gen, dtype=DT)  # (batch, tokens, features): every token is a row
@@ -170,7 +171,7 @@ def test_every_solver_gives_conv1d_the_gradients_of_the_linear_twin(solver: str)
             got, expected = _w(conv[int(name)], True), _w(linear[int(name)], False)
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=f"layer {name} at step {step}")
             assert not torch.allclose(got, raw[name]), f"layer {name} was not preconditioned at step {step}"
-    assert [layer.solver for layer in pre_conv._layers] == [layer.solver for layer in pre_linear._layers]
+    assert [i.solver for i in pre_conv.layer_info()] == [i.solver for i in pre_linear.layer_info()]
 
 
 @pytest.mark.usefixtures("stand_in")
@@ -268,7 +269,7 @@ def test_gpt2_conv1d_is_preconditioned_as_its_linear_twin(solver: str) -> None:
         pre_stock = hylo.HyLoPreconditioner(stock, **options)
     with pytest.warns(UserWarning, match="weight tied"):
         pre_twin = hylo.HyLoPreconditioner(twin, **options)
-    assert [layer.name for layer in pre_stock._layers] == [layer.name for layer in pre_twin._layers]
+    assert [i.name for i in pre_stock.layer_info()] == [i.name for i in pre_twin.layer_info()]
     gen = torch.Generator().manual_seed(2)
     for step in range(2):
         ids = torch.randint(0, 100, (2, 8), generator=gen)
@@ -313,7 +314,7 @@ def test_gpt2_trains_and_resumes_exactly_from_a_checkpoint() -> None:
     losses = run(whole, whole_opt, whole_pre, range(9))
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[2] - 0.05  # the same three batches again: it learns them
-    assert {d.layer for d in whole_pre.decision_log} == {layer.name for layer in whole_pre._layers}
+    assert {d.layer for d in whole_pre.decision_log} == {info.name for info in whole_pre.layer_info()}
 
     first, first_opt, first_pre = fresh()
     run(first, first_opt, first_pre, range(5))

@@ -118,9 +118,10 @@ def test_kfac_running_average(kind: str) -> None:
             running = batch
         else:
             running = tuple(decay * old + (1 - decay) * new for old, new in zip(running, batch, strict=True))
-        state = pre._layers[0].state
-        assert_rel_close(state.factor_a, running[0], REPLAY_RTOL)
-        assert_rel_close(state.factor_g, running[1], REPLAY_RTOL)
+        state = pre.layer_info()[0].state
+        assert state is not None
+        assert_rel_close(state.tensors["factor_a"], running[0], REPLAY_RTOL)
+        assert_rel_close(state.tensors["factor_g"], running[1], REPLAY_RTOL)
         assert_rel_close(grad_matrix(layer), dense_kfac(running[0], running[1], grad, damping))
 
 
@@ -170,9 +171,10 @@ def test_factor_update_freq_refreshes_running_factors_between_updates(factor_upd
             assert running is not None
             solved = running
         assert running is not None and solved is not None
-        state = pre._layers[0].state
-        assert_rel_close(state.factor_a, running[0], REPLAY_RTOL)
-        assert_rel_close(state.factor_g, running[1], REPLAY_RTOL)
+        state = pre.layer_info()[0].state
+        assert state is not None
+        assert_rel_close(state.tensors["factor_a"], running[0], REPLAY_RTOL)
+        assert_rel_close(state.tensors["factor_g"], running[1], REPLAY_RTOL)
         assert_rel_close(grad_matrix(layer), dense_kfac(solved[0], solved[1], grad, damping))
 
 
@@ -203,7 +205,9 @@ def test_kfac_keeps_previous_state_when_every_eigh_fails(monkeypatch: pytest.Mon
     x = torch.randn(7, 5, dtype=DT)
     F.mse_loss(layer(x), fixed_target((7, 3))).backward()
     pre.step()
-    stored = {k: v.clone() for k, v in pre._layers[0].state.tensors().items()}
+    held = pre.layer_info()[0].state
+    assert held is not None
+    stored = {k: v.clone() for k, v in held.tensors.items()}
 
     def fail_scipy(*args: object, **kwargs: object) -> None:
         raise scipy.linalg.LinAlgError("simulated")
@@ -215,9 +219,10 @@ def test_kfac_keeps_previous_state_when_every_eigh_fails(monkeypatch: pytest.Mon
     grad = grad_matrix(layer)
     with pytest.warns(UserWarning, match="non-finite curvature"):
         pre.step()
-    for key, value in pre._layers[0].state.tensors().items():
+    state = pre.layer_info()[0].state
+    assert state is not None
+    for key, value in state.tensors.items():
         assert torch.equal(value, stored[key]), key
-    state = pre._layers[0].state
     expected = dense_kfac(stored["factor_a"], stored["factor_g"], grad, 0.05)
     assert state is not None and rel_err(grad_matrix(layer), expected) < RTOL
 

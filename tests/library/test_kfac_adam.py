@@ -27,14 +27,14 @@ from torch import Tensor, nn
 import hylo
 from hylo.integrity import seal
 from hylo.solvers import FAMILIES, register_family, solver_names
-from hylo.solvers.adam_rule import AdamRule
+from hylo.solvers.bundled.adam_rule import AdamRule
+from hylo.solvers.bundled.kfac_adam import KFACAdamFamily, KFACAdamState, carried_moments
 from hylo.solvers.kfac import KFACFamily
-from hylo.solvers.kfac_adam import KFACAdamFamily, KFACAdamState, carried_moments
 from tests.kit.cases import conv_case
 from tests.kit.checks import DT, assert_rel_close, rel_err
 from tests.kit.models import fixed_target, one_step
 from tests.kit.reference import dense_kfac, linear_rows
-from tests.library.test_mixed_precision import _run
+from tests.library.test_mixed_precision import run_precision
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
@@ -75,7 +75,7 @@ def test_identity_basis_is_adam() -> None:
         adam.step()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             assert_rel_close(p.detach(), q.detach(), 1e-12)
-    assert not pre._guard.fallbacks.any()  # the ascent step of step 3 was applied, not replaced by ∇W
+    assert not any(info.fallbacks for info in pre.layer_info())  # the ascent step of step 3 was applied, not ∇W
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -189,10 +189,10 @@ def test_first_state_starts_from_zero_moments() -> None:
 # --------------------------------------------------------------------------- transactional steps
 def _moments(pre: hylo.HyLoPreconditioner) -> dict[str, tuple[Tensor, Tensor, int]]:
     out = {}
-    for layer in pre._layers:
-        state = layer.state
-        assert isinstance(state, KFACAdamState)
-        out[layer.name] = (state.exp_avg.clone(), state.exp_avg_sq.clone(), state.steps)
+    for info in pre.layer_info():
+        state = info.state
+        assert state is not None and state.kind == KFACAdamState.__name__
+        out[info.name] = (state.tensors["exp_avg"].clone(), state.tensors["exp_avg_sq"].clone(), state.fields["steps"])
     return out
 
 
@@ -273,7 +273,7 @@ def test_state_dict_holds_the_moments_and_refuses_corrupt_ones() -> None:
         fresh = hylo.HyLoPreconditioner(_mlp(), solver="kfac_adam", update_freq=3)
         with pytest.raises(ValueError, match=message):
             fresh.load_state_dict(bad)
-        assert all(layer.state is None for layer in fresh._layers)  # nothing half-loaded
+        assert all(info.state is None for info in fresh.layer_info())  # nothing half-loaded
 
 
 # --------------------------------------------------------------------------- options, hybrid, registration
@@ -363,23 +363,23 @@ def test_bf16_autocast_keeps_the_state_in_float32_and_the_kfac_rule_within_bf16_
     """As K-FAC (AS_KFAC, ε = λ) the family meets the mixed-precision suite's bound: preconditioning does not
     amplify the bf16 forward's error; the state (factors, bases, moments) stays float32."""
     options = {**AS_KFAC, "adam_eps": 0.1}
-    raw32, pre32, _ = _run("kfac_adam", autocast=False, **options)
-    raw16, pre16, pre = _run("kfac_adam", autocast=True, **options)
+    raw32, pre32, _ = run_precision("kfac_adam", autocast=False, **options)
+    raw16, pre16, pre = run_precision("kfac_adam", autocast=True, **options)
     for step in range(len(raw32)):
         for name, exact in pre32[step].items():
             raw_error = rel_err(raw16[step][name], raw32[step][name])
             assert rel_err(pre16[step][name], exact) <= 4 * raw_error + 0.02, f"{name} at step {step}"
-    for layer in pre._layers:
-        assert isinstance(layer.state, KFACAdamState)
-        assert {t.dtype for t in layer.state.tensors().values()} == {torch.float32}
+    for info in pre.layer_info():
+        assert info.state is not None and info.state.kind == KFACAdamState.__name__
+        assert {t.dtype for t in info.state.tensors.values()} == {torch.float32}
 
 
 def test_bf16_autocast_with_adams_rule_is_close_once_eps_is_above_bf16_noise() -> None:
     """Adam's rule divides by √v̂ + ε: entries of R below ε are damped, above it scaled to ~1, so bf16 round-off in
     near-zero entries becomes a unit step when ε is tiny, as in torch.optim.Adam (docs/solvers.md, "Adam in the
     K-FAC eigenbasis"). With ε 1e-3, above the noise, every layer's bf16 step points where the float32 one does."""
-    raw32, pre32, _ = _run("kfac_adam", autocast=False, steps=3, adam_eps=1e-3)
-    raw16, pre16, _ = _run("kfac_adam", autocast=True, steps=3, adam_eps=1e-3)
+    raw32, pre32, _ = run_precision("kfac_adam", autocast=False, steps=3, adam_eps=1e-3)
+    raw16, pre16, _ = run_precision("kfac_adam", autocast=True, steps=3, adam_eps=1e-3)
     for step in range(3):
         for name, exact in pre32[step].items():
             got = pre16[step][name]

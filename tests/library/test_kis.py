@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from hylo.distributed.payload import Payload
 from hylo.layers import LayerBatch, LinearMath
-from hylo.solvers import family_of
+from hylo.payload import Payload
+from hylo.solvers import FamilyOptions, family_of
 from hylo.solvers.base import UpdateContext, UpdateJob
+from hylo.solvers.lowrank import LowRankConfig
 from hylo.solvers.reduce import priority_sample
 from hylo.solvers.smw import LowRankState, LowRankUpdate, smw_inners
 from hylo.telemetry.profiling import DISABLED
@@ -53,6 +54,7 @@ def gathered_update(x: Tensor, grad_out: Tensor, counts: list[int], r: int, seed
     """The KIS solve input of one layer split over ``len(counts)`` ranks, gathered in rank order."""
     layer = nn.Linear(D_IN, D_OUT, bias=False, dtype=DT)
     family = family_of("kis")
+    options = FamilyOptions([LowRankConfig(kis_estimator=estimator)])
     contributions: list[Payload] = []
     start = 0
     for rank, count in enumerate(counts):
@@ -61,12 +63,10 @@ def gathered_update(x: Tensor, grad_out: Tensor, counts: list[int], r: int, seed
         # each rank's output gradients are those of its local mean loss: count/B times the global ones
         local = grad_out[part] * (x.shape[0] / count)
         batch = LayerBatch.of(LinearMath(layer), [(x[part], local)], lambda n: min(r, n))
-        context = UpdateContext(
-            rank=rank, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator, watch=DISABLED
-        )
+        context = UpdateContext(rank=rank, damping=1.0, factor_decay=0.0, seed=seed, watch=DISABLED, options=options)
         contributions.append(family.contribute([UpdateJob("fc", "kis", batch, None)], context).payload)
     received = Payload({key: torch.cat([c[key] for c in contributions]) for key in contributions[0]})
-    context = UpdateContext(rank=0, damping=1.0, factor_decay=0.0, seed=seed, kis_estimator=estimator, watch=DISABLED)
+    context = UpdateContext(rank=0, damping=1.0, factor_decay=0.0, seed=seed, watch=DISABLED, options=options)
     job = UpdateJob("fc", "kis", LayerBatch.of(LinearMath(layer), [(x, grad_out)], lambda n: n), None)
     (update,) = family.prepare([job], received, context)
     return update

@@ -31,9 +31,10 @@ from torch import Tensor, nn
 
 import hylo
 from hylo import HyLoConfig, HyLoPreconditioner
-from hylo.layers import EmbeddingMath, LinearMath, registry
+from hylo.layers import EmbeddingMath, LinearMath
 from hylo.layers.walk import register_layers
 from tests.kit.checks import DT, assert_rel_close, rel_err
+from tests.kit.internals import restore_layer_types
 from tests.kit.reference import dense_natural_gradient
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -45,12 +46,12 @@ DAMPING = 0.1
 @pytest.fixture(autouse=True)
 def restored_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every registration a test makes is undone after it."""
-    monkeypatch.setattr(registry, "_LAYER_TYPES", dict(registry._LAYER_TYPES))
+    restore_layer_types(monkeypatch)
     yield
 
 
 def _names(pre: HyLoPreconditioner) -> list[str]:
-    return [layer.name for layer in pre._layers]
+    return [info.name for info in pre.layer_info()]
 
 
 def _reason(pre: HyLoPreconditioner, name: str) -> str:
@@ -520,9 +521,8 @@ def _expected_layers(model: nn.Module) -> list[str]:
     weight no other module holds (the LM head is tied to the word embeddings)."""
     users: dict[int, int] = {}
     for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                users[id(p)] = users.get(id(p), 0) + 1
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            users[id(p)] = users.get(id(p), 0) + 1
     return [
         name
         for name, module in model.named_modules()

@@ -19,6 +19,7 @@ from torch import nn
 from hylo import HyLoPreconditioner
 from hylo.layers import FACTORS, ROWS
 from hylo.layers.rows import FactoredRows
+from hylo.layers.statistics import CapturedCall
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, grad_matrix, rel_err
 from tests.kit.models import batch, mlp, one_step
 from tests.kit.reference import conv_reference, dense_kfac, dense_sngd, linear_rows
@@ -88,8 +89,9 @@ def test_conv_followed_by_inplace_relu(solver: str) -> None:
 
     pre = HyLoPreconditioner(model, solver=solver, update_freq=1, damping=damping)
     F.cross_entropy(model(x), labels).backward()
-    conv_layer = next(layer for layer in pre._layers if layer.name == "0")
-    (record,) = conv_layer.capture.records
+    conv_layer = next(info for info in pre.layer_info() if info.name == "0")
+    (call,) = conv_layer.calls  # the one forward, its backward run (none pending)
+    assert conv_layer.pending == 0
     grads = [grad_matrix(model[0]), grad_matrix(model[3])]
     pre.step()
 
@@ -107,13 +109,13 @@ def test_conv_followed_by_inplace_relu(solver: str) -> None:
 
     conv_ref = conv_reference(ref[0], x, s, s.grad)
     # the hook reduced the call from the pre-ReLU gradient (rows or factors with g = ∂L/∂s, unscaled)
-    assert record.call is not None and record.inputs is None
+    assert isinstance(call, CapturedCall) and call.raw is None  # reduced in the hook, the input dropped
     if solver == "sngd":
-        assert isinstance(record.call.reduced.get(ROWS), FactoredRows)
-        torch.testing.assert_close(record.call.reduced.get(ROWS).g * 4, conv_ref["g_sum"], rtol=1e-12, atol=1e-14)
+        assert isinstance(call.reduced.get(ROWS), FactoredRows)
+        torch.testing.assert_close(call.reduced.get(ROWS).g * 4, conv_ref["g_sum"], rtol=1e-12, atol=1e-14)
     else:
-        assert record.call.reduced.get(FACTORS) is not None
-        torch.testing.assert_close(record.call.reduced.get(FACTORS)[1] * 16 / 4, conv_ref["G"], rtol=1e-12, atol=1e-14)
+        assert call.reduced.get(FACTORS) is not None
+        torch.testing.assert_close(call.reduced.get(FACTORS)[1] * 16 / 4, conv_ref["G"], rtol=1e-12, atol=1e-14)
     a, g = linear_rows(ref[3], flat, logits.grad)
     if solver == "sngd":
         expected_conv = dense_sngd(conv_ref["a"], conv_ref["g_sum"], grads[0], damping)
@@ -206,4 +208,4 @@ def test_no_capture_in_eval_mode_or_without_grad() -> None:
     model.train()
     with torch.no_grad():
         model(x)
-    assert all(not layer.capture.records for layer in pre._layers)
+    assert all(not (info.calls or info.pending) for info in pre.layer_info())

@@ -251,15 +251,17 @@ def test_lowrank_matches_dense_formula(solver: str) -> None:
     a = torch.cat([x, torch.ones(n, 1, dtype=DT)], dim=1)
     g = out.grad * n
     pre.step()
-    state = pre._layers[0].state.rows
+    held = pre.layer_info()[0].state
+    assert held is not None
+    rows = held.tensors  # the kept rows' a and g, and the inner matrix
     if solver.startswith("kis"):
         # the kept rows are r distinct rows of the batch
-        match = (state.a[:, None, :] == a[None]).all(-1)
+        match = (rows["a"][:, None, :] == a[None]).all(-1)
         assert match.shape == (r, n) and bool(match.any(1).all()) and len(set(match.int().argmax(1).tolist())) == r
         kept = match.int().argmax(1)
         u = u_rows(a[kept], g[kept])
         if solver == "kis":
-            factors = (state.g.square().sum(1) / g[kept].square().sum(1)).reshape(-1, 1)
+            factors = (rows["g"].square().sum(1) / g[kept].square().sum(1)).reshape(-1, 1)
             weights = u.square().sum(1, keepdim=True)
             assert bool((factors >= 1 - 1e-12).all())
             raised = factors[:, 0] > 1 + 1e-12
@@ -269,11 +271,11 @@ def test_lowrank_matches_dense_formula(solver: str) -> None:
                 assert bool((weights[~raised] >= tau[0] * (1 - 1e-10)).all())
             fisher = u.mT @ (factors * u) / n
         else:
-            assert torch.equal(state.g, g[kept])
+            assert torch.equal(rows["g"], g[kept])
             fisher = u.mT @ u / r
     else:
         skeleton, weights = kid_skeleton(FactoredRows(a, g), r)
-        assert torch.equal(state.a, a[skeleton]) and torch.allclose(state.g, g[skeleton], rtol=1e-14, atol=0)
+        assert torch.equal(rows["a"], a[skeleton]) and torch.allclose(rows["g"], g[skeleton], rtol=1e-14, atol=0)
         u_j = u_rows(a[skeleton], g[skeleton])
         fisher = u_j.mT @ weights @ u_j / n
     eye = torch.eye(fisher.shape[0], dtype=DT)
@@ -323,12 +325,19 @@ def test_lowrank_solvers_survive_zero_rows_in_the_model() -> None:
 
 
 # ------------------------------------------------------------------ 6. KIS reproducibility
+def _kept_rows(pre: HyLoPreconditioner) -> list[Tensor]:
+    """Copies of the rows' input halves a each layer's low-rank state keeps."""
+    states = [info.state for info in pre.layer_info()]
+    assert all(state is not None for state in states)
+    return [state.tensors["a"].clone() for state in states if state is not None]
+
+
 def _kis_rows(seed: int, x: Tensor, y: Tensor) -> tuple[list[Tensor], list[Tensor]]:
     model = classifier_mlp()
     pre = HyLoPreconditioner(model, solver="kis", update_freq=1, rank_ratio=0.25, seed=seed)
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    return [layer.state.rows.a.clone() for layer in pre._layers], [p.grad.clone() for p in model.parameters()]
+    return _kept_rows(pre), [p.grad.clone() for p in model.parameters()]
 
 
 def test_kis_same_seed_same_rows_different_seed_different() -> None:
@@ -351,7 +360,7 @@ def test_kis_draws_fresh_rows_at_each_update() -> None:
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
         pre.step()
-        picked.append([layer.state.rows.a.clone() for layer in pre._layers])
+        picked.append(_kept_rows(pre))
     assert any(not torch.equal(s, t) for s, t in zip(*picked, strict=True))
 
 
@@ -372,10 +381,11 @@ def test_memory_usage_is_m_rows_plus_m_squared(solver: str, option: dict, dtype:
     dims = {"lin": (40 + 1, 30), "conv": (3 * 3 * 3, 8)}
     usage = pre.memory_usage()
     elem = torch.finfo(dtype).bits // 8
-    for layer in pre._layers:
-        d_a, d_g = dims[layer.name]
-        assert usage[layer.name] == m * (d_a + d_g) * elem + m * m * 8  # M in float64 (docs/solvers.md, "Numerics")
-        shapes = {name: tuple(t.shape) for name, t in layer.state.tensors().items()}
+    for info in pre.layer_info():
+        d_a, d_g = dims[info.name]
+        assert usage[info.name] == m * (d_a + d_g) * elem + m * m * 8  # M in float64 (docs/solvers.md, "Numerics")
+        assert info.state is not None and info.state.fields["rows"] == m
+        shapes = {name: tuple(t.shape) for name, t in info.state.tensors.items()}
         assert shapes == {"a": (m, d_a), "g": (m, d_g), "inner": (m, m)}
 
 
@@ -391,22 +401,34 @@ def test_memory_usage_is_m_rows_plus_m_squared(solver: str, option: dict, dtype:
 )
 def test_conv_patch_sums_from_the_unpadded_input_equal_the_padded_blocks(geometry: dict[str, object]) -> None:
     """The surrogate rows' patch sums read from the unpadded input (windows clipped to it) equal the sums over the
-    padded, blocked input (the path of other padding modes), including windows that fall wholly in the padding."""
+    padded, blocked input (the path of other padding modes), including windows that fall wholly in the padding:
+    the rows' a (the patch means, then the bias's 1) of both paths, times the output positions."""
     from hylo.layers.conv import ConvMath
+
+    class Blocked(ConvMath):
+        """The patch sums of the padded input's blocks, as for other padding modes."""
+
+        sums_from_input = False
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, dtype=DT, **geometry)  # type: ignore[arg-type]
     x = torch.randn(5, 3, 9, 8, dtype=DT)
     out = conv(x)
-    math = ConvMath(conv, "sum")
-    direct = math._position_sums(x, (out.shape[2], out.shape[3]))
-    blocked = torch.cat(
-        [
-            math._patch_sum(block, (rows.stop - rows.start, out.shape[3]))
-            for _, rows, block in math._blocks(x, out.shape[2:])
-        ]
-    )
-    padded = math._padded(x, (out.shape[2], out.shape[3]))
-    unfolded = torch.nn.functional.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    grad_out = torch.randn_like(out)
+    positions = out.shape[2] * out.shape[3]
+    sums = []
+    for math in (ConvMath(conv, "sum"), Blocked(conv, "sum")):
+        rows = math.lowrank_rows(x, grad_out, 1.0)
+        assert isinstance(rows, FactoredRows) and torch.equal(rows.a[:, -1], torch.ones(5, dtype=DT))
+        sums.append(rows.a[:, :-1] * positions)
+    direct, blocked = sums
+    if isinstance(conv.padding, str):  # "same" (stride 1): torch pads the odd element after
+        totals = [d * (k - 1) for k, d in zip(conv.kernel_size, conv.dilation, strict=True)]
+        pads = [(t // 2, t - t // 2) for t in totals]
+    else:
+        pads = [(p, p) for p in conv.padding]
+    padded = F.pad(x, [*pads[1], *pads[0]])
+    unfolded = F.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    assert unfolded.shape[2] == positions
     torch.testing.assert_close(direct, blocked, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(direct, unfolded.sum(dim=2), rtol=1e-12, atol=1e-12)

@@ -25,12 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from hylo import HyLoPreconditioner
+from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.layers import FACTORS, ROWS, ConvMath, LayerBatch, LinearMath
 from hylo.layers.rows import DenseRows, FactoredRows
+from hylo.layers.walk import register_layers
+from hylo.pipeline.planner import Planner
+from hylo.policy import SolverPolicy
 from hylo.records import Decision
 from hylo.solvers import family_of
-from tests.kit.checks import DT, grad_matrix, rel_err
+from hylo.state import registered_layers
+from tests.kit.checks import DT, Unfolds, grad_matrix, rel_err
 from tests.kit.devices import tolerances
 from tests.kit.reference import conv_reference, dense_kfac, linear_rows
 
@@ -81,10 +85,11 @@ def test_conv_calls_reduced_in_the_hook_equal_raw_and_reference(case: str, solve
         target = [torch.randn_like(net(x)) for x in xs]
     for x, t in zip(xs, target, strict=True):
         (net(x) - t).square().mean().backward()
-    layer = pre._layers[0]
-    calls = layer.capture.calls()
+    layer = pre.layer_info()[0]
+    calls = layer.calls
     assert len(calls) == len(MICRO_BATCHES)
-    assert all(record.inputs is None for record in layer.capture.records)  # no input held after the backward
+    # no input held after the backward: no call awaits it, and each was reduced in its hook (call.raw below)
+    assert layer.pending == 0
     d_a, d_g = layer.math.d_a, layer.math.d_g
     expected_bytes = 0
     for call, n in zip(calls, MICRO_BATCHES, strict=True):  # what each call holds: its rows and/or factor sums
@@ -127,8 +132,8 @@ def test_linear_kfac_calls_reduce_to_factors_when_smaller(bias: bool) -> None:
     target = [torch.randn(n, 4, 2, dtype=DT) for n in MICRO_BATCHES]
     for x, t in zip(xs, target, strict=True):
         (net(x) - t).square().mean().backward()
-    layer = pre._layers[0]
-    reduced = LayerBatch.of(layer.math, layer.capture.calls(), pre.config.lowrank.rows_kept)
+    layer = pre.layer_info()[0]
+    reduced = LayerBatch.of(layer.math, list(layer.calls), pre.config.lowrank.rows_kept)
     assert all(call.raw is None and call.reduced.get(FACTORS) is not None for call in reduced.calls)
 
     inputs, grads = [], []
@@ -152,25 +157,11 @@ def test_linear_lowrank_calls_stay_raw() -> None:
     pre = HyLoPreconditioner(net, solver="sngd", update_freq=1)
     x = torch.randn(5, 3, dtype=DT)
     net(x).sum().backward()
-    (call,) = pre._layers[0].capture.calls()
+    (call,) = pre.layer_info()[0].calls
     assert call.raw is not None and call.raw[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 # --------------------------------------------------------------------------- chunked unfolds
-def _unfold_sizes(math: ConvMath) -> list[int]:
-    """Record the bytes of every block of patches ``math`` unfolds."""
-    sizes: list[int] = []
-    unfold = math._unfold
-
-    def recording(block: Tensor) -> Tensor:
-        patches = unfold(block)
-        sizes.append(patches.numel() * patches.element_size())
-        return patches
-
-    math._unfold = recording  # type: ignore[method-assign]
-    return sizes
-
-
 @pytest.mark.parametrize("case", list(CONVS))
 def test_chunked_factors_and_rows_equal_one_block(case: str) -> None:
     conv = _conv_net(CONVS[case])[0]
@@ -182,14 +173,12 @@ def test_chunked_factors_and_rows_equal_one_block(case: str) -> None:
     one_row = (grad_out.shape[3] * whole["exact"].d_a * DT.itemsize) / 2**20  # one output row of one sample
     for cap in (one_row, 2.5 * one_row, 2.5 * one_row * grad_out.shape[2]):  # rows of a sample; whole samples
         chunked = {rows: ConvMath(conv, rows, max_unfold_mb=cap) for rows in ("exact", "sum", "mean")}
-        sizes = _unfold_sizes(chunked["exact"])
-        for got, expected in zip(
-            chunked["exact"].kfac_factors(x, grad_out, scale),
-            whole["exact"].kfac_factors(x, grad_out, scale),
-            strict=True,
-        ):
+        with Unfolds() as unfolds:  # the chunked exact math's blocks of patches
+            factors = chunked["exact"].kfac_factors(x, grad_out, scale)
+            exact = chunked["exact"].lowrank_rows(x, grad_out, scale)
+        sizes = unfolds.sizes
+        for got, expected in zip(factors, whole["exact"].kfac_factors(x, grad_out, scale), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-        exact = chunked["exact"].lowrank_rows(x, grad_out, scale)
         assert isinstance(exact, DenseRows)
         torch.testing.assert_close(exact.u, whole["exact"].lowrank_rows(x, grad_out, scale).u, rtol=1e-12, atol=1e-12)
         for rows in ("sum", "mean"):
@@ -302,7 +291,8 @@ def test_update_keeps_the_family_the_backward_reduced_for(monkeypatch: pytest.Mo
 
     model = _small_conv_head()
     pre = HyLoPreconditioner(model, solver="hybrid", **options)
-    monkeypatch.setattr(pre._planner, "forecast", lambda config: [family_of("kid")] * len(pre._layers))
+    # the backward reduces for the forecast's family (only this hybrid preconditioner forecasts)
+    monkeypatch.setattr(Planner, "forecast", lambda planner, config: [family_of("kid")] * len(planner.layers))
     F.cross_entropy(model(x), y).backward()
     pre.step()
     conv_decision = next(d for d in pre.decision_log if d.layer == "0")
@@ -321,9 +311,9 @@ def test_forecast_for_kfac_keeps_rows_for_a_lowrank_decision(monkeypatch: pytest
     model = _small_conv_head()
     x, y = torch.randn(64, 2, 2, 2, dtype=DT), torch.randint(0, 3, (64,))
     pre = HyLoPreconditioner(model, solver="hybrid", update_freq=1, damping=0.1, fidelity_budget=1e9)
-    monkeypatch.setattr(pre._planner, "forecast", lambda config: [family_of("kfac")] * len(pre._layers))
+    monkeypatch.setattr(Planner, "forecast", lambda planner, config: [family_of("kfac")] * len(planner.layers))
     F.cross_entropy(model(x), y).backward()
-    (call,) = pre._layers[0].capture.calls()
+    (call,) = pre.layer_info()[0].calls
     assert call.reduced.get(FACTORS) is not None and call.reduced.get(ROWS) is not None
     pre.step()
     assert [(d.solver, d.reason) for d in pre.decision_log] == [("sngd", "fidelity")] * 2
@@ -384,16 +374,15 @@ def test_steps_read_the_bias_without_concatenating_the_gradient(solver: str) -> 
     for step in range(3):
         model.zero_grad()
         F.cross_entropy(model(torch.randn(6, 1, 8, 8)), torch.randint(0, 5, (6,))).backward()
-        expected = [
-            state.precondition(grad_matrix(layer.math.module)) for layer in pre._layers if (state := layer.state)
-        ]
+        expected = [state.precondition(grad_matrix(info.module)) for info in pre.layer_info() if (state := info.state)]
         with _Concatenations() as mode:
             pre.step()
         if step:
-            assert all(size <= 2 * len(pre._layers) for size in mode.sizes), mode.sizes
-            for layer, v in zip(pre._layers, expected, strict=True):
-                err = rel_err(grad_matrix(layer.math.module), v)
-                assert err <= tolerances().float32, (layer.name, err)
+            infos = pre.layer_info()
+            assert all(size <= 2 * len(infos) for size in mode.sizes), mode.sizes
+            for info, v in zip(infos, expected, strict=True):
+                err = rel_err(grad_matrix(info.module), v)
+                assert err <= tolerances().float32, (info.name, err)
 
 
 def test_reconcile_moves_a_decision_to_the_family_every_ranks_calls_serve() -> None:
@@ -403,9 +392,12 @@ def test_reconcile_moves_a_decision_to_the_family_every_ranks_calls_serve() -> N
     model = nn.Sequential(
         nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2), nn.Tanh(), nn.Linear(2, 2)
     )
-    pre = HyLoPreconditioner(model.to(DT), solver="hybrid", stable_variant="kis", critical_variant="kid")
+    config = HyLoConfig(solver="hybrid", stable_variant="kis", critical_variant="kid")
+    found = register_layers(model.to(DT), config)
+    layers = registered_layers(found, config)
+    names = [layer.name for layer in layers]
+    planner = Planner(layers, SolverPolicy(names), 1, config)
     costs = dict.fromkeys(("kfac", "sngd", "kid", "kis"), 1.0)
-    names = [layer.name for layer in pre._layers]
     decisions = [
         Decision(5, names[0], "kfac", "cost", True, None, costs, "kid"),  # no factors anywhere: critical → kid
         Decision(5, names[1], "kfac", "cost", False, 0.0, costs, "kis"),  # no factors: stable → kis
@@ -413,7 +405,7 @@ def test_reconcile_moves_a_decision_to_the_family_every_ranks_calls_serve() -> N
         Decision(5, names[3], "sngd", "fidelity", True, None, costs, "kid"),  # neither: nothing to move to
     ]
     gives = {FACTORS: [False, False, True, False], ROWS: [True, True, False, False]}
-    reconciled = pre._planner.reconcile(decisions, gives, pre.config)
+    reconciled = planner.reconcile(decisions, gives, config)
     assert [(d.solver, d.reason) for d in reconciled] == [
         ("kid", "planned"),
         ("kis", "planned"),
@@ -421,5 +413,5 @@ def test_reconcile_moves_a_decision_to_the_family_every_ranks_calls_serve() -> N
         ("sngd", "fidelity"),
     ]
     served = {FACTORS: [True] * 4, ROWS: [True] * 4}
-    assert pre._planner.reconcile(decisions, served, pre.config) == decisions
-    pre.remove()
+    assert planner.reconcile(decisions, served, config) == decisions
+    found.remove()

@@ -51,7 +51,7 @@ def _data(step: int) -> tuple[Tensor, Tensor]:
     return torch.randn(6, 7, 8, generator=gen), torch.randint(0, 5, (6, 7), generator=gen)
 
 
-def _run(
+def run_precision(
     solver: str, autocast: bool, scaler: torch.amp.GradScaler | None = None, steps: int = 2, **options: Any
 ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]], HyLoPreconditioner]:
     """Raw and preconditioned gradients of each step (no optimizer step: the weights stay put)."""
@@ -81,9 +81,9 @@ def _run(
 
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_bf16_autocast_matches_float32_within_bf16_tolerance(solver: str) -> None:
-    raw32, pre32, _ = _run(solver, autocast=False)
-    raw16, pre16, pre = _run(solver, autocast=True)
-    preconditioned = [layer.name for layer in pre._layers]
+    raw32, pre32, _ = run_precision(solver, autocast=False)
+    raw16, pre16, pre = run_precision(solver, autocast=True)
+    preconditioned = [info.name for info in pre.layer_info()]
     assert {"block.self_attn.q_proj", "block.self_attn.out_proj", "conv", "block.linear1"} <= set(preconditioned)
     for step in range(len(raw32)):
         for name, exact in pre32[step].items():
@@ -99,11 +99,11 @@ def test_bf16_autocast_matches_float32_within_bf16_tolerance(solver: str) -> Non
 
 
 def test_bf16_autocast_keeps_factors_in_float32() -> None:
-    _, _, pre = _run("kfac", autocast=True, steps=1)
-    for layer in pre._layers:
-        state = layer.state
+    _, _, pre = run_precision("kfac", autocast=True, steps=1)
+    for info in pre.layer_info():
+        state = info.state
         assert state is not None
-        assert state.factor_a.dtype == torch.float32 and state.factor_g.dtype == torch.float32  # type: ignore[attr-defined]
+        assert state.tensors["factor_a"].dtype == torch.float32 and state.tensors["factor_g"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("solver", ("kfac", "sngd", "kid"))
@@ -121,8 +121,8 @@ def test_bf16_weights_keep_bf16_gradients_and_float32_state(solver: str) -> None
         F.cross_entropy(net(x.to(dtype)).float().flatten(0, 1), y.flatten()).backward()
         pre.step()
         results.append({n: p.grad for n, p in net.named_parameters()})
-        for layer in pre._layers:
-            assert layer.math.dtype == torch.float32
+        for info in pre.layer_info():
+            assert info.math.dtype == torch.float32
     for name, exact in results[1].items():
         got = results[0][name]
         assert got.dtype == torch.bfloat16
@@ -132,9 +132,9 @@ def test_bf16_weights_keep_bf16_gradients_and_float32_state(solver: str) -> None
 @pytest.mark.parametrize("solver", ("kfac", "sngd"))
 def test_grad_scaler_under_bf16_autocast_changes_nothing(solver: str) -> None:
     """``scaler.scale(loss).backward()`` → ``unscale_`` → ``pre.step()``: the result of the unscaled run."""
-    _, plain, _ = _run(solver, autocast=True, steps=3)
+    _, plain, _ = run_precision(solver, autocast=True, steps=3)
     scaler = torch.amp.GradScaler(chosen().type, init_scale=2.0**12, growth_interval=1)
-    _, scaled, _ = _run(solver, autocast=True, scaler=scaler, steps=3)
+    _, scaled, _ = run_precision(solver, autocast=True, scaler=scaler, steps=3)
     for a, b in zip(plain, scaled, strict=True):
         for name, exact in a.items():
             assert rel_err(b[name], exact) < 1e-4, name

@@ -28,6 +28,7 @@ from hylo.layers.experts import ExpertsLayers, ExpertsLayout
 from hylo_scripts.moe import LinearExperts, linear_twin, mixtral, qwen2_moe
 from tests.kit.checks import DT
 from tests.kit.harness import run_distributed
+from tests.kit.internals import apply_plan
 from tests.kit.reference import dense_natural_gradient
 
 pytest.importorskip("transformers")
@@ -80,7 +81,7 @@ def test_every_expert_and_router_is_a_layer_and_coverage_is_at_least_90_percent(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing left alone to warn about
         pre = hylo.HyLoPreconditioner(model)
-    names = [layer.name for layer in pre._layers]
+    names = [info.name for info in pre.layer_info()]
     for block in range(2):
         prefix = f"model.layers.{block}.mlp"
         assert f"{prefix}.gate" in names
@@ -112,16 +113,16 @@ def test_an_unrecognised_3d_parameter_and_an_unmodelled_layout_are_left_alone_wi
     model = nn.Sequential(nn.Linear(4, 4), Batched())
     with pytest.warns(UserWarning, match="Batched is not a supported layer type"):
         pre = hylo.HyLoPreconditioner(model)
-    assert [layer.name for layer in pre._layers] == ["0"]
+    assert [info.name for info in pre.layer_info()] == ["0"]
 
     model = tiny()
     experts = model.model.layers[0].mlp.experts
     experts.is_transposed = True
     with pytest.warns(UserWarning, match=r"declares is_transposed=True \(weights stored transposed\)"):
         pre = hylo.HyLoPreconditioner(model)
-    assert not [layer.name for layer in pre._layers if "experts" in layer.name]
-    assert ("model.layers.0.mlp.experts", "MixtralExperts declares is_transposed=True (weights stored transposed), "
-            "a layout hylo's fused experts do not model") in pre._registration.unsupported  # fmt: skip
+    assert not [info.name for info in pre.layer_info() if "experts" in info.name]
+    assert ("not preconditioned: model.layers.0.mlp.experts (MixtralExperts declares is_transposed=True (weights "
+            "stored transposed), a layout hylo's fused experts do not model)") in pre.summary()  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ the twin, every solver
@@ -131,7 +132,7 @@ def run_pair(
     """``steps`` steps of hylo on both models (SGD, lr 0.05): per step the fused raw gradients (the twin's to
     ``rtol``), its preconditioned ones and the twin's preconditioned ones."""
     pres = [hylo.HyLoPreconditioner(m, **options(solver)) for m in (fused, twin)]
-    assert [x.name for x in pres[0]._layers] == [x.name for x in pres[1]._layers]
+    assert [x.name for x in pres[0].layer_info()] == [x.name for x in pres[1].layer_info()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, twin)]
     seen = []
     for step in range(steps):
@@ -148,7 +149,7 @@ def run_pair(
         seen.append((raws[0], expert_grads(fused), expert_grads(twin)))
         for opt in opts:
             opt.step()
-    assert [x.solver for x in pres[0]._layers] == [x.solver for x in pres[1]._layers]
+    assert [x.solver for x in pres[0].layer_info()] == [x.solver for x in pres[1].layer_info()]
     return seen
 
 
@@ -173,9 +174,9 @@ def test_the_experts_of_a_block_are_applied_as_one_group(solver: str) -> None:
         model.zero_grad()
         lm_loss(model, batch(step)).backward()
         pre.step()
-    plan = pre._placement.grouped.plan
+    plan = apply_plan(pre)
     assert plan is not None
-    names = [layer.name for layer in pre._layers]
+    names = [info.name for info in pre.layer_info()]
     groups = [{names[plan.order[i]] if plan.order is not None else names[i] for i in range(g.start, g.stop)}
               for g in plan.groups]  # fmt: skip
     for attr in ("gate_up_proj", "down_proj"):
@@ -299,9 +300,8 @@ def test_idle_experts_keep_their_state_unwarned_and_counted_and_overloaded_exper
     info = {i.name: i for i in pre.layer_info()}
     assert info["experts.down_proj.2"].note == "idle at 1 capture steps: no token routed to it"
     assert info["experts.down_proj.0"].note == ""
-    states = {layer.name: layer.state for layer in pre._layers}
-    assert states["experts.down_proj.2"] is None and states["experts.down_proj.0"] is not None
-    assert pre._layers[[x.name for x in pre._layers].index("experts.down_proj.1")].kept == (12, 12)  # 9 + 3 tokens
+    assert info["experts.down_proj.2"].state is None and info["experts.down_proj.0"].state is not None
+    assert info["experts.down_proj.1"].rows_kept == (12, 12)  # 9 + 3 tokens
 
 
 def test_under_kfac_adam_an_expert_idle_between_updates_takes_its_momentum_step_without_a_fallback() -> None:
@@ -320,7 +320,7 @@ def test_under_kfac_adam_an_expert_idle_between_updates_takes_its_momentum_step_
         model.zero_grad()
         model(x).pow(2).mean().backward()
         pre.step()
-    assert not pre._guard.fallbacks.any()  # counted here, reported at the next update
+    assert not any(info.fallbacks for info in pre.layer_info())  # counted here, reported at the next update
     grad = fused.gate_up_proj.grad
     assert torch.isfinite(grad).all() and grad[3].abs().max() > 1  # the momentum step, written into the zero slice
 

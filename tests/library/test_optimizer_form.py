@@ -18,11 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import hylo
-from hylo.optimizer import ADAPTIVE_DEFAULTS, NATURAL_UNDER_ADAPTIVE_DEFAULTS, PLAIN_DEFAULTS, default_options
+from hylo.optimizer import NATURAL_UNDER_ADAPTIVE_DEFAULTS, PLAIN_DEFAULTS, adaptive_defaults, default_options
 from hylo_scripts.bench_ops import count
 from tests.kit.models import batch, mlp
 
 STEPS = 6
+
+#: What HyLoOptimizer runs under AdamW when no solver is given (the bundled kfac_adam family declares it).
+ADAPTIVE_DEFAULTS = adaptive_defaults() or {}
 
 
 def net(seed: int = 0) -> nn.Sequential:

@@ -15,7 +15,6 @@ policy options in test_config.py, the hybrid ``state_dict`` round trip in test_c
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 from collections import OrderedDict
 from typing import Any
@@ -30,12 +29,15 @@ from hylo import HyLoConfig, HyLoPreconditioner, LayerStats
 from hylo.layers import LayerShape
 from hylo.numerics import POWER_COST
 from hylo.policy import SolverPolicy, is_dynamic
-from hylo.solvers import LAYER_SOLVERS, family_of
-from hylo.solvers.kfac import EIGH_COST, INVERSE_COST
+from hylo.solvers import LAYER_SOLVERS, FamilyOptions, family_of
+from hylo.solvers.kfac import EIGH_COST, INVERSE_COST, KFACConfig
 from hylo.solvers.lowrank import PIVOT_WORK_WEIGHT
 from tests.kit.checks import DT, grad_matrix
 from tests.kit.harness import run_distributed
 from tests.kit.models import override_model, regression_data, sequential
+
+#: Every family's options at their defaults (what the cost model prices without a config).
+DEFAULTS = HyLoConfig().family_options()
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -124,7 +126,9 @@ def test_cost_formulas_recomputed_by_hand() -> None:
     rotations = 10 * 2 * 4608 * 512 * 5120
     assert (factors, eighs, rotations) == (2_751_463_424, 391_915_765_760, 241_591_910_400)
     shape = LayerShape(d_a, d_g, n, n, r)
-    assert family_of("kfac").cost(shape, "kfac").per_period(f) == 636_259_139_584 == factors + eighs + rotations
+    assert (
+        family_of("kfac").cost(shape, "kfac", DEFAULTS).per_period(f) == 636_259_139_584 == factors + eighs + rotations
+    )
     # KID: 10 (n r (d_a + d_g) + n r²) + m² (d_a + d_g) + m³ + f · 2 m d_a d_g, m = r on one rank
     assert PIVOT_WORK_WEIGHT == 10.0
     local_kernel = 10 * 128 * 48 * 5120  # 314 572 800: r columns of the n×n kernel, weighted
@@ -132,15 +136,15 @@ def test_cost_formulas_recomputed_by_hand() -> None:
     gathered_kernel = 48**2 * 5120  # 11 796 480
     smw = 48**3  # 110 592
     apply = 10 * 2 * 48 * 4608 * 512  # 2 264 924 160
-    kid = family_of("kid").cost(shape, "kid").per_period(f)
+    kid = family_of("kid").cost(shape, "kid", DEFAULTS).per_period(f)
     assert kid == 2_594_353_152 == local_kernel + pivots + gathered_kernel + smw + apply
     # KIS: the row norms n (d_a + d_g) instead of the kernel and the pivots
-    assert family_of("kis").cost(shape, "kis").per_period(f) == kid - local_kernel - pivots + 128 * 5120
+    assert family_of("kis").cost(shape, "kis", DEFAULTS).per_period(f) == kid - local_kernel - pivots + 128 * 5120
     # SNGD: every row, m = n = 128
     sngd = 128**2 * 5120 + 128**3 + 10 * 2 * 128 * 4608 * 512
-    assert family_of("sngd").cost(shape, "sngd").per_period(f) == sngd == 6_125_780_992
+    assert family_of("sngd").cost(shape, "sngd", DEFAULTS).per_period(f) == sngd == 6_125_780_992
     # The per-step terms scale with update_freq.
-    assert family_of("kid").cost(shape, "kid").per_period(2 * f) - kid == apply
+    assert family_of("kid").cost(shape, "kid", DEFAULTS).per_period(2 * f) - kid == apply
 
 
 def test_the_cost_model_prices_the_method_the_run_solves_k_fac_by() -> None:
@@ -149,14 +153,14 @@ def test_the_cost_model_prices_the_method_the_run_solves_k_fac_by() -> None:
     The policy sets the methods on the shapes it prices from the config."""
     d_a, d_g, n = 513, 128, 2048
     shape = LayerShape(d_a, d_g, n, n, 0)
-    eigen = family_of("kfac").cost(shape, "kfac")
-    inverse = family_of("kfac").cost(dataclasses.replace(shape, kfac_method="inverse"), "kfac")
+    eigen = family_of("kfac").cost(shape, "kfac", DEFAULTS)
+    inverse = family_of("kfac").cost(shape, "kfac", FamilyOptions([KFACConfig(kfac_method="inverse")]))
     cubes = float(d_a) ** 3 + float(d_g) ** 3
     assert (eigen.solve, inverse.solve) == (EIGH_COST * cubes, INVERSE_COST * cubes)
     assert (eigen.apply, inverse.apply) == (2.0 * d_a * d_g * (d_a + d_g), 1.0 * d_a * d_g * (d_a + d_g))
     assert inverse.build == eigen.build
-    adam = family_of("kfac_adam").cost(shape, "kfac_adam")
-    warm = family_of("kfac_adam").cost(dataclasses.replace(shape, basis_refresh="power"), "kfac_adam")
+    adam = family_of("kfac_adam").cost(shape, "kfac_adam", DEFAULTS)
+    warm = family_of("kfac_adam").cost(shape, "kfac_adam", HyLoConfig(basis_refresh="power").family_options())
     assert (adam.solve, warm.solve) == (EIGH_COST * cubes, POWER_COST * cubes)
     assert adam.apply == warm.apply > eigen.apply  # the eigen method's rotations and the moments
     # the policy prices what the config runs
@@ -175,13 +179,13 @@ def test_exact_conv_rows_are_charged_for_their_width_and_traffic_when_distribute
     d_a, d_g, n, n_k, r, f = 577, 64, 32, 32 * 64, 3, 10
     dense = LayerShape(d_a, d_g, n, n_k, r, 1, True, float(n_k * d_a * d_g))
     w = d_a * d_g
-    cost = family_of("sngd").cost(dense, "sngd")
+    cost = family_of("sngd").cost(dense, "sngd", DEFAULTS)
     assert (cost.build, cost.solve, cost.bytes) == (n_k * d_a * d_g, n**2 * w + n**3, 0.0)
     spread = LayerShape(d_a, d_g, n, n_k, r, world_size=4, itemsize=4)
     m = 4 * n
-    lowrank = family_of("sngd").cost(spread, "sngd")
+    lowrank = family_of("sngd").cost(spread, "sngd", DEFAULTS)
     assert lowrank.bytes == 4 * (m * (d_a + d_g) + m**2)  # gathered rows and the broadcast M
-    assert family_of("kfac").cost(spread, "kfac").bytes == 4 * 3 * (d_a**2 + d_g**2)
+    assert family_of("kfac").cost(spread, "kfac", DEFAULTS).bytes == 4 * 3 * (d_a**2 + d_g**2)
     assert lowrank.per_period(f, 100.0) - lowrank.per_period(f) == 100.0 * lowrank.bytes
     # the policy adds the traffic only when P > 1
     config = HyLoConfig(solver="hybrid", fidelity_budget=0.0, comm_flops_per_byte=100.0)
@@ -338,7 +342,7 @@ def test_layer_solvers_nested_module_names() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 8), nn.Linear(8, 2)).to(DT)
     pre = HyLoPreconditioner(model, solver="sngd", layer_solvers={r"0\.\d+": "kis", "2": "kfac"})
-    assert [layer.name for layer in pre._layers] == ["0.0", "1", "2"]
+    assert [info.name for info in pre.layer_info()] == ["0.0", "1", "2"]
     assert [pre.solver_of(n) for n in ("0.0", "1", "2")] == ["kis", "sngd", "kfac"]
 
 
@@ -472,15 +476,16 @@ def test_switching_solvers_mid_run_matches_fresh_preconditioner() -> None:
             F.mse_loss(m(x), y).backward()
             fresh.step()
             fresh_grads[solver] = {n: grad_matrix(getattr(m, n)) for n in SCHEDULES}
-            fresh_states[solver] = {layer.name: layer.state for layer in fresh._layers}
+            fresh_states[solver] = {info.name: info.state for info in fresh.layer_info()}
         for name, schedule in SCHEDULES.items():
             solver = schedule[step]
             assert pre.solver_of(name) == solver
             got, want = grad_matrix(getattr(model, name)), fresh_grads[solver][name]
             switched = step == 0 or schedule[step - 1] != solver
-            registered = next(layer for layer in pre._layers if layer.name == name)
+            registered = next(info for info in pre.layer_info() if info.name == name)
             state = registered.state
-            assert registered.solver == solver and isinstance(state, family_of(solver).state_type)
+            assert registered.solver == solver and state is not None
+            assert state.family == family_of(solver).name and not state.remote  # built by the solver's family
             if switched or solver != "kfac":
                 torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"step {step} {name} {solver}")
                 checked["switch"] += switched
@@ -491,15 +496,15 @@ def test_switching_solvers_mid_run_matches_fresh_preconditioner() -> None:
             if solver == "kfac":
                 batch = fresh_states["kfac"][name]  # a fresh K-FAC's first factors are the batch factors
                 if switched:
-                    running[name] = (batch.factor_a, batch.factor_g)
+                    running[name] = (batch.tensors["factor_a"], batch.tensors["factor_g"])
                 else:
                     old_a, old_g = running[name]
                     running[name] = (
-                        decay * old_a + (1 - decay) * batch.factor_a,
-                        decay * old_g + (1 - decay) * batch.factor_g,
+                        decay * old_a + (1 - decay) * batch.tensors["factor_a"],
+                        decay * old_g + (1 - decay) * batch.tensors["factor_g"],
                     )
-                torch.testing.assert_close(state.factor_a, running[name][0], rtol=1e-12, atol=1e-15)
-                torch.testing.assert_close(state.factor_g, running[name][1], rtol=1e-12, atol=1e-15)
+                torch.testing.assert_close(state.tensors["factor_a"], running[name][0], rtol=1e-12, atol=1e-15)
+                torch.testing.assert_close(state.tensors["factor_g"], running[name][1], rtol=1e-12, atol=1e-15)
         opt.step()
     assert [(d.step, d.layer, d.solver, d.reason) for d in pre.decision_log] == [
         (step, name, SCHEDULES[name][step], "solver_fn") for step in range(10) for name in SCHEDULES
@@ -523,10 +528,12 @@ def test_kfac_after_lowrank_takes_batch_factors_not_stale_average() -> None:
     before.zero_grad()
     F.mse_loss(before(x) * 31, y).backward()
     fresh.step()
-    state, fresh_state = pre._layers[0].state, fresh._layers[0].state
-    assert pre._layers[0].solver == "kfac" and isinstance(state, family_of("kfac").state_type)
-    torch.testing.assert_close(state.factor_a, fresh_state.factor_a, rtol=1e-12, atol=0)
-    torch.testing.assert_close(state.factor_g, fresh_state.factor_g, rtol=1e-12, atol=0)
+    info, fresh_state = pre.layer_info()[0], fresh.layer_info()[0].state
+    state = info.state
+    assert info.solver == "kfac" and state is not None and state.family == family_of("kfac").name
+    assert fresh_state is not None
+    torch.testing.assert_close(state.tensors["factor_a"], fresh_state.tensors["factor_a"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(state.tensors["factor_g"], fresh_state.tensors["factor_g"], rtol=1e-12, atol=0)
     torch.testing.assert_close(grad_matrix(model.fc), grad_matrix(before.fc), rtol=1e-10, atol=1e-12)
 
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from tests.kit.checks import DT, assert_same_tensors, grads, state_snapshot
+from tests.kit.internals import hooks
 from tests.kit.models import backward, batch, mlp, override_model, run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -32,21 +33,22 @@ def _cadence(pre: HyLoPreconditioner, model: nn.Module, steps: int) -> tuple[lis
     for step in range(steps):
         model.zero_grad()
         backward(model, step)
-        has_records = [bool(layer.capture.records) for layer in pre._layers]
+        has_records = [bool(info.calls or info.pending) for info in pre.layer_info()]
         assert len(set(has_records)) == 1, "all layers capture on the same steps"
         if has_records[0]:
             captured.append(step)
-        before = [layer.state for layer in pre._layers]
-        raw = [layer.math.grad_matrix().clone() for layer in pre._layers]
+        before = [info.state for info in pre.layer_info()]
+        raw = [info.math.grad_matrix().clone() for info in pre.layer_info()]
         pre.step()
-        changed = [layer.state is not old for layer, old in zip(pre._layers, before, strict=True)]
+        changed = [info.state != old for info, old in zip(pre.layer_info(), before, strict=True)]
         assert len(set(changed)) == 1, "all layers update on the same steps"
         if changed[0]:
             replaced.append(step)
         else:  # between updates the stored state is reused on the fresh gradient
-            for layer, old, g in zip(pre._layers, before, raw, strict=True):
-                torch.testing.assert_close(layer.math.grad_matrix(), old.precondition(g), rtol=1e-12, atol=0)
-                assert not torch.allclose(layer.math.grad_matrix(), g)
+            for info, old, g in zip(pre.layer_info(), before, raw, strict=True):
+                assert old is not None
+                torch.testing.assert_close(info.math.grad_matrix(), old.precondition(g), rtol=1e-12, atol=0)
+                assert not torch.allclose(info.math.grad_matrix(), g)
     return captured, replaced
 
 
@@ -102,18 +104,18 @@ def test_callable_returning_invalid_value_raises(
 def test_remove_detaches_hooks_and_disables_step() -> None:
     model = mlp()
     pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
-    assert model.fc1._forward_hooks
-    assert model.fc2._forward_hooks
+    assert hooks(model.fc1)[1]  # forward hooks
+    assert hooks(model.fc2)[1]
     run(model, pre, [0])
     pre.remove()
-    assert all(not module._forward_hooks for module in model.modules())
+    assert all(not hooks(module)[1] for module in model.modules())
     model.zero_grad()
     backward(model, 1)  # the model still trains on its own
     raw = grads(model)
     with pytest.raises(RuntimeError):
         pre.step()
     assert_same_tensors(grads(model), raw)
-    assert all(not layer.capture.records for layer in pre._layers)
+    assert all(not (info.calls or info.pending) for info in pre.layer_info())
 
 
 # --------------------------------------------------------------------------- 10. bad input
@@ -148,7 +150,8 @@ def test_update_step_without_capture_warns_once_and_keeps_the_layer_as_it_was(so
         if step == 0:
             assert "fc1" in messages[0] and "fc2" not in messages[0]
         assert_same_tensors(grads(model)[:2], raw[:2])  # fc1: no state, gradient as it was
-        assert pre._layers[0].state is None and pre._layers[1].state is not None
+        infos = pre.layer_info()
+        assert infos[0].state is None and infos[1].state is not None
         assert not torch.equal(model.fc2.weight.grad, raw[2])
 
 
@@ -162,7 +165,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
     model = mlp()
     pre = HyLoPreconditioner(model, solver=solver, update_freq=update_freq, damping=0.1)
     run(model, pre, [0])
-    states = [layer.state for layer in pre._layers]
+    states = [info.state for info in pre.layer_info()]
     snapshot = state_snapshot(pre)
 
     model.zero_grad()
@@ -174,7 +177,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
         pre.step()
     for p, g in zip(model.parameters(), raw, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
-    assert all(layer.state is old for layer, old in zip(pre._layers, states, strict=True))
+    assert all(info.state == old for info, old in zip(pre.layer_info(), states, strict=True))
     assert_same_tensors(state_snapshot(pre), snapshot)
 
     # the next step with finite gradients updates and preconditions as usual
@@ -184,7 +187,7 @@ def test_non_finite_gradient_leaves_grads_and_state_alone(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pre.step()
-    assert all(layer.state is not old for layer, old in zip(pre._layers, states, strict=True))
+    assert all(info.state != old for info, old in zip(pre.layer_info(), states, strict=True))
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert not torch.allclose(model.fc1.weight.grad, raw[0])
 
@@ -214,7 +217,7 @@ def test_unsupported_modules_warn_and_are_left_alone(solver: str) -> None:
     for name in ("emb", "dw"):
         assert name in message
     assert ": bn" not in message  # a normalisation layer stays with the optimizer without a warning
-    assert [layer.name for layer in pre._layers] == ["conv", "fc"]
+    assert [info.name for info in pre.layer_info()] == ["conv", "fc"]
     summary = pre.summary()
     for name in ("emb", "dw", "bn", "conv", "fc"):
         assert name in summary
@@ -259,7 +262,7 @@ def test_skip_layers_by_name_regex_and_class(skip: tuple[str, ...], kept: list[s
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # skipping is not a warning
         pre = HyLoPreconditioner(model, solver="sngd", skip_layers=skip)
-    assert [layer.name for layer in pre._layers] == kept
+    assert [info.name for info in pre.layer_info()] == kept
     summary = pre.summary()
     for name in {"conv1", "conv10", "fc", "fc_out"} - set(kept):
         assert re.search(rf"\b{name}\b", summary), name
@@ -269,7 +272,7 @@ def test_frozen_layer_is_skipped_and_model_without_supported_layers_raises() -> 
     model = mlp()
     model.fc1.weight.requires_grad_(False)
     pre = HyLoPreconditioner(model, solver="sngd")
-    assert [layer.name for layer in pre._layers] == ["fc2"]
+    assert [info.name for info in pre.layer_info()] == ["fc2"]
     assert "fc1" in pre.summary()
     with pytest.raises(ValueError, match="layer"):
         HyLoPreconditioner(mlp(), skip_layers=("Linear",))
@@ -322,8 +325,9 @@ def test_memory_usage_sngd_exact(dtype: torch.dtype) -> None:
     F.cross_entropy(model(x), torch.randint(0, 3, (m,))).backward()
     pre.step()
     usage = pre.memory_usage()
-    for layer in pre._layers:
-        assert usage[layer.name] == _nbytes(layer.state.tensors().values())
+    for info in pre.layer_info():
+        assert info.state is not None and info.memory == usage[info.name]
+        assert usage[info.name] == _nbytes(info.state.tensors.values())
     size = torch.finfo(dtype).bits // 8
     # O(m (d_a + d_g) + m²) numbers: rows a (m×d_a), g (m×d_g) and the m×m SMW matrix (float64, docs/solvers.md)
     for name, d_a, d_g in [("conv", 2 * 9 + 1, 4), ("fc1", 64 + 1, 5), ("fc2", 5, 3)]:
@@ -344,8 +348,9 @@ def test_memory_usage_kfac_exact() -> None:
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=1)
     run(model, pre, [0])
     usage = pre.memory_usage()
-    for layer in pre._layers:
-        assert usage[layer.name] == _nbytes(layer.state.tensors().values())
+    for info in pre.layer_info():
+        assert info.state is not None and info.memory == usage[info.name]
+        assert usage[info.name] == _nbytes(info.state.tensors.values())
     # factors, eigenvectors (d×d each) and eigenvalues (d each), float64
     for name, d_a, d_g in [("fc1", 5, 6), ("fc2", 7, 3)]:
         assert usage[name] == 8 * (2 * d_a * d_a + d_a + 2 * d_g * d_g + d_g), name

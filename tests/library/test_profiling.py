@@ -44,6 +44,7 @@ from hylo.config import options
 from tests.kit.checks import counting_host_syncs
 from tests.kit.devices import chosen, tolerances
 from tests.kit.harness import run_distributed
+from tests.kit.internals import hooks
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.device_tier]
 
@@ -522,10 +523,10 @@ def test_a_refused_directory_leaves_no_hooks(tmp_path: Path) -> None:
     pre = HyLoPreconditioner(model, profile_dir=tmp_path)
     pre.close()
     (tmp_path / "steps-r0.csv").write_text("step\n0\n")
-    hooked = [len(m._forward_hooks) for m in model.modules()]
+    hooked = [hooks(m) for m in model.modules()]
     with pytest.raises(ValueError, match="profile_append"):
         HyLoPreconditioner(model, profile_dir=tmp_path)
-    assert [len(m._forward_hooks) for m in model.modules()] == hooked
+    assert [hooks(m) for m in model.modules()] == hooked
 
 
 def test_existing_files_are_refused_unless_appending(tmp_path: Path) -> None:
@@ -678,12 +679,13 @@ def test_profiling_off_costs_no_sync_and_writes_nothing(tmp_path: Path, monkeypa
 
     off, pre = syncs(None)
     assert off[1] == off[2] == 1, off
-    assert pre._telemetry.recorder is None and pre._telemetry.studies is None and not pre._telemetry.watch.enabled
+    progress = pre.progress()
+    assert not progress.profiling and not progress.studies and not progress.timing
     assert list(tmp_path.iterdir()) == []
 
     on, pre = syncs(tmp_path / "profile")
     assert on[1] == on[2] == 1, on
-    assert pre._telemetry.recorder is not None
+    assert pre.progress().profiling
     pre.close()
 
 
@@ -744,7 +746,7 @@ def test_close_flushes_once_and_stops_recording(tmp_path: Path) -> None:
     train(model, pre, range(4, 7))  # training continues, unrecorded
     pre.close()
     assert _snapshot(tmp_path) == closed
-    assert pre._telemetry.recorder is None
+    assert not pre.progress().profiling
 
 
 def test_remove_closes(tmp_path: Path) -> None:
@@ -752,7 +754,7 @@ def test_remove_closes(tmp_path: Path) -> None:
     model, pre = _profiled(tmp_path, studies=("grad_norm",))
     train(model, pre, range(4))
     pre.remove()
-    assert pre._telemetry.recorder is None
+    assert not pre.progress().profiling
     assert list(read(tmp_path, "steps-r0.csv").step) == [0, 1, 2, 3]
     assert list(read(tmp_path, "grad-norm.csv").step.unique()) == [0, 1, 2, 3]
     pre.close()

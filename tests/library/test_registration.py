@@ -25,13 +25,14 @@ from hylo import HyLoConfig, HyLoPreconditioner
 from hylo.config import resolve
 from hylo.layers.walk import register_layers
 from tests.kit.checks import DT
+from tests.kit.internals import hooks
 from tests.kit.models import backward, batch, mlp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _names(pre: HyLoPreconditioner) -> list[str]:
-    return [layer.name for layer in pre._layers]
+    return [info.name for info in pre.layer_info()]
 
 
 # --------------------------------------------------------------------------- MultiheadAttention
@@ -40,9 +41,9 @@ def test_multihead_attention_at_the_root_registers_its_projections_once() -> Non
     found = register_layers(mha, HyLoConfig(solver="sngd"))
     assert [layer.name for layer in found.layers] == ["q_proj", "k_proj", "v_proj", "out_proj"]
     assert found.unsupported == [] and len(found.taps) == 1
-    assert not mha.out_proj._forward_hooks  # captured by the attention's tap, never by a hook of its own
+    assert not hooks(mha.out_proj)[1]  # forward hooks: captured by the attention's tap, never by a hook of its own
     found.remove()
-    assert not mha._forward_pre_hooks and not mha._forward_hooks
+    assert not hooks(mha)[0] and not hooks(mha)[1]  # no forward-pre or forward hook left
 
 
 class _Attention(nn.Module):
@@ -68,7 +69,7 @@ def test_multihead_attention_projection_is_registered_once_under_its_attention()
     assert _names(pre) == names
     x = torch.randn(5, 4, 8, dtype=DT)
     F.cross_entropy(model(x), torch.tensor([0, 1, 2, 0])).backward()
-    assert len(pre._layers[3].capture.calls()) == 1
+    assert len(pre.layer_info()[3].calls) == 1
     raw = model.attn.out_proj.weight.grad.clone()
     pre.step()
     assert not torch.allclose(model.attn.out_proj.weight.grad, raw)
@@ -291,7 +292,7 @@ def test_lazy_layer_needs_a_dry_run(conv: bool) -> None:
     with pytest.raises(ValueError, match=r"'first'.*forward pass.*dry run") as info:
         HyLoPreconditioner(model, solver="sngd")
     assert "last" not in str(info.value)
-    assert not model.last._forward_hooks  # nothing left attached
+    assert not hooks(model.last)[1]  # nothing left attached
     with torch.no_grad():
         model(x)  # the dry run
     pre = HyLoPreconditioner(model, solver="sngd", update_freq=1)
@@ -333,7 +334,7 @@ def test_replaced_parameter_is_the_one_preconditioned(which: str) -> None:
         torch.testing.assert_close(new.grad, getattr(reference.fc1, name).grad, rtol=1e-12, atol=0)
         if new is not old[name]:
             assert torch.equal(old[name].grad, old_grads[name])  # the old parameter is untouched
-    assert pre._layers[0].math.weight is model.fc1.weight
+    assert pre.layer_info()[0].math.weight is model.fc1.weight
 
 
 def test_replaced_parameter_of_another_shape_raises_naming_both_shapes() -> None:
@@ -393,9 +394,9 @@ def test_forwards_without_backward_are_dropped_with_one_warning_per_layer() -> N
     with pytest.warns(UserWarning, match="no_grad") as record:
         for _ in range(50):  # "evaluation" in train mode with autograd on, at a capture step
             model(x).argmax(dim=1)
-    for layer in pre._layers:
-        assert len(layer.capture.records) <= 2, layer.name
-        assert sum(f"'{layer.name}'" in str(w.message) for w in record) == 1, layer.name
+    for info in pre.layer_info():
+        assert len(info.calls) + info.pending <= 2, info.name  # the forwards kept: at most the latest two
+        assert sum(f"'{info.name}'" in str(w.message) for w in record) == 1, info.name
 
     reference = copy.deepcopy(model)
     reference_pre = HyLoPreconditioner(reference, solver="sngd", update_freq=1, damping=0.1)
@@ -413,14 +414,14 @@ def test_gradient_accumulation_and_repeated_calls_keep_every_call() -> None:
         warnings.simplefilter("error")
         for micro in range(20):
             backward(model, micro, n=2)
-        assert [len(layer.capture.calls()) for layer in pre._layers] == [20, 20]
+        assert [len(info.calls) for info in pre.layer_info()] == [20, 20]
         pre.step()
 
         model.zero_grad()
         x, _ = batch(0, n=2)
         hidden = [model.fc1(x + i) for i in range(20)]  # 20 calls awaiting one backward
         model.fc2(torch.tanh(torch.stack(hidden).mean(dim=0))).sum().backward()
-        assert len(pre._layers[0].capture.calls()) == 20
+        assert len(pre.layer_info()[0].calls) == 20
         pre.step()
 
 
@@ -432,7 +433,7 @@ def test_checkpointed_recomputation_does_not_warn() -> None:
         warnings.simplefilter("error")
         for _ in range(3):
             F.cross_entropy(checkpoint(model, x, use_reentrant=False), y).backward()
-        assert all(len(layer.capture.calls()) == 3 for layer in pre._layers)
+        assert all(len(info.calls) == 3 for info in pre.layer_info())
         pre.step()
 
 

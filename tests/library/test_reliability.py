@@ -17,6 +17,7 @@ second, unperturbed run of the same model.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,7 +30,6 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.solvers import LayerState
 from tests.kit.checks import as_parts, assert_same_tensors, grad_matrix, grads, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
 from tests.kit.models import backward, batch, mlp, run
@@ -96,14 +96,14 @@ def test_duplicated_rows_with_a_sum_loss_never_raise(solver: str, options: dict[
     model, x, y = _duplicated_rows_model()
     pre = HyLoPreconditioner(model, solver=solver, damping=damping, update_freq=1, **options)
     for _ in range(3):
-        before = [layer.state for layer in pre._layers]
+        before = [info.state for info in pre.layer_info()]
         model.zero_grad()
         F.mse_loss(model(x), y, reduction="sum").backward()
         assert not _step_quietly(pre)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-        for layer, old in zip(pre._layers, before, strict=True):
-            assert isinstance(layer.state, LayerState) and layer.state is not old
-            assert all(torch.isfinite(t).all() for t in layer.state.tensors().values())
+        for info, old in zip(pre.layer_info(), before, strict=True):
+            assert info.state is not None and not info.state.remote and info.state != old
+            assert all(torch.isfinite(t).all() for t in info.state.tensors.values())
 
 
 # --------------------------------------------------------------------------- 2. non-finite curvature
@@ -116,21 +116,24 @@ def test_overflowing_curvature_keeps_the_previous_state(solver: str) -> None:
     x, y = batch(0)
     F.cross_entropy(model(x.float()), y).backward()
     pre.step()
-    states = {layer.name: layer.state for layer in pre._layers}
+    states = {info.name: info.state for info in pre.layer_info()}
     model.zero_grad()
     x, y = batch(1)
     F.cross_entropy(model(x.float() * 1e20), y).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     messages = _step_quietly(pre)
     assert any("non-finite curvature" in m and "fc1" in m for m in messages), messages
-    assert pre._layers[0].state is states["fc1"]
-    assert pre._planner.rejected == {"fc1"} and not pre._planner.needs_update  # owed alone, at its next update
+    infos = pre.layer_info()
+    assert infos[0].state == states["fc1"]
+    # owed alone, at its next update
+    assert {i.name for i in infos if i.rejected} == {"fc1"} and not pre.progress().update_owed
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     model.zero_grad()
     x, y = batch(2)
     F.cross_entropy(model(x.float()), y).backward()
     assert not _step_quietly(pre)
-    assert pre._layers[0].state is not states["fc1"] and not pre._planner.rejected
+    infos = pre.layer_info()
+    assert infos[0].state != states["fc1"] and not any(i.rejected for i in infos)
 
 
 # --------------------------------------------------------------------------- 2b. decompositions that fail silently
@@ -163,16 +166,17 @@ def test_a_layer_whose_decomposition_keeps_failing_is_owed_alone(monkeypatch: py
         model.zero_grad()
         backward(model, step)
         raw = model.fc1.weight.grad.clone()
-        before = pre._layers[1].state
+        before = pre.layer_info()[1].state
         warned += [(step, m) for m in _step_quietly(pre) if "non-finite curvature" in m]
-        if pre._layers[1].state is not before:
+        if pre.layer_info()[1].state != before:
             fc2_updates.append(step)
         if step < 15:
-            assert pre._layers[0].state is None and torch.equal(model.fc1.weight.grad, raw), step
+            assert pre.layer_info()[0].state is None and torch.equal(model.fc1.weight.grad, raw), step
     assert fc2_updates == [0, 5, 10, 15]
     assert len(warned) == 1 and warned[0][0] == 0 and "fc1" in warned[0][1], warned
-    assert isinstance(pre._layers[0].state, LayerState) and not pre._planner.rejected
-    assert pre._planner.updates == 4
+    infos = pre.layer_info()
+    assert infos[0].state is not None and not infos[0].state.remote and not any(i.rejected for i in infos)
+    assert pre.progress().updates == 4
 
 
 #: The MLP of the reported cliff: on MKL's AVX2 code path, float32 ``syevd`` returns NaN without an error for the
@@ -201,7 +205,7 @@ with warnings.catch_warnings(record=True) as caught:
         opt.step()
 # at hylo's default damping (1) this deep, narrow MLP's curvature turns no layer: that warning is not the cliff's
 warned = [str(w.message) for w in caught if "changes no direction" not in str(w.message)]
-print(json.dumps({"updates": pre._planner.updates, "warnings": warned,
+print(json.dumps({"updates": pre.progress().updates, "warnings": warned,
                   "broken": sum(broken), "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}))
 """
 
@@ -347,16 +351,17 @@ def test_huge_finite_gradients_are_preconditioned_not_skipped(solver: str) -> No
     with torch.no_grad():
         for p in model.parameters():
             p.grad.mul_(1e25)
-    raw = [layer.math.grad_matrix().clone() for layer in pre._layers]
+    raw = [info.math.grad_matrix().clone() for info in pre.layer_info()]
     assert not torch.isfinite(torch.linalg.vector_norm(raw[0]))  # the old check's overflow
     messages = _step_quietly(pre)
     assert not messages
-    for layer, g in zip(pre._layers, raw, strict=True):
-        assert isinstance(layer.state, LayerState)
-        expected = layer.state.precondition(as_parts(g, layer.math.bias is not None))
+    for info, g in zip(pre.layer_info(), raw, strict=True):
+        assert info.state is not None and not info.state.remote
+        expected = info.state.precondition(as_parts(g, info.math.bias is not None))
         assert torch.isfinite(expected).all()  # the grouped step's products round otherwise: float32's resolution
-        torch.testing.assert_close(layer.math.grad_matrix(), expected, rtol=1e-5, atol=0)
-    assert pre._policy.trend.ema is not None and torch.isfinite(pre._policy.trend.ema).all()
+        torch.testing.assert_close(info.math.grad_matrix(), expected, rtol=1e-5, atol=0)
+    norms = [info.grad_norm for info in pre.layer_info()]  # the trend's EMAs of ‖∇W‖
+    assert all(norm is not None and math.isfinite(norm) for norm in norms), norms
 
 
 def test_non_finite_warning_names_the_local_layer() -> None:
@@ -440,16 +445,16 @@ def test_failed_step_changes_nothing_and_the_run_continues_identically(
     run(model, pre, range(fail_at))
     model.zero_grad()
     backward(model, fail_at)
-    trend = pre._policy.trend
-    before = (state_snapshot(pre), grads(model), pre.steps, pre._generator.get_state(), trend.snapshot())
+    saved = pre.state_dict()  # the KIS generator's state and the trend (EMAs, history, flags) as they are
+    before = (state_snapshot(pre), grads(model), pre.steps, saved["generator"], saved["trend"])
     with pytest.raises(ValueError):
         pre.step()
     assert pre.steps == before[2]
     assert_same_tensors(state_snapshot(pre), before[0])
     assert_same_tensors(grads(model), before[1])
-    assert torch.equal(pre._generator.get_state(), before[3])
-    assert trend.moments is before[4][0] and list(trend.history) == list(before[4][1])
-    assert (trend.critical, trend.last_trend) == (before[4][2], before[4][3])
+    after = pre.state_dict()
+    assert torch.equal(after["generator"], before[3])
+    assert_same_tensors(after["trend"], before[4])
     # a fresh forward/backward instead of a retry: it replaces the failed step's kept captures; then go on
     run(model, pre, range(fail_at, fail_at + 4))
     run(twin, reference, range(fail_at + 4))
@@ -602,7 +607,7 @@ def test_layers_without_gradient_are_skipped_and_the_others_match_a_run_without_
         unused = "b" if branch == "a" else "a"
         oracle_model = copy.deepcopy(model)
         oracle = HyLoPreconditioner(oracle_model, solver="sngd", update_freq=1, damping=0.1, skip_layers=[unused])
-        held = pre._layers[[layer.name for layer in pre._layers].index(unused)].state
+        held = {info.name: info.state for info in pre.layer_info()}[unused]
         for net in (model, oracle_model):
             net.zero_grad(set_to_none=True)
             x, y = batch(step)
@@ -610,7 +615,7 @@ def test_layers_without_gradient_are_skipped_and_the_others_match_a_run_without_
         assert not _step_quietly(pre)
         oracle.step()
         assert getattr(model, unused).weight.grad is None
-        assert pre._layers[[layer.name for layer in pre._layers].index(unused)].state is held
+        assert {info.name: info.state for info in pre.layer_info()}[unused] == held
         for name in ("trunk", branch, "head"):
             torch.testing.assert_close(
                 grad_matrix(getattr(model, name)), grad_matrix(getattr(oracle_model, name)), rtol=1e-10, atol=0
@@ -620,20 +625,20 @@ def test_layers_without_gradient_are_skipped_and_the_others_match_a_run_without_
 def test_layer_absent_at_an_update_keeps_its_state_and_applies_it_later() -> None:
     model = Branchy()
     pre = HyLoPreconditioner(model, solver="kfac", update_freq=2, damping=0.1)
-    b = pre._layers[2]
-    assert b.name == "b"
+    assert pre.layer_info()[2].name == "b"
     steps = [("b", 0), ("a", 1), ("a", 2), ("b", 3)]  # b is absent at the update step 2
     for branch, step in steps:
         model.zero_grad(set_to_none=True)
         x, y = batch(step)
         F.cross_entropy(model(x, branch), y).backward()
-        held = b.state
+        held = pre.layer_info()[2].state
         raw = grad_matrix(model.b) if branch == "b" else None
         pre.step()
+        infos = pre.layer_info()
         if step == 2:
-            assert b.state is held and pre._layers[1].state is not None
+            assert infos[2].state == held and infos[1].state is not None
         if step == 3:  # between updates: b's state from step 0 applied to its fresh gradient
-            assert isinstance(held, LayerState) and raw is not None
+            assert held is not None and not held.remote and raw is not None
             torch.testing.assert_close(grad_matrix(model.b), held.precondition(raw), rtol=1e-12, atol=0)
 
 
@@ -646,7 +651,7 @@ def test_layer_frozen_after_attaching_is_left_alone() -> None:
         x, y = batch(step)
         F.cross_entropy(model(x, "b"), y).backward()
         assert not _step_quietly(pre)
-        assert model.b.weight.grad is None and pre._layers[2].state is None
+        assert model.b.weight.grad is None and pre.layer_info()[2].state is None
 
 
 # --------------------------------------------------------------------------- 3. GradScaler
@@ -714,7 +719,7 @@ def test_grad_scaler_step_with_infs_is_skipped_quietly() -> None:
     scaler.step(opt)
     scaler.update()
     assert_same_tensors([p.detach() for p in model.parameters()], weights)  # the scaler skipped the step
-    assert scaler.get_scale() == 2.0**15 and pre._planner.needs_update
+    assert scaler.get_scale() == 2.0**15 and pre.progress().update_owed
 
 
 def test_grad_scaler_argument_is_checked() -> None:
@@ -740,7 +745,7 @@ def _nan_on_one_rank(rank: int, world: int, strategy: str) -> dict[str, Any]:
             torch.equal(a, b) or (torch.isnan(a).any() and torch.equal(a.isnan(), b.isnan()))
             for a, b in zip(grads(model), raw, strict=True)
         )
-    return {"messages": messages, "unchanged": unchanged, "steps": pre.steps, "updates": pre._planner.updates}
+    return {"messages": messages, "unchanged": unchanged, "steps": pre.steps, "updates": pre.progress().updates}
 
 
 @pytest.mark.parametrize("strategy", ["inverse", "gradient"])
@@ -802,9 +807,9 @@ def _curvature_overflow_on_one_rank(rank: int, world: int) -> dict[str, Any]:
         x, y = batch(10 * step + rank)
         scale = 1e20 if (step == 2 and rank == 1) else 1.0
         F.cross_entropy(model(x.float() * scale), y).backward()
-        before = [layer.state for layer in pre._layers]
+        before = [info.state for info in pre.layer_info()]
         messages = _step_quietly(pre)
-        kept.append([layer.state is old for layer, old in zip(pre._layers, before, strict=True)])
+        kept.append([info.state == old for info, old in zip(pre.layer_info(), before, strict=True)])
         if step == 2:
             assert any("non-finite curvature" in m for m in messages), messages
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 import hylo
 from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator, assign_owners
-from hylo.solvers import LayerState, RemoteState
 from hylo.solvers.kfac import KFACState
 from hylo.solvers.smw import LowRankState
 from tests.kit.cluster import Collective, ThreadCluster, average_gradients, split_rows
@@ -206,7 +205,7 @@ def train(
         if step == 0:
             run.first_step_bytes = dict(pre.comm.bytes_by_tag)
         opt.step()
-    run.states = {layer.name: layer.state for layer in pre._layers}
+    run.states = {info.name: info.state for info in pre.layer_info()}
     run.params = {k: p.detach().clone() for k, p in model.named_parameters()}
     return run
 
@@ -293,19 +292,19 @@ def test_gradient_strategy_only_the_owner_holds_a_state(world_size: int, solver:
     owners = runs[0].owners[-1]
     for name in LAYERS:
         owned = runs[owners[name]].states[name]
-        assert isinstance(owned, LayerState), f"{name}: the owner holds {type(owned).__name__}"
+        assert owned is not None and not owned.remote, f"{name}: the owner holds {owned}"
         for rank, run in enumerate(runs):
             state = run.states[name]
             if rank == owners[name]:
                 continue
-            assert isinstance(state, RemoteState), f"{name} on rank {rank}: {type(state).__name__}"
+            assert state is not None and state.remote, f"{name} on rank {rank}: {state}"
             assert state.family == owned.family
-            if isinstance(owned, KFACState):
-                assert list(state.carried_tensors) == ["factor_a", "factor_g"]
-                assert torch.equal(state.carried_tensors["factor_a"], owned.factor_a)
-                assert torch.equal(state.carried_tensors["factor_g"], owned.factor_g)
+            if owned.kind == KFACState.__name__:  # a remote state's tensors: the carried ones
+                assert list(state.tensors) == ["factor_a", "factor_g"]
+                assert torch.equal(state.tensors["factor_a"], owned.tensors["factor_a"])
+                assert torch.equal(state.tensors["factor_g"], owned.tensors["factor_g"])
             else:
-                assert state.carried_tensors == {}
+                assert dict(state.tensors) == {}
 
 
 @pytest.mark.parametrize(("solver", "rank_ratio"), SOLVER_CASES, ids=SOLVER_IDS)
@@ -315,14 +314,14 @@ def test_inverse_strategy_every_rank_holds_every_state(world_size: int, solver: 
     runs = cluster_run(world_size, solver, "inverse", rank_ratio)
     for name in LAYERS:
         first = runs[0].states[name]
-        assert isinstance(first, LayerState)
+        assert first is not None and not first.remote
         for rank, run in enumerate(runs[1:], start=1):
             state = run.states[name]
-            assert type(state) is type(first), f"{name} on rank {rank}: {type(state).__name__}"
+            assert state is not None and (state.kind, state.remote) == (first.kind, False), f"{name} on rank {rank}"
             assert state.damping == first.damping
-            if isinstance(first, LowRankState):
-                assert isinstance(state, LowRankState) and state.divisor == first.divisor
-            tensors, expected = state.tensors(), first.tensors()
+            if first.kind == LowRankState.__name__:
+                assert state.fields["divisor"] == first.fields["divisor"]
+            tensors, expected = state.tensors, first.tensors
             assert list(tensors) == list(expected)
             for key, want in expected.items():
                 assert torch.equal(tensors[key], want), f"{name}.{key} differs on rank {rank}"

@@ -57,15 +57,15 @@ def test_offsets_balance_the_estimated_costs() -> None:
 def test_each_layer_updates_once_a_cycle_at_its_offset() -> None:
     model = _model()
     pre = hylo.HyLoPreconditioner(model, solver="kfac", update_freq=3, damping=0.1, stagger_updates=True)
-    names = [layer.name for layer in pre._layers]
+    names = [info.name for info in pre.layer_info()]
     updated: list[set[str]] = []
     for step in range(10):
-        before = {layer.name: layer.state for layer in pre._layers}
+        before = {info.name: info.state for info in pre.layer_info()}
         model.zero_grad()
         x, y = _batch(step)
         F.cross_entropy(model(x), y).backward()
         pre.step()
-        updated.append({layer.name for layer in pre._layers if layer.state is not before[layer.name]})
+        updated.append({info.name for info in pre.layer_info() if info.state != before[info.name]})
     assert updated[0] == set(names)
     offsets = {}
     for name in names:
@@ -98,11 +98,11 @@ def test_a_staggered_layer_is_kfac_on_its_own_update_steps() -> None:
             out.retain_grad()
         loss.backward()
         raw = {name: torch.cat([m.weight.grad, m.bias.grad[:, None]], 1) for name, m in linears.items()}
-        before = {layer.name: layer.state for layer in pre._layers}
+        before = {info.name: info.state for info in pre.layer_info()}
         pre.step()
-        for layer in pre._layers:
-            name = layer.name
-            if layer.state is before[name]:
+        for info in pre.layer_info():
+            name = info.name
+            if info.state == before[name]:
                 continue  # not this layer's update step
             offsets[name] = step % 2 if step else offsets[name]
             grad_out = outputs[name].grad
@@ -137,15 +137,15 @@ def test_an_owed_update_updates_every_layer() -> None:
         x, y = _batch(step)
         loss = F.cross_entropy(model(x), y)
         (loss * float("inf") if step == 1 else loss).backward()
-        before = {layer.name: layer.state for layer in pre._layers}
+        before = {info.name: info.state for info in pre.layer_info()}
         if step == 1:
             with pytest.warns(UserWarning, match="non-finite"):
                 pre.step()
         else:
             pre.step()
-        changed = {layer.name for layer in pre._layers if layer.state is not before[layer.name]}
+        changed = {info.name for info in pre.layer_info() if info.state != before[info.name]}
         if step == 2:  # step 1 was skipped: its layers' update is owed, and an owed update updates every layer
-            assert changed == {layer.name for layer in pre._layers}
+            assert changed == {info.name for info in pre.layer_info()}
 
 
 @pytest.mark.parametrize(

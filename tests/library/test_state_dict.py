@@ -27,7 +27,6 @@ import hylo
 from hylo import HyLoPreconditioner
 from hylo.integrity import seal
 from hylo.pipeline.checkpoint import READ_FORMATS, STATE_FORMAT
-from hylo.solvers import LayerState, RemoteState
 from hylo.state import UNSOLVED
 from tests.kit.checks import assert_same_tensors, grads, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
@@ -140,13 +139,14 @@ CORRUPTIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 
 def _everything(pre: HyLoPreconditioner) -> dict[str, Any]:
     """All a load may change, copied: states, step, options, generator, trend, cadence flags, owners."""
+    progress = pre.progress()
     return {
         "states": state_snapshot(pre),
         "state_dict": copy.deepcopy(pre.state_dict()),
         "config": pre.config,
-        "generator": pre._generator.get_state(),
-        "flags": (pre._planner.needs_update, pre._planner.step, pre._planner.updates),
-        "layers": [(layer.solver, layer.owner) for layer in pre._layers],
+        "generator": pre.state_dict()["generator"],
+        "flags": (progress.update_owed, progress.steps, progress.updates),
+        "layers": [(info.solver, info.owner) for info in pre.layer_info()],
     }
 
 
@@ -162,12 +162,12 @@ def test_invalid_state_dict_is_refused_and_changes_nothing(solver: str, what: st
     pre = HyLoPreconditioner(model, solver=solver, update_freq=2, damping=0.3, seed=9)
     run(model, pre, range(3))
     before = _everything(pre)
-    objects = ([layer.state for layer in pre._layers], pre._policy.trend, pre._generator, pre.config)
+    states, config = [info.state for info in pre.layer_info()], pre.config
     with pytest.raises(ValueError, match=message):
         pre.load_state_dict(saved)
-    assert_same_tensors(_everything(pre), before)
-    assert objects == ([layer.state for layer in pre._layers], pre._policy.trend, pre._generator, pre.config)
-    assert all(a is b for a, b in zip(objects[0], [layer.state for layer in pre._layers], strict=True))
+    assert_same_tensors(_everything(pre), before)  # the generator and the trend too, in its state_dict
+    assert pre.config is config
+    assert all(a == b for a, b in zip(states, [info.state for info in pre.layer_info()], strict=True))
 
     # still usable, and continuing exactly as a preconditioner that never saw the bad state
     twin_model = mlp(0)
@@ -250,7 +250,7 @@ def test_owner_outside_the_world_is_reset(solver: str) -> None:
     run(model2, pre2, range(2))
     pre2.load_state_dict(saved)
     assert [info.owner for info in pre2.layer_info()] == [0, 0]
-    assert not pre2._planner.needs_update  # full states are used as they are
+    assert not pre2.progress().update_owed  # full states are used as they are
     run(model2, pre2, range(2, 5))
     assert_same_tensors(state_snapshot(pre2), state_snapshot(pre))
 
@@ -275,21 +275,21 @@ def test_remote_entry_of_another_rank_is_recomputed_from_its_carried_factors(car
     model2 = mlp(0)
     pre2 = HyLoPreconditioner(model2, update_freq=3, **options)
     pre2.load_state_dict(saved)
-    fc2 = pre2._layers[1]
-    assert fc2.owner == UNSOLVED and pre2._planner.needs_update
-    assert isinstance(fc2.state, RemoteState) if carry else fc2.state is None
+    fc2 = pre2.layer_info()[1]
+    assert fc2.owner == UNSOLVED and pre2.progress().update_owed
+    assert (fc2.state is not None and fc2.state.remote) if carry else fc2.state is None
     run(model2, pre2, [2])
     assert [d.step for d in pre2.decision_log] == [2, 2]
 
     oracle_model = mlp(0)
     oracle = HyLoPreconditioner(oracle_model, update_freq=lambda step: 2 if step == 2 else 3, **options)
     run(oracle_model, oracle, range(3))
-    fresh, expected = pre2._layers[1].state, oracle._layers[1].state
-    assert isinstance(fresh, LayerState) and isinstance(expected, LayerState)
+    fresh, expected = pre2.layer_info()[1].state, oracle.layer_info()[1].state
+    assert fresh is not None and not fresh.remote and expected is not None and not expected.remote
     if carry:
-        assert_same_tensors(fresh.tensors(), expected.tensors())
+        assert_same_tensors(dict(fresh.tensors), dict(expected.tensors))
     else:  # the carried factors matter: without them the factors restart from step 2's batch
-        assert not torch.allclose(fresh.tensors()["factor_a"], expected.tensors()["factor_a"])
+        assert not torch.allclose(fresh.tensors["factor_a"], expected.tensors["factor_a"])
 
 
 # =========================================================================== across world sizes (gloo)
@@ -340,7 +340,7 @@ def _phase(
         preconditioned[step] = torch.cat([p.grad.flatten() for p in model.parameters()])
         optimizer.step()
     finite = all(
-        bool(torch.isfinite(t).all()) for layer in pre._layers if layer.state for t in layer.state.tensors().values()
+        bool(torch.isfinite(t).all()) for info in pre.layer_info() if info.state for t in info.state.tensors.values()
     )
     out = {
         "raw": raw,

@@ -20,13 +20,14 @@ from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
 from hylo.distributed import BucketedCommunicator
-from hylo.distributed.payload import Payload
 from hylo.integrity import seal
 from hylo.layers import EmbeddingMath
 from hylo.layers.rows import FactoredRows, OneHotRows, rows_from_fields
+from hylo.payload import Payload
 from hylo.policy import MB
 from hylo.solvers.kfac import kfac_state_bytes
 from tests.kit.cluster import ThreadCluster
+from tests.kit.internals import hooked
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -72,11 +73,7 @@ BUDGET = 0.5
 
 
 def _hooked(model: nn.Module) -> list[str]:
-    return [
-        name
-        for name, module in model.named_modules()
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    ]
+    return [name for name, module in model.named_modules() if hooked(module)]
 
 
 def test_kfac_over_budget_raises_naming_the_layers_and_leaves_the_model_untouched() -> None:

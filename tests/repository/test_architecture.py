@@ -2,6 +2,12 @@
 
 - Module imports form no cycle: each ``from hylo.x import …`` (at module level, outside
   ``TYPE_CHECKING``) is an edge to the module it names, and the graph is acyclic.
+- Every import counts (at module level, in a function or a class; only ``if TYPE_CHECKING:`` blocks are left
+  out; relative imports resolved): hylo/, the scripts (hylo_scripts and the entry points scripts/*.py) and
+  hylo_analysis each import without a cycle; hylo imports neither hylo_scripts nor hylo_analysis, and
+  hylo_analysis neither hylo nor hylo_scripts; hylo's packages import each other without a cycle; a module
+  of hylo imports only from its level of :data:`LEVELS` or a lower one, and nothing under hylo/solvers/
+  imports hylo/distributed/.
 - No module of ``hylo/`` is over 500 lines, and ``HyLoPreconditioner`` is under 400: the class runs
   a step; the planner, guard, checkpoint, memory accounting and telemetry have their own modules.
 - Only ``hylo/solvers/``, ``hylo/config.py`` and ``hylo/policy.py`` compare anything with a solver's
@@ -11,6 +17,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +184,296 @@ def test_the_tests_are_in_their_three_folders() -> None:
         "repository",
         "kit",
     }
+
+
+# --- Every import: hylo's levels, the scripts and the analysis -------------------------------------------------
+# An import inside a function or a class is as much a dependency as one at the top: it cannot hold a cycle
+# open. Only ``if TYPE_CHECKING:`` blocks are left out (annotations, never run).
+
+REPO = ROOT.parent
+SCRIPTS = REPO / "scripts"
+ANALYSIS = REPO / "analysis" / "hylo_analysis"
+
+#: hylo's levels, lowest first (docs/design.md, "Layout"): a module of hylo imports only from modules of its own
+#: level or of a lower one. A module is in the level whose entry names it or its subpackage (every module is in
+#: exactly one: :func:`level_of`).
+LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "foundations",
+        (
+            "hylo.version",
+            "hylo.rules",
+            "hylo.records",
+            "hylo.integrity",
+            "hylo.adapted",
+            "hylo.numerics",
+            "hylo.payload",
+        ),
+    ),
+    ("per-layer math", ("hylo.layers",)),
+    ("solver families", ("hylo.solvers",)),
+    (
+        "configuration and per-layer state",
+        ("hylo.config", "hylo.sections", "hylo.trend", "hylo.policy", "hylo.state", "hylo.memory", "hylo.views"),
+    ),
+    ("distribution", ("hylo.distributed",)),
+    ("step pipeline", ("hylo.pipeline",)),
+    ("telemetry", ("hylo.telemetry",)),
+    ("the public classes", ("hylo.fingerprint", "hylo.preconditioner", "hylo.optimizer", "hylo")),
+    ("integrations", ("hylo.integrations",)),
+)
+
+
+def modules_of(package: Path) -> dict[str, Path]:
+    """Module name → file of every module of the package in the folder ``package``."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _and_above(name: str) -> tuple[str, ...]:
+    """``a.b.c``, ``a.b``, ``a``."""
+    parts = name.split(".")
+    return tuple(".".join(parts[:n]) for n in range(len(parts), 0, -1))
+
+
+def named_imports(source: str, module: str = "", is_package: bool = False) -> list[tuple[str, ...]]:
+    """What each import of ``source`` names, wherever it stands, except under ``if TYPE_CHECKING:`` (its ``else``
+    counts): per imported name, the modules it may be, most specific first (``from m import n``: ``m.n``, then
+    ``m`` and the packages above it; ``import a.b``: ``a.b``, ``a``). Relative imports are resolved against
+    ``module`` (``is_package``: its file is an ``__init__.py``)."""
+    tree = ast.parse(source)
+    skipped = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+    found: list[tuple[str, ...]] = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [_and_above(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+            found += [(f"{base}.{alias.name}", *_and_above(base)) for alias in node.names]
+    return found
+
+
+def every_import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module → the modules of ``modules`` it imports anywhere (:func:`named_imports`): each import is an edge to
+    the most specific module it may be (``from hylo.pipeline import checkpoint``: ``hylo.pipeline.checkpoint``;
+    ``from hylo.solvers import family_of``: ``hylo.solvers``)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        named = named_imports(path.read_text(), name, path.name == "__init__.py")
+        targets = {next((c for c in candidates if c in modules), None) for candidates in named}
+        graph[name] = {target for target in targets if target is not None and target != name}
+    return graph
+
+
+def foreign_imports(modules: dict[str, Path], packages: set[str]) -> dict[str, set[str]]:
+    """Module → what it imports, anywhere, of the top-level ``packages`` (only modules that do)."""
+    found = {
+        name: {candidates[0] for candidates in named_imports(path.read_text()) if candidates[-1] in packages}
+        for name, path in modules.items()
+    }
+    return {name: imports for name, imports in found.items() if imports}
+
+
+def level_of(module: str, levels: tuple[tuple[str, tuple[str, ...]], ...] = LEVELS) -> int:
+    """The index in ``levels`` of the level whose entry names ``module`` or the subpackage it is in (a name with a
+    dot: ``hylo.layers`` holds ``hylo.layers.math``, ``hylo`` holds only itself); ``ValueError`` unless one does."""
+    (found,) = [
+        index
+        for index, (_, names) in enumerate(levels)
+        for name in names
+        if module == name or ("." in name and module.startswith(f"{name}."))
+    ]
+    return found
+
+
+def upward_imports(
+    graph: dict[str, set[str]], levels: tuple[tuple[str, tuple[str, ...]], ...] = LEVELS
+) -> list[tuple[str, str]]:
+    """The imports of ``graph`` that point to a higher level of ``levels``."""
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if level_of(target, levels) > level_of(module, levels)
+    )
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` by hylo's packages: a module of a subpackage is its ``hylo.<package>``, every other module
+    (``hylo``, ``hylo.config``, …) stays itself."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        packages.setdefault(package(module), set()).update(package(target) for target in targets)
+    return {name: targets - {name} for name, targets in packages.items()}
+
+
+def hylo_graph() -> dict[str, set[str]]:
+    return every_import_graph(MODULES)
+
+
+def scripts_graph() -> dict[str, set[str]]:
+    """hylo_scripts' modules and the entry points (named ``scripts/<file>``); imports of hylo left out."""
+    modules = modules_of(SCRIPTS / "hylo_scripts") | {f"scripts/{p.name}": p for p in sorted(SCRIPTS.glob("*.py"))}
+    return every_import_graph(modules)
+
+
+def test_named_imports_count_every_import_but_type_checking_ones() -> None:
+    source = """
+import a.b as ab
+from . import sibling
+from .. import uncle
+from .inner import thing
+if TYPE_CHECKING:
+    from hidden import Hidden
+else:
+    import shown
+
+def f():
+    from late import x
+
+class C:
+    import in_class
+"""
+    assert named_imports(source, "pkg.sub.mod") == [
+        ("a.b", "a"),
+        ("pkg.sub.sibling", "pkg.sub", "pkg"),
+        ("pkg.uncle", "pkg"),
+        ("pkg.sub.inner.thing", "pkg.sub.inner", "pkg.sub", "pkg"),
+        ("shown",),
+        ("late.x", "late"),
+        ("in_class",),
+    ]
+    assert named_imports("from .inner import thing", "pkg.sub", is_package=True) == [
+        ("pkg.sub.inner.thing", "pkg.sub.inner", "pkg.sub", "pkg")
+    ]
+
+
+def test_the_full_graph_sees_a_cycle_held_open_inside_a_function(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import B\n")
+    (tmp_path / "pkg" / "b.py").write_text("def later():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"
+    )
+    graph = every_import_graph(modules_of(tmp_path / "pkg"))
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": set()}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_level_check_finds_an_upward_import() -> None:
+    levels = (("low", ("p.low",)), ("high", ("p.high", "p")))
+    graph = {"p.low.x": {"p.high"}, "p.high": {"p.low.x"}, "p": {"p.high"}, "p.low": {"p.low.x"}}
+    assert upward_imports(graph, levels) == [("p.low.x", "p.high")]
+    assert level_of("p.low.x.deep", levels) == 0 and level_of("p", levels) == 1
+    with pytest.raises(ValueError):
+        level_of("p.elsewhere", levels)  # "p" holds only itself
+
+
+def test_the_package_graph_finds_a_cycle_of_packages() -> None:
+    graph = {"h.a.x": {"h.b.y"}, "h.b.y": set(), "h.b.z": {"h.a.w"}, "h.a.w": set(), "h.top": {"h.a.x"}}
+    packages = package_graph(graph)
+    assert packages == {"h.a": {"h.b"}, "h.b": {"h.a"}, "h.top": {"h.a"}}
+    assert find_cycle(graph) is None and find_cycle(packages) == ["h.a", "h.b", "h.a"]
+
+
+def test_every_import_of_hylo_without_a_cycle() -> None:
+    graph = hylo_graph()
+    assert graph["hylo.pipeline.checkpoint"] >= {"hylo.config", "hylo.solvers"}  # the graph is read
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph) or [])
+
+
+def test_every_import_of_the_scripts_and_the_analysis_without_a_cycle() -> None:
+    scripts = scripts_graph()
+    assert "hylo_scripts.models" in scripts["hylo_scripts.tasks"]  # the graph is read
+    assert "hylo_scripts.train" in scripts["scripts/train.py"]
+    assert find_cycle(scripts) is None, " → ".join(find_cycle(scripts) or [])
+    analysis = every_import_graph(modules_of(ANALYSIS))
+    assert "hylo_analysis.runs" in analysis["hylo_analysis.cli"]
+    assert find_cycle(analysis) is None, " → ".join(find_cycle(analysis) or [])
+
+
+def test_the_library_imports_neither_the_scripts_nor_the_analysis() -> None:
+    assert foreign_imports(MODULES, {"hylo_scripts", "hylo_analysis"}) == {}
+    assert foreign_imports(modules_of(ANALYSIS), {"hylo", "hylo_scripts"}) == {}
+    assert foreign_imports({"probe": SCRIPTS / "hylo_scripts" / "loop.py"}, {"hylo"}) != {}  # the check sees
+
+
+def test_hylo_packages_import_each_other_without_a_cycle() -> None:
+    packages = package_graph(hylo_graph())
+    assert find_cycle(packages) is None, " → ".join(find_cycle(packages) or [])
+
+
+def test_every_hylo_module_is_in_one_level() -> None:
+    unplaced = []
+    for name in MODULES:
+        try:
+            level_of(name)
+        except ValueError:
+            unplaced.append(name)
+    assert unplaced == [], "add each to one entry of LEVELS"
+
+
+def test_no_hylo_module_imports_from_a_higher_level() -> None:
+    names = [name for name, _ in LEVELS]
+    assert [
+        f"{module} ({names[level_of(module)]}) → {target} ({names[level_of(target)]})"
+        for module, target in upward_imports(hylo_graph())
+    ] == []
+
+
+def test_the_solver_families_import_nothing_of_the_distributed_package() -> None:
+    graph = hylo_graph()
+    offenders = {
+        module: sorted(t for t in targets if t.startswith("hylo.distributed"))
+        for module, targets in graph.items()
+        if module.startswith("hylo.solvers")
+    }
+    assert {module: found for module, found in offenders.items() if found} == {}, (
+        "the math knows nothing of the distribution layer: what a family needs of it (hylo.payload) lies below both"
+    )
+
+
+#: The families of hylo/solvers/bundled/: each module's family, registered through the public register_family.
+BUNDLED = ROOT / "solvers" / "bundled"
+#: What names the bundled kfac_adam family (its solver, its classes, its modules).
+KFAC_ADAM_NAMES = re.compile(r"kfac_adam|KFACAdam|adam_rule")
+
+
+def test_a_bundled_family_is_named_nowhere_else_in_hylo() -> None:
+    """docs/extending.md, "Solver families": kfac_adam registers itself through the public call, with its options
+    section and statistic, and no line of hylo outside its own modules names it (the package loads its modules
+    without naming them)."""
+    from hylo.solvers import FAMILIES
+
+    (family,) = [family for family in FAMILIES if family.name == "kfac_adam"]
+    assert type(family).__module__ == "hylo.solvers.bundled.kfac_adam"
+    assert family.section is not None and family.section.section_name == "kfac_adam"
+    bundled_modules = {path for path in BUNDLED.glob("*.py") if path.name != "__init__.py"}
+    assert {path.name for path in bundled_modules} == {"kfac_adam.py", "adam_rule.py"}
+    naming = [
+        f"{path.relative_to(ROOT.parent)}:{number}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path not in bundled_modules
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if KFAC_ADAM_NAMES.search(line)
+    ]
+    assert naming == []

@@ -5,8 +5,8 @@
 2. Citations: code and tests cite the reference as ``docs/<page>.md, "Heading"`` (or several quoted headings,
    the same in parentheses, or an emphasised ``*Heading*``, possibly wrapped over comment or docstring lines);
    every cited page exists and every cited heading is the exact text of a heading of that page, at any level.
-3. The README: at most ``README_MAX_LINES`` lines; its first fenced block installs and runs the demo, its second
-   runs the tests.
+3. The README: at most ``README_MAX_LINES`` lines; its first fenced block installs hylo and hylo-scripts and runs
+   the demo, its second installs the three distributions and runs the tests, with the same installs as ``.ci/run``.
 
 Fast and offline: it reads files only.
 """
@@ -67,10 +67,16 @@ def test_readme_is_short_and_starts_with_the_two_commands() -> None:
     blocks = fenced_blocks(text)
     assert len(blocks) >= 2, "README.md: expected the set-up command and the test command as its first fenced blocks"
     install, tests = blocks[0], blocks[1]
-    assert "pip install" in install and "scripts/demo_mnist.py" in install, (
-        f"README.md: the first fenced block must install hylo and run scripts/demo_mnist.py, got:\n{install}"
+    assert "pip install -e . -e ./scripts" in install and "scripts/demo_mnist.py" in install, (
+        f"README.md: the first fenced block must install hylo and hylo-scripts and run scripts/demo_mnist.py, got:\n{install}"
     )
-    assert "pytest" in tests, f"README.md: the second fenced block must run the tests, got:\n{tests}"
+    assert "pytest" in tests and "-e ./scripts -e ./analysis" in tests, (
+        f"README.md: the second fenced block must install the three distributions and run the tests, got:\n{tests}"
+    )
+    # .ci/run runs the README's test command one step per line: its installs are the README's, in order.
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    steps = [step.strip() for step in tests.split("&&") if step.strip().startswith("pip install")]
+    assert [line for line in ci if line.startswith("pip install")] == steps, f".ci/run must install as {steps}"
 
 
 def test_every_page_starts_with_a_title() -> None:

@@ -19,15 +19,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hylo.distributed.payload import Payload
 from hylo.layers.batch import LayerShape
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
 from hylo.numerics import POWER_COST, eigh_many, power_refresh_many
-from hylo.solvers.adam_rule import AdamRule, KFACAdamConfig, adapted
+from hylo.payload import Payload
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
+    FamilyOptions,
     GroupKernel,
     HeldState,
     LayerState,
@@ -39,7 +39,9 @@ from hylo.solvers.base import (
     positive_number,
     stacked,
 )
+from hylo.solvers.bundled.adam_rule import AdamRule, KFACAdamConfig, adapted
 from hylo.solvers.kfac import (
+    KFACConfig,
     KFACFamily,
     KFACState,
     eigen_shapes,
@@ -48,6 +50,7 @@ from hylo.solvers.kfac import (
     refreshed_states,
     running_factors,
 )
+from hylo.solvers.registry import register_family
 
 #: Elementwise operations of one step on every entry of R (moments, bias correction, the division).
 ELEMENTWISE_COST = 8.0
@@ -306,7 +309,14 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
     name = "kfac_adam"
     state_type = KFACAdamState
     statistic = FACTORS
+    section = KFACAdamConfig
     refreshes = True
+    #: What :class:`hylo.HyLoOptimizer` runs under an adaptive optimizer when no solver is given: this family,
+    #: updated every 3 steps with the warm-started refresh — the language-model bench's settings
+    #: (docs/benchmarks.md, "The LM race with cheaper updates").
+    adaptive_defaults = {"solver": "kfac_adam", "update_freq": 3, "basis_refresh": "power", "damping": 0.3}
+    #: Adam's constants: the wrapped optimizer's own.
+    inherited_options = {"adam_betas": "betas", "adam_eps": "eps"}
     #: K-FAC's family, whose batch factors, exchange and cost this family shares.
     kfac: ClassVar[KFACFamily] = KFACFamily()
 
@@ -321,8 +331,8 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
 
     def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACAdamInputs]:
         """Each layer's batch factors blended into its running factors, with the state it held (moments to
-        carry) and the options to apply (``context.kfac_adam``)."""
-        options = context.kfac_adam if isinstance(context.kfac_adam, KFACAdamConfig) else KFACAdamConfig()
+        carry) and the options to apply (``context.options(KFACAdamConfig)``)."""
+        options = context.options(KFACAdamConfig)
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         return [
             KFACAdamInputs(
@@ -331,12 +341,12 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
 
-    def cost(self, shape: LayerShape, solver: str) -> CostEstimate:
-        """K-FAC's estimate with the eigen method, its solve the warm-started refresh's where ``shape.basis_refresh``
-        is ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
+    def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
+        """K-FAC's estimate with the eigen method, its solve the warm-started refresh's where ``basis_refresh`` is
+        ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
         entries a step."""
-        kfac = self.kfac.cost(dataclasses.replace(shape, kfac_method="eigen"), "kfac")
-        solve = basis_work(shape.d_a, shape.d_g, shape.basis_refresh)
+        kfac = self.kfac.cost(shape, "kfac", options.replaced(KFACConfig(kfac_method="eigen")))
+        solve = basis_work(shape.d_a, shape.d_g, options(KFACAdamConfig).basis_refresh)
         return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
@@ -425,3 +435,6 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         kfac = self.kfac.state_bytes(d_a, d_g, itemsize)
         assert kfac is not None
         return kfac + 2 * d_a * d_g * itemsize
+
+
+register_family(KFACAdamFamily())
