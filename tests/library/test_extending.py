@@ -20,13 +20,11 @@ class hylo does not know, described by hylo's ``TransposedLinearMath``) and a lo
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -38,22 +36,15 @@ from hylo.layers import FactoredRows
 from hylo.solvers import UpdateContext, solver_names
 from hylo.telemetry.profiling import DISABLED
 from tests.kit.checks import DT
+from tests.kit.examples import EXAMPLES, load_example
 from tests.kit.reference import dense_natural_gradient
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "extend_hylo.py"
+EXAMPLE = EXAMPLES / "extend_hylo.py"
 
 
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("extend_hylo", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_example("extend_hylo")
 
 
 @pytest.fixture

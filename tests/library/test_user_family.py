@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
@@ -38,25 +36,17 @@ from hylo.config import options
 from hylo.layers import FACTORS, ROWS
 from hylo.rules import Section, option
 from tests.kit.checks import DT, rel_err
+from tests.kit.examples import EXAMPLES, load_example
 from tests.kit.harness import run_distributed
 from tests.kit.reference import per_sample_matrices
 from tests.library.test_distributed import make_data, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "diagonal_family.py"
+EXAMPLE = EXAMPLES / "diagonal_family.py"
 
 
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("diagonal_family", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_example("diagonal_family")
 
 
 @pytest.fixture

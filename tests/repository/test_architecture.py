@@ -224,6 +224,49 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+#: The levels of the scripts' package, lowest first, as :data:`LEVELS` for hylo: a module imports only from its
+#: level or a lower one (the entry points scripts/*.py stand above them all).
+SCRIPT_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "parts: models, datasets, optimizers, schedules, devices, timing, processes, checkpoints",
+        tuple(
+            f"hylo_scripts{name}"
+            for name in (
+                "",
+                ".argtypes",
+                ".checkpoint",
+                ".datasets",
+                ".devices",
+                ".model_families",
+                ".models",
+                ".moe",
+                ".optimizers",
+                ".persample",
+                ".process",
+                ".schedules",
+                ".segmentation",
+                ".timing",
+            )
+        ),
+    ),
+    (
+        "workloads and the run's description",
+        tuple(
+            f"hylo_scripts.{name}"
+            for name in ("text", "data", "hylo_options", "hylo_flags", "tasks", "runconfig", "rundir")
+        ),
+    ),
+    ("the engine", tuple(f"hylo_scripts.{name}" for name in ("loop", "engine", "options", "peers"))),
+    (
+        "the trainers, benchmarks, demo and figures",
+        tuple(
+            f"hylo_scripts.{name}"
+            for name in ("train", "train_lm", "train_segmentation", "demo_mnist", "make_figures", "bench_*")
+        ),
+    ),
+)
+
+
 def modules_of(package: Path) -> dict[str, Path]:
     """Module name → file of every module of the package in the folder ``package``."""
     found = {}
@@ -290,12 +333,15 @@ def foreign_imports(modules: dict[str, Path], packages: set[str]) -> dict[str, s
 
 def level_of(module: str, levels: tuple[tuple[str, tuple[str, ...]], ...] = LEVELS) -> int:
     """The index in ``levels`` of the level whose entry names ``module`` or the subpackage it is in (a name with a
-    dot: ``hylo.layers`` holds ``hylo.layers.math``, ``hylo`` holds only itself); ``ValueError`` unless one does."""
+    dot: ``hylo.layers`` holds ``hylo.layers.math``, ``hylo`` holds only itself; a name ending in ``*`` every
+    module it begins); ``ValueError`` unless exactly one does."""
     (found,) = [
         index
         for index, (_, names) in enumerate(levels)
         for name in names
-        if module == name or ("." in name and module.startswith(f"{name}."))
+        if module == name
+        or ("." in name and module.startswith(f"{name}."))
+        or (name.endswith("*") and module.startswith(name[:-1]))
     ]
     return found
 
@@ -477,3 +523,20 @@ def test_a_bundled_family_is_named_nowhere_else_in_hylo() -> None:
         if KFAC_ADAM_NAMES.search(line)
     ]
     assert naming == []
+
+
+def test_no_scripts_module_imports_from_a_higher_level() -> None:
+    graph = {name: targets for name, targets in scripts_graph().items() if name.startswith("hylo_scripts")}
+    unplaced = []
+    for name in graph:
+        try:
+            level_of(name, SCRIPT_LEVELS)
+        except ValueError:
+            unplaced.append(name)
+    assert unplaced == [], "add each to one entry of SCRIPT_LEVELS"
+    names = [name for name, _ in SCRIPT_LEVELS]
+    assert [
+        f"{module} ({names[level_of(module, SCRIPT_LEVELS)]}) → {target} ({names[level_of(target, SCRIPT_LEVELS)]})"
+        for module, target in upward_imports(graph, SCRIPT_LEVELS)
+    ] == []
+    assert upward_imports({"hylo_scripts.models": {"hylo_scripts.loop"}}, SCRIPT_LEVELS)  # the check sees
