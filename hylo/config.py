@@ -44,7 +44,7 @@ from hylo.sections import (
 from hylo.solvers import FAMILIES, HYBRID, FamilyOptions, SolverFamily, family_of
 from hylo.solvers.kfac import KFACConfig
 from hylo.solvers.lowrank import LowRankConfig
-from hylo.solvers.registry import RESERVED_NAMES, adapts_rank, family_sections, solver_rule
+from hylo.solvers.registry import RESERVED_NAMES, adapts_rank, family_sections, section_names, solver_rule
 
 T = TypeVar("T", int, float)
 
@@ -302,7 +302,7 @@ for _spec_ in (spec for cls in _BUILTIN for spec in cls.option_specs().values())
         raise ImportError(f"option name {_spec_.name!r} is defined twice")
     RESERVED_NAMES.add(_spec_.name)
 for _section_ in (cls for cls in family_sections() if cls.section_name not in BUILTIN_SECTIONS):
-    if {str(_section_.section_name), *_section_.option_specs()} & RESERVED_NAMES:
+    if section_names(_section_) & RESERVED_NAMES:
         raise ImportError(f"a registered family's section {_section_.__name__} reuses a built-in option name")
 
 

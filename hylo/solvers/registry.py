@@ -176,6 +176,11 @@ def family_sections() -> list[type[Section]]:
     return [family.section for family in FAMILIES if family.section is not None]
 
 
+def section_names(section: type[Section]) -> set[str]:
+    """The names a section takes in a configuration: its own and its options'."""
+    return {str(section.section_name), *section.option_specs()}
+
+
 def _check_section(family: SolverFamily[Any]) -> None:
     """``ValueError`` unless ``family.section`` is None, a registered family's (the two share it), or a frozen Section
     dataclass whose section and option names are free (none of :data:`RESERVED_NAMES`, none of another family's)."""
@@ -189,10 +194,8 @@ def _check_section(family: SolverFamily[Any]) -> None:
     name = section.section_name
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"family {family.name!r}: section {section.__name__} needs a section_name, got {name!r}")
-    taken = set(RESERVED_NAMES)
-    for other in family_sections():
-        taken |= {str(other.section_name), *other.option_specs()}
-    clashes = sorted({name, *section.option_specs()} & taken)
+    taken = set(RESERVED_NAMES).union(*(section_names(other) for other in family_sections()))
+    clashes = sorted(section_names(section) & taken)
     if clashes:
         raise ValueError(f"family {family.name!r}: section {section.__name__} reuses option or section names {clashes}")
     try:

@@ -1,7 +1,5 @@
 """The package's structure (docs/design.md, "Layout"), read from its source with ``ast``.
 
-- Module imports form no cycle: each ``from hylo.x import …`` (at module level, outside
-  ``TYPE_CHECKING``) is an edge to the module it names, and the graph is acyclic.
 - Every import counts (at module level, in a function or a class; only ``if TYPE_CHECKING:`` blocks are left
   out; relative imports resolved): hylo/, the scripts (hylo_scripts and the entry points scripts/*.py) and
   hylo_analysis each import without a cycle; hylo imports neither hylo_scripts nor hylo_analysis, and
@@ -27,35 +25,16 @@ NAMES = {"kfac", "sngd", "kid", "kis", "lowrank", "hybrid"}
 MAY_NAME_SOLVERS = ("solvers/", "config.py", "policy.py")
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
-
-
-def _runtime_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
-    """Module-level imports, leaving out ``if TYPE_CHECKING:`` blocks."""
-    found: list[ast.ImportFrom | ast.Import] = []
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
+def modules_of(package: Path) -> dict[str, Path]:
+    """Module name → file of every module of the package in the folder ``package``."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """hylo module → the hylo modules it imports at load time."""
-    graph: dict[str, set[str]] = {name: set() for name in MODULES}
-    for name, path in MODULES.items():
-        for node in _runtime_imports(ast.parse(path.read_text())):
-            targets = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if isinstance(node, ast.ImportFrom):  # ``from hylo import checkpoint``: submodules by name
-                targets += [f"{node.module}.{alias.name}" for alias in node.names]
-            graph[name].update(t for t in targets if t in MODULES and t != name and t != "hylo")
-    return graph
+MODULES = modules_of(ROOT)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -84,17 +63,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-
-
-def test_hylo_modules_import_each_other_without_a_cycle() -> None:
-    graph = import_graph()
-    assert graph["hylo.preconditioner"] >= {
-        "hylo.pipeline.planner",
-        "hylo.pipeline.guard",
-        "hylo.pipeline.checkpoint",
-        "hylo.memory",
-    }
-    assert find_cycle(graph) is None, " → ".join(find_cycle(graph) or [])
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -267,15 +235,6 @@ SCRIPT_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def modules_of(package: Path) -> dict[str, Path]:
-    """Module name → file of every module of the package in the folder ``package``."""
-    found = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
 def _and_above(name: str) -> tuple[str, ...]:
     """``a.b.c``, ``a.b``, ``a``."""
     parts = name.split(".")
@@ -444,6 +403,7 @@ def test_the_package_graph_finds_a_cycle_of_packages() -> None:
 def test_every_import_of_hylo_without_a_cycle() -> None:
     graph = hylo_graph()
     assert graph["hylo.pipeline.checkpoint"] >= {"hylo.config", "hylo.solvers"}  # the graph is read
+    assert graph["hylo.preconditioner"] >= {"hylo.pipeline.planner", "hylo.pipeline.guard", "hylo.memory"}
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph) or [])
 
 
@@ -468,22 +428,32 @@ def test_hylo_packages_import_each_other_without_a_cycle() -> None:
     assert find_cycle(packages) is None, " → ".join(find_cycle(packages) or [])
 
 
-def test_every_hylo_module_is_in_one_level() -> None:
-    unplaced = []
-    for name in MODULES:
+def unplaced(graph: dict[str, set[str]], levels: tuple[tuple[str, tuple[str, ...]], ...]) -> list[str]:
+    """The modules of ``graph`` no entry of ``levels`` places (or more than one does)."""
+    missing = []
+    for name in graph:
         try:
-            level_of(name)
+            level_of(name, levels)
         except ValueError:
-            unplaced.append(name)
-    assert unplaced == [], "add each to one entry of LEVELS"
+            missing.append(name)
+    return missing
+
+
+def upward_lines(graph: dict[str, set[str]], levels: tuple[tuple[str, tuple[str, ...]], ...]) -> list[str]:
+    """:func:`upward_imports`, each as ``module (its level) → target (its level)``."""
+    names = [name for name, _ in levels]
+    return [
+        f"{module} ({names[level_of(module, levels)]}) → {target} ({names[level_of(target, levels)]})"
+        for module, target in upward_imports(graph, levels)
+    ]
+
+
+def test_every_hylo_module_is_in_one_level() -> None:
+    assert unplaced(hylo_graph(), LEVELS) == [], "add each to one entry of LEVELS"
 
 
 def test_no_hylo_module_imports_from_a_higher_level() -> None:
-    names = [name for name, _ in LEVELS]
-    assert [
-        f"{module} ({names[level_of(module)]}) → {target} ({names[level_of(target)]})"
-        for module, target in upward_imports(hylo_graph())
-    ] == []
+    assert upward_lines(hylo_graph(), LEVELS) == []
 
 
 def test_the_solver_families_import_nothing_of_the_distributed_package() -> None:
@@ -527,16 +497,6 @@ def test_a_bundled_family_is_named_nowhere_else_in_hylo() -> None:
 
 def test_no_scripts_module_imports_from_a_higher_level() -> None:
     graph = {name: targets for name, targets in scripts_graph().items() if name.startswith("hylo_scripts")}
-    unplaced = []
-    for name in graph:
-        try:
-            level_of(name, SCRIPT_LEVELS)
-        except ValueError:
-            unplaced.append(name)
-    assert unplaced == [], "add each to one entry of SCRIPT_LEVELS"
-    names = [name for name, _ in SCRIPT_LEVELS]
-    assert [
-        f"{module} ({names[level_of(module, SCRIPT_LEVELS)]}) → {target} ({names[level_of(target, SCRIPT_LEVELS)]})"
-        for module, target in upward_imports(graph, SCRIPT_LEVELS)
-    ] == []
+    assert unplaced(graph, SCRIPT_LEVELS) == [], "add each to one entry of SCRIPT_LEVELS"
+    assert upward_lines(graph, SCRIPT_LEVELS) == []
     assert upward_imports({"hylo_scripts.models": {"hylo_scripts.loop"}}, SCRIPT_LEVELS)  # the check sees
