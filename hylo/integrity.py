@@ -50,6 +50,19 @@ def verify(contents: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where} is corrupted: its contents do not match the checksum stored with them")
 
 
+def unreadable(path: str | os.PathLike[str], err: BaseException, what: str = "checkpoint") -> str:
+    """Why ``torch.load`` could not read the file ``path`` (it raised ``err``), naming the file (a ``what``) and its
+    size: an empty or cut-short file (a copy interrupted, a full disk) is said to be one, with the loader's first
+    sentence."""
+    try:
+        size = f"{os.path.getsize(path)} bytes"
+    except OSError:
+        size = "size unknown"
+    first = (str(err).strip().splitlines() or [""])[0].split(". This is an internal")[0]
+    detail = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return f"{os.fspath(path)} is not a readable {what} ({size}; empty, truncated or corrupted: {detail})"
+
+
 def save_atomic(contents: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save`` ``contents`` to a temporary file beside ``path`` (``.NAME.XXXX.tmp``), flushed to disk, then
     moved onto ``path`` with ``os.replace``: a reader finds the old file or the whole new one, never a part."""

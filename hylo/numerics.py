@@ -229,6 +229,61 @@ def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[
     return [(r[0], r[1], r[2]) for r in _grouped(mats, refresh, [bases])]
 
 
+#: Eigenvalues closer than this many ε of their dtype times the largest one are one eigenspace in
+#: :func:`aligned_many`: below that gap an eigensolver's vectors are not determined (their error grows as ε·‖F‖/gap).
+CLUSTER_EPS = 64
+
+
+def aligned_many(evals: Sequence[Tensor], evecs: Sequence[Tensor], previous: Sequence[Tensor]) -> list[Tensor]:
+    """New eigenbases turned, inside each of their degenerate eigenspaces, to the previous bases (docs/solvers.md,
+    "Degenerate eigenspaces"), batched by shape.
+
+    Within an eigenspace of (nearly) equal eigenvalues — gaps ≤ :data:`CLUSTER_EPS`·ε·max(e), ``evals`` ascending as
+    :func:`eigh_many` and :func:`power_refresh_many` leave them — any orthonormal basis is an eigenbasis, so an
+    eigensolver returns an arbitrary one. There the columns Q_C are replaced by Q_C B with B = polar(Q_Cᵀ Q_old[:, K])
+    (the orthogonal Procrustes solution), K the |C| previous columns lying most in the eigenspace: where the
+    eigenspace is the one the previous basis held, the result is that basis (no rotation inside it), and every column
+    is still an eigenvector of its eigenvalue. Columns outside such eigenspaces are returned as they are. One host
+    read per group (where the eigenspaces are), then a dozen batched operations per size of eigenspace."""
+
+    def align(values: Tensor, vectors: Tensor, old: Tensor) -> list[Tensor]:
+        tolerance = CLUSTER_EPS * torch.finfo(values.dtype).eps * values.amax(dim=-1, keepdim=True)
+        joined = (values.diff(dim=-1) <= tolerance).tolist()  # column j and j + 1 in one eigenspace: the host read
+        clusters: dict[int, list[tuple[int, int]]] = defaultdict(list)  # by size: (matrix, first column)
+        for k, row in enumerate(joined):
+            start = 0
+            for j, same in enumerate([*row, False]):
+                if not same:
+                    if j > start:
+                        clusters[j + 1 - start].append((k, start))
+                    start = j + 1
+        if not clusters:
+            return [vectors]
+        vectors = vectors.clone()
+        for size, members in clusters.items():  # every eigenspace of one size, of every matrix, at once
+            matrices = torch.tensor([k for k, _ in members], device=vectors.device)
+            columns = torch.tensor([first for _, first in members], device=vectors.device)[:, None] + torch.arange(
+                size, device=vectors.device
+            )
+            d = vectors.shape[-1]
+            spans = vectors[matrices].gather(2, columns[:, None, :].expand(-1, d, -1))  # Q_C: (n, d, size)
+            overlap = torch.bmm(old[matrices].mT, spans)  # Q_oldᵀ Q_C
+            rows = overlap.square().sum(dim=2).topk(size, dim=1).indices.sort(dim=1).values  # K
+            # (Q_Cᵀ Q_old[:, K])ᵀ; a non-finite basis (which the update stage rejects) must not stop the others' turn
+            target = overlap.gather(1, rows[:, :, None].expand(-1, -1, size)).nan_to_num(0.0, 0.0, 0.0)
+            try:
+                u, _, vh = torch.linalg.svd(target.mT)
+            except torch.linalg.LinAlgError:  # no convergence: these eigenspaces keep the eigensolver's basis
+                continue
+            turn = torch.bmm(u, vh)
+            vectors[matrices[:, None, None], torch.arange(d, device=vectors.device)[:, None], columns[:, None, :]] = (
+                torch.bmm(spans, turn)
+            )
+        return [vectors]
+
+    return [r[0] for r in _grouped(evecs, lambda vectors, values, old: align(values, vectors, old), [evals, previous])]
+
+
 def _identity_orders(stack: Tensor) -> Tensor:
     """``arange(d)`` for each matrix of a (b, d, d) stack."""
     d = stack.shape[-1]

@@ -20,6 +20,8 @@ from torch import nn
 from hylo.adapted import AdaptedSplit
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
+from hylo.optimizer_state import Part, check_groups, check_numbering, check_part, stepped_parameters
+from hylo.pipeline import liveness
 from hylo.preconditioner import HyLoPreconditioner
 from hylo.solvers import FAMILIES, HYBRID, family_of, whole_step
 
@@ -42,6 +44,8 @@ NATURAL_UNDER_ADAPTIVE_DEFAULTS: dict[str, Any] = {"damping": 1e-3}
 #: hylo's options under any other optimizer (SGD, …): the training scripts' damping, and the whole step bounded
 #: by ``kl_clip`` at the optimizer's learning rate (read from its first group at every step).
 PLAIN_DEFAULTS: dict[str, Any] = {"damping": 0.3, "kl_clip": 1e-3}
+
+WHERE = "HyLoOptimizer.load_state_dict"
 
 OptimizerOrFactory: TypeAlias = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -80,6 +84,30 @@ def default_options(optimizer: torch.optim.Optimizer, given: Mapping[str, Any]) 
     return {**chosen, **given}
 
 
+def output_layers(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s output layers: the modules its own or a submodule's ``get_output_embeddings()``
+    returns (a Hugging Face model's LM head), at any depth, in the model's order."""
+    names = {id(module): name for name, module in model.named_modules() if name}
+    heads: dict[str, None] = {}
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if isinstance(head, nn.Module) and id(head) in names:
+            heads[names[id(head)]] = None
+    return tuple(heads)
+
+
+def adaptive_skips(model: nn.Module, optimizer: torch.optim.Optimizer, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``skip_layers`` the optimizer form adds under an adaptive optimizer when neither ``solver`` nor ``skip_layers``
+    is given: the model's output layers (:func:`output_layers`), left to the optimizer as Muon's recipe leaves them
+    (docs/usage.md, "The optimizer form": Adam in the eigenbasis of an LM head's factors lost to AdamW at lr 10⁻³);
+    none otherwise."""
+    if "solver" in given or "skip_layers" in given or not is_adaptive(optimizer) or adaptive_defaults() is None:
+        return {}
+    heads = output_layers(model)
+    return {"skip_layers": heads} if heads else {}
+
+
 class HyLoOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step()`` runs hylo's preconditioner, then the wrapped optimizer.
 
@@ -113,30 +141,19 @@ class HyLoOptimizer(torch.optim.Optimizer):
         **options: Any,
     ) -> None:
         base = _built(model, optimizer)
-        given = dict(options) if config is not None else default_options(base, options)
+        given = (
+            dict(options)
+            if config is not None
+            else default_options(base, options | adaptive_skips(model, base, options))
+        )
         start = config or HyLoConfig()
         if given.get("kl_clip", start.kl_clip) is not None and given.get("lr", start.lr) is None:
             given["lr"] = self._group_lr  # kl_clip bounds the step at the optimizer's learning rate
         chosen = start.replace(**given)
         adapted = _adapted_split(chosen)
-        pre = HyLoPreconditioner(model, config=chosen, communicator=communicator, grad_scaler=grad_scaler)
-        try:
-            held = {id(p) for group in base.param_groups for p in group["params"]}
-            names = {id(p): name for name, p in model.named_parameters()}
-            missing = [names.get(id(p), "?") for p in pre.parameters() if id(p) not in held]
-            if missing:
-                raise ValueError(
-                    f"HyLoOptimizer: hylo preconditions {missing}, which the optimizer does not hold: give it every "
-                    "trainable parameter of the model (or leave those layers out with skip_layers)"
-                )
-            if adapted and base.defaults.get("maximize", False):
-                raise ValueError(
-                    "HyLoOptimizer: maximize=True is not supported with a whole-step solver (its step descends)"
-                )
-            split = AdaptedSplit(base, pre.parameters()) if adapted else None
-        except BaseException:
-            pre.remove()
-            raise
+        with liveness.deferred():  # supersede a live preconditioner only once every check below has passed
+            pre = HyLoPreconditioner(model, config=chosen, communicator=communicator, grad_scaler=grad_scaler)
+            split, names = _checked(model, base, pre, adapted)
         #: The preconditioner whose ``step()`` runs first in :meth:`step`.
         self.preconditioner = pre
         self._split = split
@@ -203,10 +220,21 @@ class HyLoOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer (hylo does not precondition it: it registered its layers at
-        construction)."""
+        construction); ``ValueError`` for a parameter already in one of :attr:`param_groups` (the SGD's of the
+        whole-step split included), and for ``maximize=True`` under that split."""
         if not self._ready:  # the base class's constructor registering the groups it was given
             super().add_param_group(param_group)
             return
+        params = param_group["params"]
+        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        held = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        again = [(self._names.get(id(p), "?"), held[id(p)]) for p in param_group["params"] if id(p) in held]
+        if (
+            again
+        ):  # under the split, hylo's parameters are in the SGD's groups, which the wrapped optimizer does not see
+            raise ValueError(f"HyLoOptimizer.add_param_group: parameters already in a group (name, group): {again}")
+        if self._split is not None and param_group.get("maximize", False):
+            raise ValueError("HyLoOptimizer.add_param_group: maximize=True is not supported with a whole-step solver")
         self._optimizers[0].add_param_group(param_group)
         self._link()
 
@@ -228,16 +256,54 @@ class HyLoOptimizer(torch.optim.Optimizer):
         return merged
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a :meth:`state_dict`: every part is checked against this optimizer before anything changes."""
+        """Load a :meth:`state_dict`: every part is checked against this optimizer before anything changes — hylo's,
+        and the wrapped optimizers' (:mod:`hylo.optimizer_state`: group keys and options, the parameters'
+        numbering, each state's keys, shapes and values, and a state wherever a parameter was certainly stepped)."""
         returned = self._returned(state_dict)
         parts = self._parts(state_dict, returned)
-        self.preconditioner.load_state_dict(state_dict["hylo"], where="HyLoOptimizer.load_state_dict")
+        self._check_parts(state_dict, parts, returned)
+        self.preconditioner.load_state_dict(state_dict["hylo"], where=WHERE)
         if self._split is not None:
             self._split.hand_back(returned)
             self._first_update = False
         for optimizer, part in zip(self._optimizers, parts, strict=True):
             optimizer.load_state_dict(part)
         self._link()
+
+    def _check_parts(self, state_dict: Mapping[str, Any], parts: list[dict[str, Any]], returned: list[int]) -> None:
+        """Each optimizer's part against that optimizer, as it will be once ``returned`` are handed back."""
+        hylo_part = state_dict["hylo"]
+        steps = hylo_part.get("steps") if isinstance(hylo_part, Mapping) else None
+        stepped = stepped_parameters(hylo_part, self.preconditioner.layer_info())
+        if self._split is not None:  # as at construction: the split's step descends
+            flipped = [g for g, group in enumerate(state_dict["param_groups"]) if group.get("maximize", False) is True]
+            if flipped:
+                raise ValueError(
+                    f"{WHERE}: groups {flipped} hold maximize=True, not supported with a whole-step solver"
+                )
+        first_group = first_index = 0
+        for optimizer, part, params in zip(self._optimizers, parts, self._params_after(returned), strict=True):
+            check_part(
+                Part(optimizer, part, params, first_group, first_index),
+                names=self._names,
+                stepped=stepped,
+                steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
+                where=WHERE,
+            )
+            first_group += len(params)
+            first_index += sum(len(group) for group in params)
+
+    def _params_after(self, returned: list[int]) -> list[list[list[nn.Parameter]]]:
+        """Each optimizer's groups' parameters once the adapted parameters ``returned`` are handed back."""
+        groups = [[list(group["params"]) for group in opt.param_groups] for opt in self._optimizers]
+        if self._split is not None:
+            for i in returned:
+                if i in self._split.returned:
+                    continue
+                p, (g, s) = self._split.adapted[i], self._split.homes[i]
+                groups[0][g].append(p)
+                groups[1][s] = [q for q in groups[1][s] if q is not p]
+        return groups
 
     def _returned(self, state_dict: Mapping[str, Any]) -> list[int]:
         """The saved hand-backs (:mod:`hylo.adapted`), checked; ``ValueError`` where they do not fit this optimizer."""
@@ -259,6 +325,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
                 "HyLoOptimizer.load_state_dict: expected a HyLoOptimizer.state_dict() (keys 'state', 'param_groups', "
                 f"'hylo'), got {sorted(state_dict)}"
             )
+        check_groups(state_dict["param_groups"], state_dict["state"], WHERE)
         groups = list(state_dict["param_groups"])
         sizes = [len(group["params"]) for group in groups]
         now = [len(group["params"]) for group in self.param_groups]
@@ -267,6 +334,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"HyLoOptimizer.load_state_dict: the saved groups hold {sizes} parameters, this optimizer's {expected}"
             )
+        check_numbering(groups, state_dict["state"], WHERE)
         parts, first, offset = [], 0, 0
         for optimizer in self._optimizers:  # the group counts never change (empty groups stay)
             mine = groups[first : first + len(optimizer.param_groups)]
@@ -276,6 +344,31 @@ class HyLoOptimizer(torch.optim.Optimizer):
             parts.append({"state": state, "param_groups": renumbered})
             first, offset = first + len(mine), offset + count
         return parts
+
+
+def _checked(
+    model: nn.Module, base: torch.optim.Optimizer, pre: HyLoPreconditioner, adapted: bool
+) -> tuple[AdaptedSplit | None, dict[int, str]]:
+    """The whole-step split (or None) and the model's parameter names by id, once ``base`` holds every parameter hylo
+    preconditions and, under a whole-step solver, maximizes nothing; else ``ValueError``, ``pre`` removed."""
+    try:
+        held = {id(p) for group in base.param_groups for p in group["params"]}
+        names = {id(p): name for name, p in model.named_parameters()}
+        missing = [names.get(id(p), "?") for p in pre.parameters() if id(p) not in held]
+        if missing:
+            raise ValueError(
+                f"HyLoOptimizer: hylo preconditions {missing}, which the optimizer does not hold: give it every "
+                "trainable parameter of the model (or leave those layers out with skip_layers)"
+            )
+        if adapted and any(group.get("maximize", False) for group in base.param_groups):
+            raise ValueError(
+                "HyLoOptimizer: maximize=True (in a group or the defaults) is not supported with a whole-step "
+                "solver (its step descends)"
+            )
+        return (AdaptedSplit(base, pre.parameters()) if adapted else None), names
+    except BaseException:
+        pre.remove()
+        raise
 
 
 def _built(model: nn.Module, optimizer: OptimizerOrFactory) -> torch.optim.Optimizer:

@@ -32,7 +32,7 @@ from hylo.layers.registry import supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.layers.walk import register_layers
 from hylo.memory import MemoryUsage
-from hylo.pipeline import checkpoint, sharding
+from hylo.pipeline import checkpoint, liveness, sharding
 from hylo.pipeline.apply import write_back
 from hylo.pipeline.checkpoint import OptionsOnLoad
 from hylo.pipeline.effect import EffectWatch
@@ -115,10 +115,10 @@ class HyLoPreconditioner:
         self._stage = UpdateStage(self.comm)
         self._generator = torch.Generator().manual_seed(self._config.lowrank.seed)
         self._removed = False
-        self._effect = EffectWatch()
         found = register_layers(model, self._config)
         self._registration = found
         self._layers = registered_layers(found, self._config)  # K-FAC's memory budget checked
+        self._effect = EffectWatch(self._layers)
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         self._kept = KeptCalls([layer.capture for layer in self._layers])  # a failed step's calls, for a retry
         for index, layer in enumerate(self._layers):
@@ -140,6 +140,7 @@ class HyLoPreconditioner:
             self.remove()  # a refused profile_dir or sharding leaves the model without hylo's hooks
             raise
         self._fingerprint = Fingerprint(self.comm, self._layers, self._guard, self._planner)
+        liveness.claim(self, self._layers)  # built: supersede a live one holding these layers, with a warning
 
     def _reducer(self, index: int) -> Callable[[Tensor, Tensor], CapturedCall]:
         """Layer ``index``'s gradient-hook reduction, through a weak reference to this preconditioner."""
@@ -211,7 +212,7 @@ class HyLoPreconditioner:
         (docs/reliability.md, "Agreement across ranks").
         """
         if self._removed:
-            raise RuntimeError("this HyLoPreconditioner was removed; create a new one")
+            raise RuntimeError(liveness.removed_message(self))
         config, step, watch = self._config, self._planner.step, self._telemetry.watch
         self._kept.settle()
         watch.start()
@@ -243,7 +244,7 @@ class HyLoPreconditioner:
         for layer in self._layers:
             layer.capture.clear()
         if outcome.kind == "update" and outcome.checked is not None and outcome.norms is not None:
-            self._effect.check(step, outcome.checked, outcome.norms, values.damping)
+            self._effect.check(step, outcome, values.damping)
         self._commit(step, outcome, traffic)
 
     def _compute(
@@ -398,11 +399,10 @@ class HyLoPreconditioner:
 
     def summary(self) -> str:
         """A printable table of registered layers and of the modules left alone, ending with the :meth:`coverage`."""
-        registration = self._registration
         head = f"HyLoPreconditioner(solver={self._config.solver!r}, layers={len(self._layers)}, "
         head += f"world_size={self.comm.world_size})"
-        table = format_summary(head, self.layer_info(), [*registration.skipped, *registration.unsupported])
-        return f"{table}\n{registration.coverage.line()}"
+        table = format_summary(head, self.layer_info(), [*self._registration.skipped, *self._registration.unsupported])
+        return f"{table}\n{self._registration.coverage.line()}"
 
     __repr__ = summary
 
@@ -411,6 +411,7 @@ class HyLoPreconditioner:
         """Detach every hook and close the profile files; the model trains as if hylo had never been attached."""
         self._registration.remove()
         self._removed = True
+        liveness.release(self)
         self.close()
 
     def flush_profile(self) -> dict[str, int]:

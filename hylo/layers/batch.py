@@ -142,10 +142,14 @@ class LayerBatch:
             scale = self._g_scale
             values = []
             for call in self.calls:
-                if statistic in call.reduced:  # reduced with g·call.scale: rescale to g·scale
+                # with g·call.scale, rescaled to g·scale: a call kept raw gives what its hook would have reduced it
+                # to, bit for bit, so that how a step's rows fall into calls changes nothing but the sums' rounding
+                # (docs/usage.md, "Gradient accumulation")
+                if statistic in call.reduced:
                     values.append(statistic.rescaled(math, call.reduced[statistic], scale / call.scale))
                 elif call.raw is not None:
-                    values.append(statistic.of_call(math, *call.raw, scale))
+                    value = statistic.of_call(math, *call.raw, call.scale)
+                    values.append(statistic.rescaled(math, value, scale / call.scale))
                 else:
                     raise RuntimeError(
                         f"layer {math.name!r}: this step's calls were reduced in the backward without their "

@@ -174,6 +174,11 @@ class LayerCapture:
         """Calls still waiting for their backward (with their inputs)."""
         return [record for record in self.records if not record.completed and record.inputs is not None]
 
+    def drop_completed(self) -> None:
+        """Drop the calls whose backward has run, keeping those still awaiting theirs: an earlier window's calls,
+        when a GradScaler skipped that window's step (docs/transformers.md, "Mixed precision")."""
+        self.records = [record for record in self.records if not record.completed]
+
     def clear(self) -> None:
         """Drop everything captured."""
         self.records = []
@@ -236,6 +241,13 @@ def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor]
             record.complete(select(detached))
 
     output.register_hook(grad_hook)
+
+
+def backward_pass() -> int | None:
+    """The id of the backward pass autograd is running (a new one per ``backward()``), -1 outside one; None when this
+    torch does not tell (read from the same private torch function as :func:`_in_backward`)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return None if task_id is None else int(task_id())
 
 
 def _in_backward() -> bool:

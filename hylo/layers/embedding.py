@@ -40,6 +40,9 @@ class EmbeddingMath(LayerMath):
     (float32 at least).
     """
 
+    #: A = diag(token counts)/n (:meth:`kfac_factors`).
+    diagonal_input_factor = True
+
     def __init__(self, module: nn.Embedding) -> None:
         super().__init__(module)
         self.embedding = module

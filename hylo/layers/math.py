@@ -191,6 +191,10 @@ class LayerMath(ABC):
     #: over, which differs from rank to rank, so output gradients are scaled by the layer's rows over all ranks
     #: divided by the world size rather than by the rank's own (docs/moe.md, "P ranks").
     routed_rows: bool = False
+    #: Whether the input factor A is diagonal by construction (one-hot inputs: an embedding's token counts), so that
+    #: its eigenbasis is the identity and a solver that keeps a basis need not decompose it (docs/solvers.md,
+    #: "Embeddings").
+    diagonal_input_factor: bool = False
     #: What the low-rank rows are, in the studies' ``reference`` column: ``"exact"`` per-sample gradients,
     #: or the name of a surrogate (a convolution's ``conv_rows``).
     rows_form: str = "exact"

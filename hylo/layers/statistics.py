@@ -111,7 +111,7 @@ class PerSampleRows(CallStatistic[SampleRows]):
 
     def rescaled(self, math: LayerMath, value: SampleRows, factor: float) -> SampleRows:
         """Every row scaled by ``factor``."""
-        return value.scaled(torch.full((value.count,), factor, device=math.weight.device))
+        return value.scaled(torch.full((value.count,), factor, dtype=torch.float64, device=math.weight.device))
 
     def merged(self, math: LayerMath, values: Sequence[SampleRows], rows: int, kfac_rows: int) -> SampleRows:
         """The calls' rows concatenated."""
@@ -158,7 +158,8 @@ class CapturePlan:
 class CapturedCall:
     """One forward call of a layer as an update uses it: its row counts and either its input and
     output gradient (``raw``) or the statistics its gradient hook reduced them to (``reduced``, by
-    statistic, computed with output gradients multiplied by ``scale``)."""
+    statistic, computed with output gradients multiplied by ``scale``; a raw call's statistics are computed at that
+    scale too, then rescaled like a reduced call's)."""
 
     rows: int
     kfac_rows: int
@@ -207,6 +208,6 @@ def capture_call(math: LayerMath, x: Tensor, grad_out: Tensor, plan: CapturePlan
         numbers = sum(statistic.numbers(math, rows, kfac_rows) for statistic in statistics)
         raw_bytes = x.numel() * x.element_size() + grad_out.numel() * grad_out.element_size()
         if numbers * math.dtype.itemsize >= raw_bytes:
-            return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out), scale=plan.scale)
         reduced = {statistic: statistic.of_call(math, x, grad_out, plan.scale) for statistic in statistics}
         return CapturedCall(rows, kfac_rows, reduced=reduced, scale=plan.scale)

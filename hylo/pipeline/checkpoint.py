@@ -466,5 +466,5 @@ def load_checkpoint(
     except FileNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file fails to unpickle in many ways
-        raise ValueError(f"{where} is not a readable hylo checkpoint ({type(err).__name__}: {err})") from err
+        raise ValueError(integrity.unreadable(where, err, "hylo checkpoint")) from err
     pre.load_state_dict(state, options=checkpoint_mode, where=where)

@@ -4,19 +4,22 @@ docs/reliability.md, "A step that changes nothing": when the damping λ dominate
 (F̃ + λI)⁻¹∇W is ∇W/λ, which an optimizer that sets the step's length itself (Adam's per-coordinate scaling, or
 ``kl_clip``'s bound) turns back into its plain step: hylo then costs its time and changes nothing. At each
 update (until it has warned once) the preconditioner reads the angle between each layer's result V̂ and its
-gradient ∇W off the sums its check of the results computed already (:class:`~hylo.pipeline.apply.Checked`:
+gradient ∇W off the sums its check of the results computed already (:class:`~hylo.pipeline.apply.Checked`, in the step's
+:class:`~hylo.pipeline.step.Outcome`:
 ⟨∇W, V̂⟩ and ‖V̂‖², over every rank's rows) and the guard's ‖∇W‖: a few operations on one vector and one host read.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from hylo.pipeline.apply import Checked
-from hylo.solvers import solver_names, whole_step
+from hylo.pipeline.step import Outcome
+from hylo.solvers import LayerState, solver_names, whole_step
+from hylo.state import RegisteredLayer
 
 #: A layer's step counts as its raw gradient (up to scale) when its direction differs by less than this share.
 UNCHANGED = 0.01
@@ -31,17 +34,24 @@ def _such_as() -> str:
 class EffectWatch:
     """Warns once when an update's preconditioned gradients all point where their raw gradients do."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: Sequence[RegisteredLayer]) -> None:
+        self.layers = layers
         self.warned = False
 
-    def check(self, step: int, checked: Checked, norms: Tensor, damping: float) -> None:
-        """Warn if no layer of an update step's ``checked`` results turned by more than :data:`UNCHANGED`;
-        ``norms``: every registered layer's ‖∇W‖ (float64, the guard's)."""
-        if self.warned:
+    def check(self, step: int, outcome: Outcome, damping: float) -> None:
+        """Warn if no layer of an update step's checked results (``outcome.checked``) turned by more than
+        :data:`UNCHANGED`, from every registered layer's ‖∇W‖ (``outcome.norms``, float64, the guard's). A layer
+        whose state gives no length bound (a whole-step solver's: its result is its own step, not (F̃ + λI)⁻¹∇W)
+        counts as turned, whichever path measured its length."""
+        checked, norms = outcome.checked, outcome.norms
+        if self.warned or checked is None or norms is None:
             return
-        indices = checked.indices
-        if indices is not None:
-            indices = torch.as_tensor(indices, dtype=torch.long).to(norms.device, non_blocking=True)
+        order = range(len(self.layers)) if checked.indices is None else [int(i) for i in checked.indices]
+        states = [outcome.state_of(self.layers[i]) for i in order]
+        if any(isinstance(state, LayerState) and state.bound is None for state in states):
+            return
+        if checked.indices is not None:
+            indices = torch.as_tensor(order, dtype=torch.long).to(norms.device, non_blocking=True)
             norms = norms.index_select(0, indices)
         if bool(unchanged(checked.terms, norms, checked.flags).all()):
             self.warned = True

@@ -15,6 +15,7 @@ preconditioner calls it without knowing which one it holds:
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,18 +100,29 @@ class Local(Placement):
         return self.grouped.tensors()
 
     def precondition(self, ready: Ready) -> Applied:
-        """Per group, or per layer: the same results to round-off (``tests/library/test_grouped_step.py``)."""
+        """Per group, or per layer: the same results to round-off (``tests/library/test_grouped_step.py``).
+
+        A grouped kernel that raises, whatever it raises, hands the step to the per-layer path: a layer whose own
+        math raises is named there (docs/reliability.md, "Registration"); where every layer applies on its own,
+        the step goes on with the per-layer results and a warning names the layers and the kernel's error."""
         held, names = ready.held(), ready.names
         items = list(zip(names, held, ready.grads, strict=True))
         if ready.config.grouped:
             try:
                 applied = self.grouped.precondition(ready.layers, held, ready.indices, ready.norms, ready.clip)
-            except Exception:  # the per-layer apply names the layer whose math raised, then the error is raised
-                self.stage.apply_layers(items, ready.watch)
-                raise
-            ready.watch.lap("precondition", names)
-            return applied
-        results, successors = self.stage.apply_layers(items, ready.watch)
+            except Exception as err:
+                results, successors = self.stage.apply_layers(items, ready.watch)
+                warnings.warn(
+                    f"the grouped step raised {type(err).__name__}: {err}; this step's layers were applied layer by "
+                    f"layer instead, with the same results to round-off ({', '.join(names)}); please report it "
+                    "(grouped=False applies layer by layer at every step)",
+                    stacklevel=5,
+                )
+            else:
+                ready.watch.lap("precondition", names)
+                return applied
+        else:
+            results, successors = self.stage.apply_layers(items, ready.watch)
         bounds = [state.bound for state in held]
         outputs = [results[name] for name in names]
         written, flags, terms = checked_results(ready.grads, outputs, ready.layer_norms(), bounds, ready.clip)

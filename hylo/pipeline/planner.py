@@ -18,8 +18,8 @@ is owed — and answers, for the current step:
   ``"planned"``).
 
 Everything here is a pure function of the config, the layers and the planner's counters: the
-cadence and the plans are computed once per step, at its first hook or at ``step()``, and no
-collective is ever issued from a hook.
+cadence and the plans are computed once per step, at its first hook or at ``step()`` (the plans again
+after a window a GradScaler skipped: :meth:`Planner.plan`), and no collective is ever issued from a hook.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import torch
 from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator
 from hylo.layers.batch import LayerBatch, LayerShape
-from hylo.layers.capture import LayerCapture
+from hylo.layers.capture import LayerCapture, backward_pass
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
 from hylo.payload import CONTROL, Payload
-from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic
+from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic, kfac_refusal
 from hylo.records import Decision
 from hylo.solvers import SolverFamily, family_of
 from hylo.state import RegisteredLayer
@@ -81,7 +81,12 @@ class Planner:
         self._cadence: tuple[int, bool, frozenset[str], int, frozenset[str] | None] = (-1, False, frozenset(), 0, None)
         self._offsets: dict[int, list[int]] = {}
         self._plans: tuple[int, list[CapturePlan | None]] = (-1, [])
+        #: The (1 over the loss scale, backward pass) the current plans were last checked at (:meth:`plan`).
+        self._planned: tuple[float, int | None] = (1.0, None)
         self._arm_error: tuple[int, Exception] | None = None
+        #: Each layer's (rows, K-FAC rows) at its last update: the whole window of an accumulating loop, which the
+        #: forecast assumes again (docs/design.md, "Memory").
+        self._window: dict[str, tuple[int, int]] = {}
         self.arm(config)
         # a preconditioner dropped without remove() leaves hooks that must capture nothing
         weakref.finalize(self, _disarm, [layer.capture for layer in self.layers])
@@ -182,12 +187,31 @@ class Planner:
 
     def plan(self, index: int, config: HyLoConfig, inputs: Callable[[], tuple[bool, float]]) -> CapturePlan | None:
         """What layer ``index``'s calls are reduced to at this step (None: kept raw), fixed at the step's
-        first backward hook. ``inputs()``, called then only, says whether a study samples this update and
-        what multiplies the output gradients (1 over the loss scale: one host sync on CUDA)."""
+        first backward hook. ``inputs()``, called then and at the first hook of each later backward pass,
+        says whether a study samples this update and what multiplies the output gradients (1 over the loss
+        scale: one host sync per backward pass on CUDA, with a GradScaler).
+
+        Within a step's window the loss scale cannot change: only a GradScaler's ``update()`` changes it,
+        which comes after ``step()``. A scale that differs from the plans' therefore means ``update()`` ran
+        without a ``step()``: the scaler skipped the window the plans were made for (``scaler.step`` found
+        infs and did not call the optimizer form's ``step()``). Its calls are dropped and the plans made again
+        at the current scale, so that the step is that of a run that never saw the skipped batch (docs/transformers.md,
+        "Mixed precision"). A scaler that grew after a successful step is no skip: that step made new plans.
+        """
         step, plans = self._plans
+        current = backward_pass()  # None where torch does not tell: check at every hook
         if step != self.step:
-            plans = self._make_plans(config, *inputs())
-            self._plans = (self.step, plans)
+            study, scale = inputs()
+            plans = self._make_plans(config, study, scale)
+            self._plans, self._planned = (self.step, plans), (scale, current)
+        elif current is None or current != self._planned[1]:
+            study, scale = inputs()
+            if scale != self._planned[0]:
+                for layer in self.layers:
+                    layer.capture.drop_completed()  # the skipped window's; this pass's calls await their backward
+                plans = self._make_plans(config, study, scale)
+                self._plans = (self.step, plans)
+            self._planned = (scale, current)
         return plans[index]
 
     def _make_plans(self, config: HyLoConfig, study_due: bool, scale: float) -> list[CapturePlan | None]:
@@ -225,8 +249,10 @@ class Planner:
         return None
 
     def forecast(self, config: HyLoConfig) -> list[SolverFamily]:
-        """The family the policy is expected to give each layer, on the rows captured so far."""
-        shapes = []
+        """The family the policy is expected to give each layer: on the rows captured so far or, when more, the rows
+        of the layer's last update (a window of gradient accumulation is seen whole only at ``step()``); K-FAC's,
+        which keeps every family open, for a layer not updated yet (docs/design.md, "Memory")."""
+        shapes, unseen = [], []
         for layer in self.layers:
             counts = [CapturedCall.of(layer.math, call) for call in layer.capture.calls()]
             rows, kfac_rows = sum(c.rows for c in counts), sum(c.kfac_rows for c in counts)
@@ -235,9 +261,20 @@ class Planner:
                 grad_like = record.inputs if record.out_shape is None else torch.empty(record.out_shape, device="meta")
                 more = layer.math.row_counts(record.inputs, grad_like)
                 rows, kfac_rows = rows + more[0], kfac_rows + more[1]
+            window = self._window.get(layer.name)
+            unseen.append(window is None)
+            if window is not None and window[0] > rows:
+                rows, kfac_rows = window
             kept = config.lowrank.expected_rows(rows, layer.kept) if rows else 0
             shapes.append(LayerShape.of(layer.math, rows, kfac_rows, kept, self.world_size))
-        return self.policy.forecast(self.step, shapes, self._cadence_of(config)[2], self.world_size, config)
+        families = self.policy.forecast(self.step, shapes, self._cadence_of(config)[2], self.world_size, config)
+        kfac = family_of(config.policy.kfac_solver)
+        return [
+            kfac
+            if first and kfac_refusal(s.d_a, s.d_g, s.itemsize, config, config.policy.kfac_solver) is None
+            else family
+            for family, first, s in zip(families, unseen, shapes, strict=True)
+        ]
 
     def decide(
         self,
@@ -253,6 +290,9 @@ class Planner:
         keeps that one (:meth:`reconcile`)."""
         freq = self._cadence_of(config)[2]  # ``step`` is this planner's current step
         world = comm.world_size
+        for name, batch in batch_of.items():
+            if batch.rows:
+                self._window[name] = (batch.rows, batch.kfac_rows)
         shapes = [
             batch_of[layer.name].shape(world, config.lowrank.expected_rows(batch_of[layer.name].rows, layer.kept))
             if layer.name in batch_of

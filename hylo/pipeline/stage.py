@@ -243,7 +243,9 @@ class UpdateStage:
             owned = [(name, grad) for name, _, owner, grad in items if owner == src and name not in successors]
             payload = Payload(
                 {
-                    (name, "grad"): results.get(name, torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+                    (name, "grad"): results[name].to(grad.dtype)
+                    if name in results
+                    else torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
                     for name, grad in owned
                 }
             )

@@ -65,7 +65,9 @@ class LayerState(ABC):
 
     @abstractmethod
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """The preconditioned (d_g, d_a) gradient, from ∇W whole or as its weight and bias parts."""
+        """The preconditioned (d_g, d_a) gradient, from ∇W whole or as its weight and bias parts, in the state's
+        working dtype: the step checks it there and casts it into ∇W's dtype once, when it writes it, as the
+        grouped step does (docs/reliability.md, "Fallbacks")."""
 
     def advance(self, grad: Tensor | GradMatrix) -> tuple[Tensor, LayerState]:
         """The preconditioned gradient and the state the next step applies (this one, unless it :attr:`advances`)."""

@@ -156,7 +156,7 @@ class KFACState(LayerState):
         parts = GradMatrix.of(grad)
         rotated = self.evecs_g.mT @ parts.to(self.evecs_a.dtype).times(self.evecs_a)
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-        return (self.evecs_g @ rotated @ self.evecs_a.mT).to(parts.dtype)
+        return self.evecs_g @ rotated @ self.evecs_a.mT
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
         """This rank's part of ∇W Q_a: Q_gᵀ (∇W Q_a) mixes all rows, so a rank's rows of it are gathered; from a
@@ -240,7 +240,7 @@ class KFACInverseState(LayerState):
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
         """Preconditioned (d_g, d_a) gradient (∇W (A + δ_a I)⁻¹ taken part by part)."""
         parts = GradMatrix.of(grad)
-        return (self.inverse_g @ parts.to(self.inverse_a.dtype).times(self.inverse_a)).to(parts.dtype)
+        return self.inverse_g @ parts.to(self.inverse_a.dtype).times(self.inverse_a)
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
         """This rank's term of V̂ = Σ_ranks G⁻¹[:, rows] ∇W[rows] A⁻¹ (or G⁻¹ ∇W[:, cols] A⁻¹[cols]), summed over

@@ -63,7 +63,7 @@ class LowRankState(LayerState):
         work = parts.to(self.rows.dtype)
         c = self._coefficients(self.rows.project(work))
         inv_damping = 1.0 / self.damping
-        return self.rows.combine(work, c, beta=inv_damping, alpha=-inv_damping).to(parts.dtype)
+        return self.rows.combine(work, c, beta=inv_damping, alpha=-inv_damping)
 
     def _coefficients(self, projections: Tensor) -> Tensor:
         """c/D = M z / D in M's dtype (float64 for states built here), returned in the rows' dtype."""

@@ -122,7 +122,7 @@ def load(path: str | Path, map_location: torch.device | str | None = None) -> di
     except FileNotFoundError:
         raise
     except Exception as err:  # unpickling errors come in many types
-        raise ValueError(f"{path} is not a readable checkpoint: {err}") from err
+        raise ValueError(integrity.unreadable(path, err)) from err
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} is not a checkpoint (holds a {type(loaded).__name__}, not a dict)")
     if loaded.get("format") != FORMAT:

@@ -294,3 +294,99 @@ def test_a_resume_removes_temporaries_and_an_incomplete_checkpoints_hylo_files(s
         checkpoint.load(run / "checkpoint-0002-hylo-r0.pt")["run_id"]
         == checkpoint.load(run / "checkpoint-0002.pt")["run_id"]
     )
+
+
+# --------------------------------------------------------------------------- issue 56: other solvers, cut files, mix-ups
+def _final_state(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's weights and hylo's state in ``run``'s last checkpoint, without what names the run's directory
+    (``profile_dir``, ``profile_append``) and the checksum of it all."""
+    epoch, path = checkpoint.latest_checkpoint(run) or (0, run)
+    state = dict(checkpoint.load(path.with_name(f"checkpoint-{epoch:04d}-hylo-r0.pt"))["hylo"])
+    state["config"] = {k: v for k, v in state["config"].items() if k not in ("profile_dir", "profile_append")}
+    return checkpoint.load(path)["model"], {k: v for k, v in state.items() if k != integrity.CHECKSUM_KEY}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("solver", ["kfac_adam", "hybrid"])
+def test_a_killed_run_resumes_bit_for_bit_under_kfac_adam_and_hybrid(tmp_path: Path, solver: str, when: str) -> None:
+    """Killed just before or just after epoch 2's checkpoint and resumed: the metrics, the profile CSVs, the final
+    weights and hylo's final state equal the uninterrupted run's, bit for bit."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(_run(whole, epochs=3, solver=solver))
+    _killed(_fields(part, epochs=3, solver=solver), 2, when)
+    assert checkpoint.latest_checkpoint(part) == (2 if when == "after" else 1, ANY_PATH)
+    train(_run(part, epochs=3, solver=solver), resume=True)
+    _same_profile(part, whole)
+    (model, state), (model_whole, state_whole) = _final_state(part), _final_state(whole)
+    assert model.keys() == model_whole.keys() and all(torch.equal(model[k], model_whole[k]) for k in model)
+    assert integrity.checksum(state) == integrity.checksum(state_whole)
+
+
+class _AnyPath:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Path)
+
+
+ANY_PATH: Any = _AnyPath()
+
+
+@pytest.mark.parametrize("name", ["checkpoint-0001.pt", "checkpoint-0001-hylo-r0.pt"])
+def test_a_truncated_checkpoint_is_refused_by_the_script_naming_it_and_nothing_changes(
+    saved_run: Path, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trainer's file or hylo's, cut at 0 bytes, a few bytes, half and one byte short: ``train`` refuses with a
+    RunError naming the file and what to do, the script exits with status 2 saying so, and no file changes."""
+    run = _copy(saved_run, tmp_path / "run")
+    path = run / name
+    data = path.read_bytes()
+    for length in (0, 7, len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:length])
+        before = _snapshot(run)
+        with pytest.raises(RunError, match=rf"{name} is not a readable checkpoint \({length} bytes; empty, truncated"):
+            train(_run(run, epochs=2), resume=True)
+        assert _snapshot(run) == before
+    flags = ["--model", "mlp", "--solver", "kis", "--batch-size", "250", "--max-steps", "3", "--freq", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([*flags, "--grad-norm", "--epochs", "2", "--log-dir", str(run), "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {path} is not a readable checkpoint" in err and "delete" in err and "Traceback" not in err
+    assert _snapshot(run) == before
+    path.write_bytes(data)
+    assert [e.epoch for e in train(_run(run, epochs=2), resume=True).log] == [2]
+
+
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "hybrid"])
+def test_resuming_with_another_solver_is_refused_naming_both(saved_run: Path, tmp_path: Path, solver: str) -> None:
+    """The run was saved under ``kis``: a resume under another ``--solver`` is refused naming the change, and no
+    file changes."""
+    run = _copy(saved_run, tmp_path / "run")
+    before = _snapshot(run)
+    with pytest.raises(
+        RunError, match=rf"checkpoint-0001\.pt was made with a different configuration \(solver 'kis' -> '{solver}'"
+    ):
+        train(_run(run, epochs=2, solver=solver), resume=True)
+    assert _snapshot(run) == before
+    flags = ["--model", "mlp", "--solver", solver, "--batch-size", "250", "--max-steps", "3", "--freq", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([*flags, "--grad-norm", "--epochs", "2", "--log-dir", str(run), "--resume"])
+    assert exit_info.value.code == 2
+    assert _snapshot(run) == before
+
+
+def test_a_hylo_file_saved_under_another_solver_is_refused_naming_it(saved_run: Path, tmp_path: Path) -> None:
+    """hylo's state in this run's file replaced by a ``kfac`` run's (resealed, so that neither the checksum nor the
+    run id catches it): refused by hylo naming the file and both solvers, and no file changes."""
+    run = _copy(saved_run, tmp_path / "run")
+    other = tmp_path / "other"
+    train(_run(other, epochs=1, solver="kfac"))
+    ours = checkpoint.load(run / "checkpoint-0001-hylo-r0.pt")
+    ours["hylo"] = checkpoint.load(other / "checkpoint-0001-hylo-r0.pt")["hylo"]
+    torch.save(integrity.seal(ours), run / "checkpoint-0001-hylo-r0.pt")
+    before = _snapshot(run)
+    with pytest.raises(
+        RunError,
+        match=r"checkpoint-0001-hylo-r0\.pt: hylo refuses the state: .*solver='kfac', this preconditioner uses 'kis'",
+    ):
+        train(_run(run, epochs=2), resume=True)
+    assert _snapshot(run) == before

@@ -24,7 +24,20 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import hylo
-from tests.kit.stacks import Run, backward_window, dataset, ended, step_by_hand, tiny_mlp
+from tests.kit.stacks import (
+    CASES,
+    WINDOW,
+    Case,
+    Run,
+    assert_one_batch,
+    backward_window,
+    dataset,
+    ended,
+    hylo_of,
+    step_by_hand,
+    tiny_mlp,
+    windows,
+)
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -176,3 +189,31 @@ def test_the_recipe_clips_before_hylo(form: str, tmp_path: Path) -> None:
     assert_same(run, by_hand(form, clipping="before"))
     after = by_hand(form, clipping="after")
     assert any(not torch.equal(p, after.params[name]) for name, p in run.params.items())
+
+
+def accumulated_by_accelerate(case: Case, accumulation: int, *, plain: bool = False, reorder: bool = False) -> Run:
+    """The recipe of ``case`` over :func:`~tests.kit.stacks.windows` in float64, ``gradient_accumulation_steps=
+    accumulation`` micro-batches of ``WINDOW // accumulation`` per optimizer step; ``plain``: without hylo."""
+    _reset_accelerate()
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = tiny_mlp().to(torch.float64)
+    pre, optimizer = hylo_of(model, case, plain=plain)
+    loader = DataLoader(windows(reorder=reorder), batch_size=WINDOW // accumulation)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))  # divides the loss by the accumulation steps
+            if accelerator.sync_gradients and case.form == "preconditioner" and pre is not None:
+                pre.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    return ended(accelerator.unwrap_model(model), pre)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_gradient_accumulation_gives_the_one_batch_parameters(case: Case) -> None:
+    """``gradient_accumulation_steps=4`` over micro-batches of 8 ends with the parameters of batches of 32 (the same
+    samples, in the same order) after 6 optimizer steps, to the stack's own rounding (float64): Accelerate divides each
+    micro-batch's mean loss by 4, and hylo counts the window's rows once."""
+    difference = assert_one_batch(functools.partial(accumulated_by_accelerate, case))
+    print(f"accelerate {case.name}: {difference:.1e}")

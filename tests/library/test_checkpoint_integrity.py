@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import io
 import random
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -274,3 +275,48 @@ def test_refuse_on_one_rank_refuses_on_every_rank() -> None:
     (msg0, same0), (msg1, same1) = run_distributed(_load_refusing, 2, state, timeout=60)
     assert same0 and same1
     assert "another rank refused" in msg0 and "damping=0.05 (this preconditioner: 0.3)" in msg1
+
+
+# =========================================================================== truncated files, another solver
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam"])
+def test_a_truncated_file_is_refused_naming_it_and_nothing_changes(tmp_path: Path, solver: str) -> None:
+    """A file cut short (a copy interrupted, a full disk) at any of 40 lengths, from empty to one byte short: each
+    load refuses with a ValueError naming the file, and the preconditioner is as it was."""
+    _, pre = _trained(solver)
+    path = tmp_path / "hylo.pt"
+    hylo.save_checkpoint(pre, path)
+    data = path.read_bytes()
+    target = _fresh(solver)
+    before, progress = target.state_dict(), target.progress()
+    cut = tmp_path / "cut.pt"
+    for length in sorted({int(i * (len(data) - 1) / 39) for i in range(40)}):
+        cut.write_bytes(data[:length])
+        with pytest.raises(
+            ValueError,
+            match=rf"^{re.escape(str(cut))} is not a readable hylo checkpoint \({length} bytes; empty, truncated",
+        ):
+            hylo.load_checkpoint(target, cut)
+        assert_same_tensors(target.state_dict(), before)
+        assert target.progress() == progress
+    hylo.load_checkpoint(target, path)  # the whole file loads
+    assert_same_tensors(state_snapshot(target), state_snapshot(pre))
+
+
+@pytest.mark.parametrize("into", ["sngd", "kis", "kfac_adam", "hybrid"])
+@pytest.mark.parametrize("mode", ["restore", "keep", "refuse"])
+def test_a_state_saved_under_another_solver_is_refused_naming_both(tmp_path: Path, into: str, mode: str) -> None:
+    """Saved with ``kfac``, loaded into a preconditioner built with another solver, under every ``options`` mode:
+    a ValueError naming the file and both solvers; nothing changes."""
+    _, pre = _trained("kfac")
+    path = tmp_path / "kfac.pt"
+    hylo.save_checkpoint(pre, path)
+    target = _fresh(into)
+    before, progress = target.state_dict(), target.progress()
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(path))}: .*solver='kfac', this preconditioner uses '{into}'"
+    ):
+        hylo.load_checkpoint(target, path, options=mode)
+    with pytest.raises(ValueError, match=rf"solver='kfac', this preconditioner uses '{into}'"):
+        target.load_state_dict(pre.state_dict(), options=mode)
+    assert_same_tensors(target.state_dict(), before)
+    assert target.progress() == progress

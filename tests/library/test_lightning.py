@@ -22,7 +22,22 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import hylo
-from tests.kit.stacks import Run, backward_window, dataset, ended, step_by_hand, tiny_mlp
+from tests.kit.stacks import (
+    CASES,
+    WINDOW,
+    WINDOWS,
+    Case,
+    Run,
+    assert_one_batch,
+    backward_window,
+    dataset,
+    ended,
+    hylo_of,
+    step_by_hand,
+    tiny_mlp,
+    torch_optimizer,
+    windows,
+)
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
@@ -205,3 +220,57 @@ def test_the_callback_takes_a_preconditioner_built_on_the_trained_model(tmp_path
     trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", logger=False, callbacks=[stranger])
     with pytest.raises(ValueError, match="another model"):
         trainer.fit(Classifier("callback"), DataLoader(dataset(8, seed=1), batch_size=BATCH))
+
+
+class CaseModule(pl.LightningModule):
+    """The MLP with ``case``'s optimizer from ``configure_optimizers``: a HyLoOptimizer (the optimizer form), the
+    torch optimizer alone (the preconditioner form, whose callback the Trainer gets, or ``plain``)."""
+
+    def __init__(self, case: Case, plain: bool) -> None:
+        super().__init__()
+        self.net = tiny_mlp()
+        self.case, self.plain = case, plain
+        #: hylo's preconditioner, once ``configure_optimizers`` built the optimizer form.
+        self.preconditioner: hylo.HyLoPreconditioner | None = None
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.case.form == "preconditioner" or self.plain:
+            return torch_optimizer(self.case.optimizer)(self.net.parameters())
+        self.preconditioner, optimizer = hylo_of(self.net, self.case)
+        return optimizer
+
+
+def accumulated_by_lightning(
+    case: Case, accumulation: int, root: Path, *, plain: bool = False, reorder: bool = False
+) -> Run:
+    """A Lightning fit of ``case`` over :func:`~tests.kit.stacks.windows` (``precision="64-true"``), one epoch of
+    ``accumulate_grad_batches=accumulation`` micro-batches of ``WINDOW // accumulation`` per optimizer step."""
+    module = CaseModule(case, plain)
+    callbacks: list[pl.Callback] = []
+    pre = None
+    if case.form == "preconditioner" and not plain:
+        module.net.to(torch.float64)  # the preconditioner is built on the parameters Lightning will train
+        pre = hylo.HyLoPreconditioner(module.net, **dict(case.options))
+        callbacks.append(HyLoCallback(pre))
+    trainer = pl.Trainer(
+        default_root_dir=root, max_epochs=1, accelerator="cpu", devices=1, logger=False, precision="64-true",
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks,
+        accumulate_grad_batches=accumulation, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(windows(reorder=reorder), batch_size=WINDOW // accumulation))
+    assert trainer.global_step == WINDOWS
+    return ended(module.net, pre if pre is not None else module.preconditioner)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_accumulate_grad_batches_gives_the_one_batch_parameters(case: Case, tmp_path: Path) -> None:
+    """``accumulate_grad_batches=4`` over micro-batches of 8 ends with the parameters of batches of 32 (the same
+    samples, in the same order) after 6 optimizer steps, to the stack's own rounding (float64): Lightning divides
+    each micro-batch's mean loss by 4, and hylo counts the window's rows once."""
+    run = functools.partial(accumulated_by_lightning, case, root=tmp_path)
+    difference = assert_one_batch(run)
+    print(f"lightning {case.name}: {difference:.1e}")

@@ -466,3 +466,123 @@ def test_two_ranks_equal_one_process(solver: str, sharded: bool) -> None:
             assert got.keys() == expected.keys()
             for name, value in expected.items():
                 torch.testing.assert_close(got[name], value, rtol=1e-8, atol=1e-11, msg=f"{name} step {step}")
+
+
+# ------------------------------------------------------------------------------ a fault in one expert
+#: Twelve tokens, every expert routed six of them; tokens 12 and 13 go to expert 2 alone (their second slot dropped).
+FAULT_INDEX = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]] * 3 + [[2, 4]] * 2)
+
+
+def fault_model(solver: str, grouped: bool) -> tuple[Routed, hylo.HyLoPreconditioner]:
+    fused = tiny().model.layers[0].mlp.experts
+    weights = torch.rand(14, 2, generator=torch.Generator().manual_seed(1), dtype=DT)
+    model = Routed(fused, FAULT_INDEX, weights)
+    pre = hylo.HyLoPreconditioner(model, **{**options(solver), "update_freq": 1, "grouped": grouped})
+    return model, pre
+
+
+def fault_backward(model: Routed, step: int, scale: float = 1.0) -> None:
+    """A loss linear in the output (its gradient is ``target`` at any scale), tokens 12 and 13 times ``scale``."""
+    gen = torch.Generator().manual_seed(20 + step)
+    x = torch.randn(14, SIZE["width"], generator=gen, dtype=DT)
+    x[12:] *= scale
+    target = torch.randn(14, SIZE["width"], generator=gen, dtype=DT)
+    model.zero_grad()
+    (model(x) * target).sum().backward()
+
+
+def expert_layers(model: Routed) -> dict[str, Tensor]:
+    return {k: v for k, v in expert_grads(model).items() if k.startswith("experts.")}
+
+
+def stepped(pre: hylo.HyLoPreconditioner) -> list[str]:
+    """``pre.step()``; the messages of the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre.step()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-layer"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_a_non_finite_gradient_in_one_expert_skips_the_step_on_every_layer(
+    solver: str, bad: float, grouped: bool
+) -> None:
+    """docs/reliability.md, "Non-finite values": a NaN or Inf in one expert's slice of the fused gradient skips the
+    step on every layer — every gradient left as it was, every state untouched — with a warning naming that
+    expert's layer (and no other); the next step is the one a run without the faulty step takes."""
+    model, pre = fault_model(solver, grouped)
+    fault_backward(model, 0)
+    assert not stepped(pre)
+    states = {info.name: info.state for info in pre.layer_info()}
+    fault_backward(model, 1)
+    model.experts.gate_up_proj.grad[1, 0, 0] = bad
+    raw = {name: p.grad.clone() for name, p in model.named_parameters()}
+    (message,) = stepped(pre)
+    assert "non-finite" in message and "['experts.gate_up_proj.1']" in message, message
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad.nan_to_num(), raw[name].nan_to_num()), name  # left as it was
+    assert {info.name: info.state for info in pre.layer_info()} == states  # untouched
+    fault_backward(model, 2)
+    assert not stepped(pre)
+    got = expert_grads(model)
+    clean, clean_pre = fault_model(solver, grouped)
+    for step in (0, 2):
+        fault_backward(clean, step)
+        assert not stepped(clean_pre)
+    want = expert_grads(clean)
+    for name, value in want.items():
+        assert torch.isfinite(got[name]).all(), name
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-layer"])
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_overflowing_curvature_of_one_expert_keeps_its_state_and_the_other_experts_update(
+    solver: str, grouped: bool
+) -> None:
+    """Two tokens ×10⁸⁰ routed to expert 2 alone (float64): its gradients stay finite (10¹⁶⁰), its down projection's
+    factor or kernel (10³²⁰) does not. That layer keeps its previous state with a warning naming it (and no other
+    expert); every other expert updates, to the very state and preconditioned gradient of the run without the huge
+    tokens (their rows are the same: the loss is linear in the output); every result is finite; the next step
+    updates it again (docs/reliability.md, "Non-finite values")."""
+    model, pre = fault_model(solver, grouped)
+    clean, clean_pre = fault_model(solver, grouped)
+    for m, p in ((model, pre), (clean, clean_pre)):
+        fault_backward(m, 0)
+        assert not stepped(p)
+    before = {info.name: info.state for info in pre.layer_info()}
+    fault_backward(model, 1, scale=1e80)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    messages = stepped(pre)
+    fault_backward(clean, 1)
+    assert not stepped(clean_pre)
+    curvature = [m for m in messages if "non-finite curvature" in m]
+    assert len(curvature) == 1 and "experts.down_proj.2" in curvature[0], messages
+    faulted = {f"experts.{attr}.2" for attr in ("gate_up_proj", "down_proj")}
+    others = [x for x in faulted | {f"experts.{a}.{e}" for a in ("gate_up_proj", "down_proj") for e in (0, 1, 3)}]
+    assert not any(f"experts.{a}.{e}" in curvature[0] for a in ("gate_up_proj", "down_proj") for e in (0, 1, 3))
+    infos = {info.name: info for info in pre.layer_info()}
+    clean_infos = {info.name: info for info in clean_pre.layer_info()}
+    kept, previous = infos["experts.down_proj.2"].state, before["experts.down_proj.2"]
+    assert infos["experts.down_proj.2"].rejected and kept is not None and previous is not None
+    for field, value in previous.tensors.items():  # kfac_adam's moments take the step with the kept basis
+        assert field.startswith("exp_avg") or torch.equal(kept.tensors[field], value), field
+    got, want = expert_layers(model), expert_layers(clean)
+    for name in others:
+        assert torch.isfinite(got[name]).all(), name
+        if name in faulted:
+            continue
+        assert infos[name].state != before[name] and not infos[name].rejected, name
+        mine, theirs = infos[name].state, clean_infos[name].state
+        assert mine is not None and theirs is not None and mine.tensors.keys() == theirs.tensors.keys()
+        for field, value in theirs.tensors.items():
+            torch.testing.assert_close(mine.tensors[field], value, rtol=1e-10, atol=1e-13, msg=f"{name} {field}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-13, msg=name)
+    fault_backward(model, 2)
+    assert not [m for m in stepped(pre) if "non-finite" in m]
+    infos = {info.name: info for info in pre.layer_info()}
+    assert infos["experts.down_proj.2"].state != before["experts.down_proj.2"]
+    assert not any(info.rejected for info in infos.values())
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

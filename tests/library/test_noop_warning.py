@@ -14,15 +14,16 @@ from hylo.pipeline.effect import UNCHANGED, unchanged
 from tests.kit.models import backward, mlp
 
 
-def _run(steps: int, **options: object) -> list[str]:
-    """The hylo warnings of ``steps`` steps of the MLP under ``options``."""
+def _run(steps: int, rows: int = 8, **options: object) -> list[str]:
+    """The hylo warnings of ``steps`` steps of the MLP (batches of ``rows``) under ``options`` (``solver="kfac"``
+    unless given)."""
     model = mlp()
-    pre = hylo.HyLoPreconditioner(model, solver="kfac", **options)  # type: ignore[arg-type]
+    pre = hylo.HyLoPreconditioner(model, **{"solver": "kfac", **options})  # type: ignore[arg-type]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
             model.zero_grad()
-            backward(model, step)
+            backward(model, step, rows)
             pre.step()
     return [str(w.message) for w in caught if "changes no direction" in str(w.message)]
 
@@ -37,6 +38,14 @@ def test_a_damping_that_dominates_the_curvature_is_reported_once_with_the_fix() 
 
 def test_a_damping_that_turns_the_gradient_is_not_reported() -> None:
     assert _run(6, damping=1e-3, update_freq=2) == []
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_whole_step_solver_is_never_reported(grouped: bool) -> None:
+    """A result without a length bound (``kfac_adam``'s: its own step, not (F̃ + λI)⁻¹∇W) counts as turned on both
+    paths: with one row its first step is ∇W's direction (R has one entry), which is Adam's, not a damping that
+    dominates. Before, the grouped path measured its length and warned."""
+    assert _run(4, rows=1, solver="kfac_adam", update_freq=2, grouped=grouped) == []
 
 
 def _sines(results: list[np.ndarray], raws: list[np.ndarray], layer_of: list[int], layers: int) -> np.ndarray:

@@ -381,3 +381,149 @@ def test_a_step_dispatches_exactly_the_hand_loops_operations(update: bool) -> No
             counted[marker] -= 1 if form else 0
         counts.append(counted)
     assert counts[0] == counts[1] and sum(counts[0].values()) > 0
+
+
+# --------------------------------------------------------------------------- GradScaler, maximize, added groups
+def test_a_wired_grad_scaler_gives_the_unscaled_run() -> None:
+    """``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` with the scaler given as
+    ``grad_scaler=``: the unscaled run, bit for bit (a power-of-two scale is exact), under SGD and the split."""
+    for make, options in (
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"solver": "kfac", "update_freq": 1}),
+        (functools.partial(torch.optim.AdamW, lr=1e-2), {"update_freq": 1}),
+    ):
+        plain, scaled = net(), net()
+        train(plain, hylo.HyLoOptimizer(plain, make, **options), range(STEPS))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        opt = hylo.HyLoOptimizer(scaled, make, grad_scaler=scaler, **options)
+        for step in range(STEPS):
+            opt.zero_grad()
+            scaler.scale(loss_at(scaled, step)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == 2.0**13  # it grew: the run saw three scales
+        assert same_parameters(scaled, plain)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=True), id="sgd"),
+        pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True), id="adamw-kfac"),
+    ],
+)
+def test_maximize_is_the_hand_loop_with_maximize(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+    """``maximize=True`` in the wrapped optimizer (a natural-gradient solver): the preconditioner, then the
+    optimizer ascending, as the hand loop does; and the run ascends (the loss grows)."""
+    options = {"solver": "kfac", "update_freq": 2, "damping": 0.3}
+    formed = net()
+    train(formed, hylo.HyLoOptimizer(formed, make, **options), range(STEPS))
+    by_hand = net()
+    opt = make(list(by_hand.parameters()))
+    chosen = default_options(opt, options) | {"lr": lambda _step: opt.param_groups[0]["lr"]}
+    train_by_hand(by_hand, hylo.HyLoPreconditioner(by_hand, **chosen), [opt])
+    assert same_parameters(formed, by_hand)
+    assert evaluate(formed, 0) > evaluate(net(), 0)
+
+
+def test_maximize_in_a_group_under_the_split_is_refused() -> None:
+    """Adam in K-FAC's eigenbasis descends: ``maximize=True`` is refused under the split wherever it is set — the
+    defaults, one group, a group added later, a loaded state."""
+    model = net()
+    groups = [{"params": list(model[0].parameters()), "maximize": True}, {"params": list(model[1:].parameters())}]
+    with pytest.raises(ValueError, match="maximize"):
+        hylo.HyLoOptimizer(model, torch.optim.AdamW(groups, lr=1e-2))
+    opt = hylo.HyLoOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2))
+    with pytest.raises(ValueError, match="maximize"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=model[0].weight.dtype))], "maximize": True})
+    train(model, opt, range(2))
+    saved = opt.state_dict()
+    saved["param_groups"][0]["maximize"] = True
+    with pytest.raises(ValueError, match=r"groups \[0\] hold maximize=True"):
+        opt.load_state_dict(saved)
+
+
+def test_a_group_with_a_parameter_it_holds_is_refused() -> None:
+    """Under the split hylo's parameters are in the SGD's groups, which AdamW does not see: adding one of them again
+    (it would be stepped twice) is a ValueError naming it, and nothing is added."""
+    model = net()
+    opt = hylo.HyLoOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2))
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"already in a group.*'3.weight', 1"):
+        opt.add_param_group({"params": model[3].weight})
+    with pytest.raises(ValueError, match=r"already in a group.*'1.bias', 0"):
+        opt.add_param_group({"params": iter([model[1].bias])})
+    assert [len(g["params"]) for g in opt.param_groups] == sizes
+
+
+class Grown(nn.Module):
+    """:func:`net` and a head added later (unfrozen by a fine-tuning callback): ``extra`` joins after construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = net()
+        torch.manual_seed(5)
+        self.extra = nn.Linear(3, 3, dtype=self.body[0].weight.dtype)
+        self.extra.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(self.body(x))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["sgd", "adamw-split"])
+def test_an_added_group_is_trained_by_the_wrapped_optimizer_and_resumes(split: bool) -> None:
+    """A layer frozen at construction (so not registered by hylo) and added with ``add_param_group`` after 2 steps:
+    the wrapped optimizer trains it with its raw gradient, as the hand loop's optimizer does; a run saved after 4
+    steps and resumed (the group added again before the load) ends where the uninterrupted one does."""
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if split:
+            return torch.optim.AdamW(params, lr=1e-2)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    options = {"update_freq": 2} | ({} if split else {"solver": "kfac"})
+
+    def run(model: Grown, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            if step == 2:
+                model.extra.requires_grad_(True)
+                opt.add_param_group({"params": list(model.extra.parameters()), "lr": 0.05})
+            opt.zero_grad()
+            loss_at(model, step).backward()
+            opt.step()
+
+    formed = Grown()
+    opt = hylo.HyLoOptimizer(formed, make, **options)
+    assert all(info.name.startswith("body") for info in opt.preconditioner.layer_info())
+    run(formed, opt, range(STEPS))
+
+    by_hand = Grown()
+    chosen = default_options(make([nn.Parameter(torch.zeros(1))]), options)
+    pre = hylo.HyLoPreconditioner(by_hand, **chosen | {"lr": lambda _step: base.param_groups[0]["lr"]})
+    mine = pre.parameters() if split else []
+    rest = [p for p in by_hand.body.parameters() if all(p is not q for q in mine)]
+    base = make(rest)
+    parts = [base, torch.optim.SGD(mine, lr=1e-2, momentum=0.0, weight_decay=0.01)] if split else [base]
+    for step in range(STEPS):
+        if step == 2:
+            by_hand.extra.requires_grad_(True)
+            base.add_param_group({"params": list(by_hand.extra.parameters()), "lr": 0.05})
+        for part in parts:
+            part.zero_grad()
+        loss_at(by_hand, step).backward()
+        pre.step()
+        for part in parts:
+            part.step()
+    assert same_parameters(formed, by_hand)
+
+    first = Grown()
+    opt = hylo.HyLoOptimizer(first, make, **options)
+    run(first, opt, range(4))
+    saved = _roundtrip({"model": first.state_dict(), "opt": opt.state_dict()})
+    resumed = Grown()
+    resumed.load_state_dict(saved["model"])
+    opt = hylo.HyLoOptimizer(resumed, make, **options)
+    resumed.extra.requires_grad_(True)
+    opt.add_param_group({"params": list(resumed.extra.parameters()), "lr": 0.05})
+    opt.load_state_dict(saved["opt"])
+    run(resumed, opt, range(4, STEPS))
+    assert same_parameters(formed, resumed)

@@ -187,7 +187,10 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("distribution", ("hylo.distributed",)),
     ("step pipeline", ("hylo.pipeline",)),
     ("telemetry", ("hylo.telemetry",)),
-    ("the public classes", ("hylo.fingerprint", "hylo.preconditioner", "hylo.optimizer", "hylo")),
+    (
+        "the public classes",
+        ("hylo.fingerprint", "hylo.preconditioner", "hylo.optimizer", "hylo.optimizer_state", "hylo"),
+    ),
     ("integrations", ("hylo.integrations",)),
 )
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from hylo.layers.batch import LayerShape
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import FACTORS
-from hylo.numerics import POWER_COST, eigh_many, power_refresh_many
+from hylo.numerics import POWER_COST, aligned_many, eigh_many, power_refresh_many
 from hylo.payload import Payload
 from hylo.solvers.base import (
     Contribution,
@@ -94,7 +94,7 @@ class KFACAdamState(LayerState):
         step, m, v = adapted(
             rotated, self.exp_avg, self.exp_avg_sq, self.steps + 1, self.rule, (self.evals_g, self.evals_a)
         )
-        result = (self.evecs_g @ step @ self.evecs_a.mT).to(parts.dtype)
+        result = self.evecs_g @ step @ self.evecs_a.mT
         return result, dataclasses.replace(self, exp_avg=m, exp_avg_sq=v, steps=self.steps + 1)
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
@@ -202,14 +202,15 @@ class AdamKernel(GroupKernel):
     def apply_all(
         cls, kernels: Sequence[GroupKernel], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
     ) -> list[tuple[Tensor, list[LayerState]]]:
-        """Every group at once: the elementwise moments over all their layers in one ``torch._foreach_*`` each."""
+        """Every group at once: the elementwise moments over all their layers of one rule and working dtype in one
+        ``torch._foreach_*`` each."""
         out: dict[int, tuple[Tensor, list[LayerState]]] = {}
-        by_rule: dict[tuple[AdamRule, bool], list[int]] = {}
+        by_rule: dict[tuple[AdamRule, bool, torch.dtype], list[int]] = {}
         adams = [kernel for kernel in kernels if isinstance(kernel, AdamKernel)]
         assert len(adams) == len(kernels)
-        for i, kernel in enumerate(adams):
-            by_rule.setdefault((kernel.rule, kernel.denominators is None), []).append(i)
-        for (rule, _), members in by_rule.items():
+        for i, kernel in enumerate(adams):  # one list per working dtype: R² is clamped at that dtype's largest value
+            by_rule.setdefault((kernel.rule, kernel.denominators is None, kernel.evecs_a.dtype), []).append(i)
+        for (rule, _, _), members in by_rule.items():
             mine = [adams[i] for i in members]
             adam = [[state for state in states[i] if isinstance(state, KFACAdamState)] for i in members]
             rotated = [
@@ -259,19 +260,20 @@ class KFACAdamInputs:
     factor_g: Tensor
     previous: KFACAdamState | None
     options: KFACAdamConfig
+    #: Whether A is diagonal by construction (:attr:`~hylo.layers.math.LayerMath.diagonal_input_factor`): its basis
+    #: is then the identity, never decomposed nor rotated.
+    diagonal_a: bool = False
 
 
 def carried_moments(
-    previous: KFACAdamState | None,
-    evecs_a: Tensor,
-    evecs_g: Tensor,
-    carry: str,
-    orders: tuple[Tensor, Tensor] | None = None,
+    previous: KFACAdamState | None, evecs_a: Tensor, evecs_g: Tensor, carry: str
 ) -> tuple[Tensor, Tensor, int]:
-    """Moments (m, v) in the new basis and the step count: zeros and 0 without a previous state; else m exactly
-    re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v kept or projected by ``carry``. ``orders`` (order_a,
-    order_g): which old column each new column of a warm-started basis refines (:func:`power_refresh_many`), by
-    which a kept v is re-sorted so that each entry stays with its eigenvector pair."""
+    """Moments (m, v) in the new basis and the step count (docs/solvers.md, "Degenerate eigenspaces"): zeros and 0
+    without a previous state; else m exactly re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v by ``carry``:
+    ``"project"`` (P_g∘P_g)ᵀ v (P_a∘P_a); ``"keep"`` each entry with its eigenvector pair — new column j takes the
+    entry of the old column it lies most along (argmaxᵢ P_ij²) — and never below the projection, so that a column
+    the basis turned into directions of small v carries the v of what it turned from: m̂_j²/v̂_j ≤ Σᵢ m̂ᵢ²/v̂ᵢ
+    (Cauchy–Schwarz) however the basis turns. A basis that only reorders its columns moves v with them exactly."""
     d_g, d_a = evecs_g.shape[0], evecs_a.shape[0]
     if previous is None:
         zeros = evecs_a.new_zeros(d_g, d_a)
@@ -279,12 +281,11 @@ def carried_moments(
     p_a = previous.evecs_a.mT @ evecs_a
     p_g = previous.evecs_g.mT @ evecs_g
     m = p_g.mT @ previous.exp_avg @ p_a
-    if carry != "keep":
-        v = p_g.square().mT @ previous.exp_avg_sq @ p_a.square()
-    elif orders is not None:
-        v = previous.exp_avg_sq.index_select(0, orders[1]).index_select(1, orders[0])
-    else:
-        v = previous.exp_avg_sq
+    weights_a, weights_g = p_a.square(), p_g.square()
+    v = weights_g.mT @ previous.exp_avg_sq @ weights_a
+    if carry == "keep":
+        paired = previous.exp_avg_sq.index_select(0, weights_g.argmax(dim=0)).index_select(1, weights_a.argmax(dim=0))
+        v = torch.maximum(paired, v)
     return m, v, previous.steps
 
 
@@ -294,6 +295,32 @@ def basis_work(d_a: int, d_g: int, refresh: str) -> float:
     if refresh == "power":
         return POWER_COST * (float(d_a) ** 3 + float(d_g) ** 3)
     return eigh_work(d_a, d_g)
+
+
+def _basis(prepared: KFACAdamInputs, side: str) -> Tensor:
+    """The previous state's basis of side ``"a"`` or ``"g"`` (a layer with a previous state)."""
+    assert prepared.previous is not None
+    return prepared.previous.evecs_a if side == "a" else prepared.previous.evecs_g
+
+
+def _factor(prepared: KFACAdamInputs, side: str) -> Tensor:
+    """The running factor of side ``"a"`` or ``"g"``."""
+    return prepared.factor_a if side == "a" else prepared.factor_g
+
+
+def _basis_kind(prepared: KFACAdamInputs, side: str) -> str:
+    """How an update makes a side's basis: ``"identity"`` (``adam_basis="identity"``), ``"diagonal"`` (a diagonal
+    A: the identity, its diagonal the eigenvalues), ``"power"`` (the warm-started refresh) or ``"eigh"``."""
+    if prepared.options.adam_basis == "identity":
+        return "identity"
+    if side == "a" and prepared.diagonal_a:
+        return "diagonal"
+    return "power" if _warm_started(prepared) else "eigh"
+
+
+def _eye(factor: Tensor) -> Tensor:
+    """The identity of ``factor``'s size, dtype and device."""
+    return torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
 
 
 def _warm_started(prepared: KFACAdamInputs) -> bool:
@@ -336,7 +363,11 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         return [
             KFACAdamInputs(
-                factor_a, factor_g, job.previous if isinstance(job.previous, KFACAdamState) else None, options
+                factor_a,
+                factor_g,
+                job.previous if isinstance(job.previous, KFACAdamState) else None,
+                options,
+                job.batch.math.diagonal_input_factor,
             )
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
@@ -354,51 +385,54 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         if prepared.options.adam_basis == "identity":
             return 0.0
         refresh = "power" if _warm_started(prepared) else "eigh"
-        return basis_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0], refresh)
+        return basis_work(0 if prepared.diagonal_a else prepared.factor_a.shape[0], prepared.factor_g.shape[0], refresh)
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
-        """Eigendecompositions of every A and G batched by shape, or with ``basis_refresh="power"`` from a layer's
-        second update on, its bases refined from the previous ones (:func:`~hylo.numerics.power_refresh_many`,
-        batched by shape, with the column orders the moments are re-sorted by); identity bases and unit
-        eigenvalues for ``adam_basis="identity"``."""
-        out: list[dict[str, Tensor]] = []
-        rotated = [p for p in prepared if p.options.adam_basis == "kfac" and not _warm_started(p)]
-        decompositions = iter(eigh_many([m for p in rotated for m in (p.factor_a, p.factor_g)]))
-        warm = [p for p in prepared if _warm_started(p)]
-        bases = [q for p in warm if p.previous is not None for q in (p.previous.evecs_a, p.previous.evecs_g)]
-        refreshed = iter(power_refresh_many([m for p in warm for m in (p.factor_a, p.factor_g)], bases))
-        for p in prepared:
-            if _warm_started(p):
-                (ea, qa, order_a), (eg, qg, order_g) = next(refreshed), next(refreshed)
-                out.append(
-                    {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg, "order_a": order_a, "order_g": order_g}
-                )
-                continue
-            if p.options.adam_basis == "kfac":
-                (ea, qa), (eg, qg) = next(decompositions), next(decompositions)
-            else:
-                fa, fg = p.factor_a, p.factor_g
-                ea, eg = fa.new_ones(fa.shape[0]), fg.new_ones(fg.shape[0])
-                qa = torch.eye(fa.shape[0], dtype=fa.dtype, device=fa.device)
-                qg = torch.eye(fg.shape[0], dtype=fg.dtype, device=fg.device)
-            out.append({"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg})
-        return out
+        """Each factor's eigenbasis, batched by shape: an eigendecomposition, or with ``basis_refresh="power"`` from a
+        layer's second update on its previous basis refined (:func:`~hylo.numerics.power_refresh_many`); the identity
+        and the diagonal for a diagonal A (an embedding's); identity bases and unit eigenvalues for
+        ``adam_basis="identity"``. A basis that follows a previous one is turned to it inside its degenerate
+        eigenspaces (:func:`~hylo.numerics.aligned_many`), so that no rotation among equal eigenvalues mixes the
+        moments (docs/solvers.md, "Degenerate eigenspaces")."""
+        sides = [(p, side) for p in prepared for side in ("a", "g")]
+        kinds = [_basis_kind(p, side) for p, side in sides]
+        cold = [_factor(p, side) for (p, side), kind in zip(sides, kinds, strict=True) if kind == "eigh"]
+        hot = [(p, side) for (p, side), kind in zip(sides, kinds, strict=True) if kind == "power"]
+        decompositions = iter(eigh_many(cold))
+        refreshed = iter(
+            power_refresh_many([_factor(p, side) for p, side in hot], [_basis(p, side) for p, side in hot])
+        )
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for (p, side), kind in zip(sides, kinds, strict=True):
+            factor = _factor(p, side)
+            if kind == "eigh":
+                pairs.append(next(decompositions))
+            elif kind == "power":
+                pairs.append(next(refreshed)[:2])
+            elif kind == "identity":
+                pairs.append((factor.new_ones(factor.shape[0]), _eye(factor)))
+            else:  # a diagonal factor: its diagonal and the identity
+                pairs.append((torch.diagonal(factor).clamp_min(0.0), _eye(factor)))
+        followed = [k for k, (p, _) in enumerate(sides) if kinds[k] in ("eigh", "power") and p.previous is not None]
+        turned = aligned_many(
+            [pairs[k][0] for k in followed], [pairs[k][1] for k in followed], [_basis(*sides[k]) for k in followed]
+        )
+        for k, evecs in zip(followed, turned, strict=True):
+            pairs[k] = (pairs[k][0], evecs)
+        return [
+            {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
+            for (ea, qa), (eg, qg) in zip(pairs[::2], pairs[1::2], strict=True)
+        ]
 
     def solution_template(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
-        """Buffers for another rank's eigendecompositions (and a warm-started refresh's column orders)."""
-        template = eigen_template(prepared.factor_a, prepared.factor_g)
-        if _warm_started(prepared):
-            device = prepared.factor_a.device
-            template["order_a"] = torch.empty(prepared.factor_a.shape[0], dtype=torch.long, device=device)
-            template["order_g"] = torch.empty(prepared.factor_g.shape[0], dtype=torch.long, device=device)
-        return template
+        """Buffers for another rank's eigendecompositions."""
+        return eigen_template(prepared.factor_a, prepared.factor_g)
 
     def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
         """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
         s = solution
         options = prepared.options
-        orders = (s["order_a"], s["order_g"]) if "order_a" in s else None
-        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, orders)
+        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry)
         return KFACAdamState(
             prepared.factor_a,
             prepared.factor_g,
