@@ -234,6 +234,11 @@ def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[
 CLUSTER_EPS = 64
 
 
+#: Eigenspaces of at most this many dimensions are turned together, padded to the largest of them (:func:`aligned_many`);
+#: a larger one (a factor's null space) with those of its own size only.
+PADDED_SIZES = 8
+
+
 def aligned_many(evals: Sequence[Tensor], evecs: Sequence[Tensor], previous: Sequence[Tensor]) -> list[Tensor]:
     """New eigenbases turned, inside each of their degenerate eigenspaces, to the previous bases (docs/solvers.md,
     "Degenerate eigenspaces"), batched by shape.
@@ -244,44 +249,62 @@ def aligned_many(evals: Sequence[Tensor], evecs: Sequence[Tensor], previous: Seq
     (the orthogonal Procrustes solution), K the |C| previous columns lying most in the eigenspace: where the
     eigenspace is the one the previous basis held, the result is that basis (no rotation inside it), and every column
     is still an eigenvector of its eigenvalue. Columns outside such eigenspaces are returned as they are. One host
-    read per group (where the eigenspaces are), then a dozen batched operations per size of eigenspace."""
+    read per group (where the eigenspaces are), then about forty batched operations for all of its eigenspaces of at
+    most :data:`PADDED_SIZES` dimensions, and as many for each larger size."""
 
     def align(values: Tensor, vectors: Tensor, old: Tensor) -> list[Tensor]:
         tolerance = CLUSTER_EPS * torch.finfo(values.dtype).eps * values.amax(dim=-1, keepdim=True)
         joined = (values.diff(dim=-1) <= tolerance).tolist()  # column j and j + 1 in one eigenspace: the host read
-        clusters: dict[int, list[tuple[int, int]]] = defaultdict(list)  # by size: (matrix, first column)
+        clusters: list[tuple[int, int, int]] = []  # (matrix, first column, size)
         for k, row in enumerate(joined):
             start = 0
             for j, same in enumerate([*row, False]):
                 if not same:
                     if j > start:
-                        clusters[j + 1 - start].append((k, start))
+                        clusters.append((k, start, j + 1 - start))
                     start = j + 1
         if not clusters:
             return [vectors]
-        vectors = vectors.clone()
-        for size, members in clusters.items():  # every eigenspace of one size, of every matrix, at once
-            matrices = torch.tensor([k for k, _ in members], device=vectors.device)
-            columns = torch.tensor([first for _, first in members], device=vectors.device)[:, None] + torch.arange(
-                size, device=vectors.device
-            )
-            d = vectors.shape[-1]
-            spans = vectors[matrices].gather(2, columns[:, None, :].expand(-1, d, -1))  # Q_C: (n, d, size)
-            overlap = torch.bmm(old[matrices].mT, spans)  # Q_oldᵀ Q_C
-            rows = overlap.square().sum(dim=2).topk(size, dim=1).indices.sort(dim=1).values  # K
-            # (Q_Cᵀ Q_old[:, K])ᵀ; a non-finite basis (which the update stage rejects) must not stop the others' turn
-            target = overlap.gather(1, rows[:, :, None].expand(-1, -1, size)).nan_to_num(0.0, 0.0, 0.0)
-            try:
-                u, _, vh = torch.linalg.svd(target.mT)
-            except torch.linalg.LinAlgError:  # no convergence: these eigenspaces keep the eigensolver's basis
-                continue
-            turn = torch.bmm(u, vh)
-            vectors[matrices[:, None, None], torch.arange(d, device=vectors.device)[:, None], columns[:, None, :]] = (
-                torch.bmm(spans, turn)
-            )
-        return [vectors]
+        overlap = torch.bmm(old.mT, vectors)  # P = Q_oldᵀ Q of every matrix
+        turned = vectors.clone()
+        buckets: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for cluster in clusters:  # the small ones together, the few large ones each at its own size
+            buckets[cluster[2] if cluster[2] > PADDED_SIZES else 0].append(cluster)
+        for members in buckets.values():
+            _turn(turned, vectors, overlap, members)
+        return [turned]
 
     return [r[0] for r in _grouped(evecs, lambda vectors, values, old: align(values, vectors, old), [evals, previous])]
+
+
+def _turn(out: Tensor, vectors: Tensor, overlap: Tensor, clusters: Sequence[tuple[int, int, int]]) -> None:
+    """Write into ``out`` the columns of each cluster (matrix, first column, size) of ``vectors`` (b, d, d) turned to
+    the previous basis (see :func:`aligned_many`; ``overlap``: Q_oldᵀ Q of each matrix), every cluster at once,
+    padded to the largest size s: a padded column of Q_C is zero and the padding of each Procrustes target 2·I, whose
+    singular values (2) differ from the target's own (≤ 1, a block of an orthogonal matrix), so that the polar factor
+    never mixes the padding into the eigenspace."""
+    d, device = vectors.shape[-1], vectors.device
+    matrices, starts, sizes = torch.tensor(clusters, device=device).unbind(1)
+    offsets = torch.arange(max(size for _, _, size in clusters), device=device)
+    valid = offsets < sizes[:, None]  # (n, s)
+    columns = torch.where(valid, starts[:, None] + offsets, 0)  # a padded column reads column 0, then is zeroed
+    where = (matrices[:, None, None], torch.arange(d, device=device)[:, None], columns[:, None, :])
+    mask = valid[:, None, :].to(vectors.dtype)
+    spans = vectors[where] * mask  # Q_C, (n, d, s)
+    cluster = overlap[where] * mask  # Q_oldᵀ Q_C
+    top = cluster.square().sum(dim=2).topk(offsets.numel(), dim=1).indices  # old columns by their mass in C
+    rows = torch.where(valid, top, d).sort(dim=1).values.clamp_(max=d - 1)  # K ascending, then padding
+    target = cluster.gather(1, rows[:, :, None].expand(-1, -1, offsets.numel()))  # (Q_Cᵀ Q_old[:, K])ᵀ
+    both = valid[:, :, None] & valid[:, None, :]
+    target = torch.where(both, target, torch.diag_embed((~valid).to(target.dtype) * 2)).nan_to_num_(0.0, 0.0, 0.0)
+    try:
+        u, _, vh = torch.linalg.svd(target.mT)
+    except torch.linalg.LinAlgError:  # no convergence: these eigenspaces keep the eigensolver's basis
+        return
+    turned = torch.bmm(spans, torch.bmm(u, vh)).mT[valid]  # each valid column's d entries, (m, d)
+    out[matrices[:, None].expand_as(valid)[valid][:, None], torch.arange(d, device=device), columns[valid][:, None]] = (
+        turned
+    )
 
 
 def _identity_orders(stack: Tensor) -> Tensor:

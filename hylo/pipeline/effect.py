@@ -35,7 +35,7 @@ class EffectWatch:
     """Warns once when an update's preconditioned gradients all point where their raw gradients do."""
 
     def __init__(self, layers: Sequence[RegisteredLayer]) -> None:
-        self.layers = layers
+        self.by_name = {layer.name: layer for layer in layers}
         self.warned = False
 
     def check(self, step: int, outcome: Outcome, damping: float) -> None:
@@ -46,12 +46,12 @@ class EffectWatch:
         checked, norms = outcome.checked, outcome.norms
         if self.warned or checked is None or norms is None:
             return
-        order = range(len(self.layers)) if checked.indices is None else [int(i) for i in checked.indices]
-        states = [outcome.state_of(self.layers[i]) for i in order]
+        states = [outcome.state_of(self.by_name[name]) for name in outcome.grads]  # the layers the step checked
         if any(isinstance(state, LayerState) and state.bound is None for state in states):
             return
-        if checked.indices is not None:
-            indices = torch.as_tensor(order, dtype=torch.long).to(norms.device, non_blocking=True)
+        indices = checked.indices
+        if indices is not None:
+            indices = torch.as_tensor(indices, dtype=torch.long).to(norms.device, non_blocking=True)
             norms = norms.index_select(0, indices)
         if bool(unchanged(checked.terms, norms, checked.flags).all()):
             self.warned = True

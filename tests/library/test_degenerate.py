@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import hylo
+from hylo.numerics import aligned_many
 from hylo.solvers.base import FamilyOptions, UpdateContext
 from hylo.solvers.bundled.adam_rule import AdamRule, KFACAdamConfig
 from hylo.solvers.bundled.kfac_adam import KFACAdamFamily, KFACAdamInputs, KFACAdamState
@@ -103,6 +104,34 @@ def test_a_refresh_of_a_factor_with_repeated_eigenvalues_leaves_the_step_unchang
     if refresh == "eigh":
         _, own = torch.linalg.eigh(state.factor_a)
         assert float((own.mT @ state.evecs_a).abs().sub(torch.eye(len(own), dtype=DT)).abs().max()) > 1e-3
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(patterns=st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=5), min_size=2, max_size=4))
+def test_every_eigenspace_of_every_matrix_is_turned_at_once(patterns: list[list[int]]) -> None:
+    """Factors of one size with other eigenspace patterns (sizes 1–4, padded to the largest in one batched turn), each
+    decomposed by ``eigh``: the turned basis of each is its previous eigenbasis again, to round-off (a column alone
+    in its eigenspace up to its sign, which the turn leaves to the eigensolver) — every column an eigenvector of its
+    eigenvalue, none mixed with another eigenspace or with the padding."""
+    d = min(sum(p) for p in patterns)
+    gen = torch.Generator().manual_seed(sum(len(p) for p in patterns))
+    sizes = [_cut(p, d) for p in patterns]
+    cases = [_degenerate(s, zero=False, gen=gen) for s in sizes]
+    decompositions = [torch.linalg.eigh(factor) for factor, _, _ in cases]
+    turned = aligned_many([e for e, _ in decompositions], [q for _, q in decompositions], [q for _, _, q in cases])
+    for (factor, values, previous), basis, pattern in zip(cases, turned, sizes, strict=True):
+        alone = torch.tensor([size == 1 for size in pattern for _ in range(size)])
+        signs = torch.where(alone, torch.sign(torch.diagonal(previous.mT @ basis)), 1.0)
+        assert float((basis - previous * signs).abs().max()) <= 1e-8
+        assert float((basis @ torch.diag(values) @ basis.mT - factor).abs().max()) <= 1e-10 * float(values.max())
+
+
+def _cut(sizes: list[int], d: int) -> list[int]:
+    """``sizes`` cut to add up to ``d``."""
+    out: list[int] = []
+    for size in sizes:
+        out.append(min(size, d - sum(out)))
+    return [size for size in out if size]
 
 
 def test_an_embedding_keeps_the_identity_basis_and_absent_tokens_keep_their_moments() -> None:
