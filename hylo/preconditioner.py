@@ -37,6 +37,7 @@ from hylo.pipeline.apply import write_back
 from hylo.pipeline.checkpoint import OptionsOnLoad
 from hylo.pipeline.effect import EffectWatch
 from hylo.pipeline.guard import Agreement, Guard
+from hylo.pipeline.loss_scale import LossScale
 from hylo.pipeline.placement import placement_for
 from hylo.pipeline.planner import Planner
 from hylo.pipeline.stage import UpdateStage
@@ -88,10 +89,9 @@ class HyLoPreconditioner:
         config: a :class:`HyLoConfig`; keyword options override its fields.
         communicator: collectives between ranks; default: torch.distributed's default group
             when initialised with more than one rank, else a 1-rank stand-in.
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: captured output
-            gradients are divided by its scale, and steps whose gradients it found non-finite
-            are skipped without a warning. Call ``step()`` after ``scaler.unscale_(optimizer)``
-            and before ``scaler.step(optimizer)``.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any (:attr:`grad_scaler`): captured
+            output gradients are divided by its scale, and steps whose gradients it found non-finite are skipped
+            without a warning. Call ``step()`` after ``scaler.unscale_(optimizer)``, before ``scaler.step(optimizer)``.
         **options: any option of :class:`HyLoConfig`, flat, e.g. ``damping=1e-3``, ``update_freq=20``.
     """
 
@@ -104,9 +104,7 @@ class HyLoPreconditioner:
         grad_scaler: torch.amp.GradScaler | None = None,
         **options: Any,
     ) -> None:
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        self._grad_scaler = grad_scaler
+        self._scale = LossScale(grad_scaler)
         base = _checked_config(config) or HyLoConfig()
         self._config = base.replace(**options) if options else base
         self.comm = communicator or default_communicator(self._config.distributed.bucket_cap_mb)
@@ -177,17 +175,20 @@ class HyLoPreconditioner:
         self._config = new
         self._planner.reset(new)
 
-    def _scaling(self) -> bool:
-        """Whether a GradScaler scales the loss (its scale divides the captured output gradients)."""
-        return self._grad_scaler is not None and self._grad_scaler.is_enabled()
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler whose scale divides the captured output gradients (``grad_scaler=``); set it between steps,
+        e.g. to the one a training stack made after the optimizer (docs/transformers.md, "Mixed precision")."""
+        return self._scale.scaler
 
-    def _loss_scale(self) -> float:
-        return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None and self._scaling() else 1.0
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        self._scale.scaler = scaler
 
     def _plan_inputs(self) -> tuple[bool, float]:
         """What a step's plans depend on besides the config: whether a study samples this update (its
         reference needs raw calls) and 1 over the loss scale. Read once per step, when the plans are made."""
-        return any(self._telemetry.studies_due(self._planner.updates, self._config)), 1.0 / self._loss_scale()
+        return any(self._telemetry.studies_due(self._planner.updates, self._config)), 1.0 / self._scale.value()
 
     def _reduce_call(self, index: int, x: Tensor, grad_out: Tensor) -> CapturedCall:
         """Layer ``index``'s call reduced in its gradient hook as this step's plan says (docs/design.md, "Memory")."""
@@ -260,7 +261,7 @@ class HyLoPreconditioner:
         """Everything a step computes, nothing stored on the preconditioner yet (see :meth:`_commit`)."""
         needs_update = self._planner.needs_update
         if not agreed.finite:
-            if not self._scaling():  # a GradScaler found the infs too: it skips the step and backs off
+            if not self._scale.enabled():  # a GradScaler found the infs too: it skips the step and backs off
                 self._guard.warn_non_finite(step, grads)
             return Outcome("skipped", needs_update=needs_update or is_update)
         present = agreed.present
@@ -279,7 +280,7 @@ class HyLoPreconditioner:
                 elif took:
                     (outcome.worked if rows else without_rows).append(layer)
             self._guard.warn_no_rows(step, without_rows, bool(outcome.worked))
-            scale, convention = self._loss_scale(), config.damping_convention
+            scale, convention = self._scale.value(), config.damping_convention
             outcome.batches = self._guard.routed_scales(
                 [
                     LayerBatch.of(layer.math, layer.capture.calls(), config.lowrank.rows_kept, scale, convention)

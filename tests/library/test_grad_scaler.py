@@ -61,19 +61,24 @@ def train(
     skip: frozenset[int] = frozenset(),
     growth_interval: int = 2,
     micro: int = 1,
+    late: bool = False,
 ) -> tuple[nn.Module, hylo.HyLoPreconditioner, torch.amp.GradScaler | None]:
     """``form`` trained on ``steps`` (an inf injected at the steps in ``skip``), with a wired GradScaler (init 2¹⁰)
-    or, ``scaled=False``, none; any warning raises."""
+    or, ``scaled=False``, none; ``late``: the scaler given after construction (``pre.grad_scaler = scaler``, as for a
+    stack's own scaler); any warning raises."""
     model = mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval) if scaled else None
+    given = None if late else scaler
     if form == "form":
-        opt: torch.optim.Optimizer = hylo.HyLoOptimizer(model, make, grad_scaler=scaler, **options)
+        opt: torch.optim.Optimizer = hylo.HyLoOptimizer(model, make, grad_scaler=given, **options)
         pre = opt.preconditioner
     else:
-        pre = hylo.HyLoPreconditioner(model, grad_scaler=scaler, **options)
+        pre = hylo.HyLoPreconditioner(model, grad_scaler=given, **options)
         opt = make(model.parameters())
         if form == "hooked":
             opt.register_step_pre_hook(lambda *_: pre.step())
+    if late:
+        pre.grad_scaler = scaler
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step in steps:
@@ -162,3 +167,29 @@ def test_a_growing_scale_is_not_taken_for_a_skip() -> None:
     never_seen, _, _ = train("form", SGD, options, kept(skip), scaled=False, micro=2)
     assert_same_parameters(model, never_seen)
     assert pre.progress().updates == STEPS - 1
+
+
+# --------------------------------------------------------------------------- a scaler given after construction
+@pytest.mark.parametrize("form", ["form", "hooked"])
+def test_a_scaler_set_after_construction_is_the_scaler_given_at_construction(form: Form) -> None:
+    """A training stack makes its GradScaler after the optimizer: ``pre.grad_scaler = scaler`` (the optimizer form's
+    ``optimizer.preconditioner``) before the first step gives the run with ``grad_scaler=scaler``, bit for bit —
+    the unscaled run's, with a skipped window a batch never seen."""
+    options = {"solver": "kfac", "update_freq": 1, **PLAIN}
+    skip = frozenset({2})
+    model, pre, scaler = train(form, SGD, options, range(STEPS), skip=skip, late=True)
+    assert pre.grad_scaler is scaler
+    wired, _, _ = train(form, SGD, options, range(STEPS), skip=skip)
+    assert_same_parameters(model, wired)
+    never_seen, _, _ = train(form, SGD, options, kept(skip), scaled=False)
+    assert_same_parameters(model, never_seen)
+
+
+def test_a_grad_scaler_that_is_not_one_is_refused_and_changes_nothing() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    pre = hylo.HyLoPreconditioner(mlp(), grad_scaler=scaler)
+    with pytest.raises(ValueError, match="grad_scaler must be a torch.amp.GradScaler, got float"):
+        pre.grad_scaler = 2.0**16  # type: ignore[assignment]
+    assert pre.grad_scaler is scaler
+    pre.grad_scaler = None
+    assert pre.grad_scaler is None
