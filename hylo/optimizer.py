@@ -11,7 +11,7 @@ options it gives hylo by default depend on the wrapped optimizer (:func:`default
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -228,13 +228,12 @@ class HyLoOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         held = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        # under the split, hylo's parameters are in the SGD's groups, which the wrapped optimizer does not see
         again = [(self._names.get(id(p), "?"), held[id(p)]) for p in param_group["params"] if id(p) in held]
-        if (
-            again
-        ):  # under the split, hylo's parameters are in the SGD's groups, which the wrapped optimizer does not see
+        if again:
             raise ValueError(f"HyLoOptimizer.add_param_group: parameters already in a group (name, group): {again}")
-        if self._split is not None and param_group.get("maximize", False):
-            raise ValueError("HyLoOptimizer.add_param_group: maximize=True is not supported with a whole-step solver")
+        if self._split is not None:
+            _refuse_maximize([param_group], "HyLoOptimizer.add_param_group")
         self._optimizers[0].add_param_group(param_group)
         self._link()
 
@@ -276,11 +275,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
         steps = hylo_part.get("steps") if isinstance(hylo_part, Mapping) else None
         stepped = stepped_parameters(hylo_part, self.preconditioner.layer_info())
         if self._split is not None:  # as at construction: the split's step descends
-            flipped = [g for g, group in enumerate(state_dict["param_groups"]) if group.get("maximize", False) is True]
-            if flipped:
-                raise ValueError(
-                    f"{WHERE}: groups {flipped} hold maximize=True, not supported with a whole-step solver"
-                )
+            _refuse_maximize(state_dict["param_groups"], WHERE)
         first_group = first_index = 0
         for optimizer, part, params in zip(self._optimizers, parts, self._params_after(returned), strict=True):
             check_part(
@@ -360,15 +355,21 @@ def _checked(
                 f"HyLoOptimizer: hylo preconditions {missing}, which the optimizer does not hold: give it every "
                 "trainable parameter of the model (or leave those layers out with skip_layers)"
             )
-        if adapted and any(group.get("maximize", False) for group in base.param_groups):
-            raise ValueError(
-                "HyLoOptimizer: maximize=True (in a group or the defaults) is not supported with a whole-step "
-                "solver (its step descends)"
-            )
+        if adapted:
+            _refuse_maximize(base.param_groups, "HyLoOptimizer")
         return (AdaptedSplit(base, pre.parameters()) if adapted else None), names
     except BaseException:
         pre.remove()
         raise
+
+
+def _refuse_maximize(groups: Sequence[Mapping[str, Any]], where: str) -> None:
+    """``ValueError`` naming the groups that hold ``maximize=True``: a whole-step solver's step descends."""
+    flipped = [g for g, group in enumerate(groups) if group.get("maximize", False) is True]
+    if flipped:
+        raise ValueError(
+            f"{where}: groups {flipped} hold maximize=True, not supported with a whole-step solver (its step descends)"
+        )
 
 
 def _built(model: nn.Module, optimizer: OptimizerOrFactory) -> torch.optim.Optimizer:

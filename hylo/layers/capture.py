@@ -245,16 +245,15 @@ def watch_gradient(output: Tensor, records: list[tuple[Record, Callable[[Tensor]
 
 def backward_pass() -> int | None:
     """The id of the backward pass autograd is running (a new one per ``backward()``), -1 outside one; None when this
-    torch does not tell (read from the same private torch function as :func:`_in_backward`)."""
+    torch does not tell.
+
+    Read from a private torch function; if a torch release drops it, :func:`_in_backward` takes every call for a
+    plain forward (the only effect: a checkpointed recomputation may warn once) and the planner checks the loss
+    scale at every hook instead of once per backward pass."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return None if task_id is None else int(task_id())
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward pass (e.g. recomputing a checkpointed forward).
-
-    Read from a private torch function; if a torch release drops it, every call counts as a
-    plain forward (the only effect: a checkpointed recomputation may warn once).
-    """
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    """Whether autograd is running a backward pass (e.g. recomputing a checkpointed forward): :func:`backward_pass`."""
+    return backward_pass() not in (None, -1)

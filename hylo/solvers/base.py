@@ -102,7 +102,7 @@ class LayerState(ABC):
 
     def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
         """This rank's rows (or columns) of V̂ from its ``grad`` and the combined :meth:`shard_partial` of every
-        rank."""
+        rank, in the working dtype as :meth:`precondition`'s."""
         shard = grad.shard
         assert shard is not None
         return own_part(self.precondition(received if shard.axis == 0 else received.mT), shard)

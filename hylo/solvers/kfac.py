@@ -175,8 +175,8 @@ class KFACState(LayerState):
         rotated = self.evecs_g.mT @ received
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
         if shard.axis == 0:
-            return (self.evecs_g[shard.start : shard.stop] @ rotated @ self.evecs_a.mT).to(grad.dtype)
-        return (self.evecs_g @ rotated @ self.evecs_a[shard.start : shard.stop].mT).to(grad.dtype)
+            return self.evecs_g[shard.start : shard.stop] @ rotated @ self.evecs_a.mT
+        return self.evecs_g @ rotated @ self.evecs_a[shard.start : shard.stop].mT
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and eigendecompositions by name."""
@@ -257,8 +257,8 @@ class KFACInverseState(LayerState):
         shard = grad.shard
         assert shard is not None
         if shard.axis == 0:
-            return received[shard.start : shard.stop].to(grad.dtype)
-        return received[:, shard.start : shard.stop].to(grad.dtype)
+            return received[shard.start : shard.stop]
+        return received[:, shard.start : shard.stop]
 
     def plan_parts(self) -> tuple[object, ...]:
         """The damped inverses and λ (a refresh, which replaces only the factors, keeps the group kernel)."""

@@ -80,7 +80,7 @@ class LowRankState(LayerState):
         rows = self._rows_of(grad)
         inv_damping = 1.0 / self.damping
         c = self._coefficients(received)
-        return rows.combine(grad.to(rows.dtype), c, beta=inv_damping, alpha=-inv_damping).to(grad.dtype)
+        return rows.combine(grad.to(rows.dtype), c, beta=inv_damping, alpha=-inv_damping)
 
     def _rows_of(self, grad: GradMatrix) -> SampleRows:
         shard = grad.shard

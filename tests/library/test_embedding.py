@@ -280,6 +280,31 @@ def test_kfac_matches_dense_with_diagonal_token_counts(kind: str) -> None:
     assert_rel_close(hylo_matrix(net), expected)
 
 
+@pytest.mark.parametrize("kind", ["flat", "token"])
+def test_kfac_adam_in_its_kfac_reduction_matches_dense_with_its_identity_token_basis(kind: str) -> None:
+    """``kfac_adam`` keeps an embedding's token side in the identity basis, e_a = diag(A), never decomposed
+    (docs/solvers.md, "Degenerate eigenspaces"); in its K-FAC reduction (v̂ = e_g e_aᵀ, exponent 1, β₁ 0, ε = λ) its
+    step is the dense (A ⊗ G + λI)⁻¹ vec ∇W with A and G from the one-hot rows and the true output gradients."""
+    net = EmbNet(kind)
+    idx = tokens((B, T))
+    loss_fn = loss_fn_for(kind, idx)
+    options = {"adam_betas": (0.0, 0.999), "adam_exponent": 1.0, "second_moment": "factors", "adam_eps": DAMPING}
+    pre = HyLoPreconditioner(net, solver="kfac_adam", update_freq=1, damping=DAMPING, **options)
+    out = net.emb(idx)
+    out.retain_grad()
+    loss_fn(net.head(out)).backward()
+    grad = hylo_matrix(net)
+    pre.step()
+    n = idx.numel()
+    a, g = one_hot_rows(net, idx), n * out.grad.reshape(n, D)
+    state = pre.layer_info()[0].state
+    assert state is not None
+    assert torch.equal(state.tensors["evecs_a"], torch.eye(V, dtype=DT))
+    expected = dense_kfac(a.mT @ a / n, g.mT @ g / n, grad, DAMPING)
+    assert rel_err(expected, grad / DAMPING) > 1e-2
+    assert_rel_close(hylo_matrix(net), expected)
+
+
 # ---------------------------------------------------------------------------------------- (3) padding_idx
 @pytest.mark.parametrize("kind", ["flat", "token"])
 @pytest.mark.parametrize("solver", SOLVERS)
