@@ -19,10 +19,11 @@ tables report what it did, whether or not it preconditions the fused experts.
   it leaves alone, by reason, as shares of the matrix elements.
 - **cost**: a small Mixtral (``--width``, ``--layers``, ``--experts``, ``--expert-width``; top-2), fused and as its
   linear twin, each under plain ``torch.optim.AdamW`` and under hylo, from the same weights on the same random
-  batches of ``--batch-size`` × ``--seq-len`` byte ids: the median ms of a step (zero_grad, forward, backward,
-  step) over ``--cost-steps`` steps after ``--warmup`` and their mean (hylo's updates amortised: a multiple of
-  ``update_freq``, 3 at hylo's AdamW defaults, gives whole cycles), each against AdamW's on the same form of the
-  model; the median of the steps between hylo's updates and of its update steps (``pre.steps % update_freq ==
+  batches of ``--batch-size`` × ``--seq-len`` byte ids, the four runs interleaved (after ``--warmup`` steps of each,
+  ``--cost-rounds`` rounds in which each takes its next ``--cost-steps`` / ``--cost-rounds`` steps in turn, so that a
+  drift in the machine's speed reaches all alike): the median ms of a step (zero_grad, forward, backward, step) over
+  the ``--cost-steps`` timed steps and their mean (hylo's updates amortised: a multiple of ``update_freq``, 3 at
+  hylo's AdamW defaults, gives whole cycles), each against AdamW's on the same form of the model; the median of the steps between hylo's updates and of its update steps (``pre.steps % update_freq ==
   0``, where it captures and solves); and the MB the optimizers' state and hylo (``memory_breakdown()``: states and
   bookkeeping) hold after the last step.
 - **race**: the same Mixtral, byte-level, trained ``--steps`` steps on the Python standard library's source
@@ -33,7 +34,8 @@ tables report what it did, whether or not it preconditions the fused experts.
   its own: ``torch.optim.Muon`` refuses 3-D parameters), AdamW at ``--lr-adamw`` on the rest (embedding, head,
   norms); SOAP (``pytorch_optimizer.SOAP``, its preconditioner every 10 steps) on every parameter, the 3-D stacks
   as they are (it takes them: one eigenbasis per dimension, the expert dimension included, so its basis mixes the
-  experts' coordinates); hylo. Reported: the held-out loss (nats per byte, the mean over ``--eval-windows`` fixed
+  experts' coordinates); hylo (``hylo.HyLoOptimizer(model, AdamW)``, with ``--set``'s options here and in the cost
+  part). Reported: the held-out loss (nats per byte, the mean over ``--eval-windows`` fixed
   validation windows) at step 0, every ``--eval-every`` steps and at the end, and each method's training seconds
   (evaluations excluded).
 
@@ -51,7 +53,7 @@ import re
 import statistics
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,7 @@ from torch import Tensor, nn
 
 import hylo
 from hylo_scripts import peers, timing
+from hylo_scripts.argtypes import hylo_option
 from hylo_scripts.bench_models import excluding, left_alone, matrices
 from hylo_scripts.moe import TOP_K, fused_experts, linear_twin, mixtral, qwen2_moe
 from hylo_scripts.optimizers import combine
@@ -250,27 +253,36 @@ def state_mb(optimizers: Sequence[torch.optim.Optimizer]) -> float:
     return sum(v.numel() * v.element_size() for v in held if isinstance(v, Tensor)) / 2**20
 
 
-def timed_run(
-    form: str,
-    name: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Sequence[Sequence[Tensor]],
-    warmup: int,
-) -> CostRow:
-    """Step ``optimizer`` once per batch, timing the steps after the first ``warmup``."""
+def timed_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Sequence[Tensor]]
+) -> Callable[[int], tuple[list[float], list[bool]]]:
+    """A function stepping ``optimizer`` on the next ``k`` batches (cycling) and returning each step's seconds and
+    whether it was one of hylo's update steps."""
     pre = optimizer.preconditioner if isinstance(optimizer, hylo.HyLoOptimizer) else None
-    times: list[float] = []
-    updates: list[bool] = []
-    for i, (x, y) in enumerate(batches):
-        update = pre is not None and is_update(pre)
-        start = timing.now(CPU)
-        optimizer.zero_grad()
-        lm_loss(model, x, y).backward()
-        optimizer.step()
-        if i >= warmup:
+    position = 0
+
+    def steps(k: int) -> tuple[list[float], list[bool]]:
+        nonlocal position
+        times: list[float] = []
+        updates: list[bool] = []
+        for _ in range(k):
+            x, y = batches[position % len(batches)]
+            position += 1
+            updates.append(pre is not None and is_update(pre))
+            start = timing.now(CPU)
+            optimizer.zero_grad()
+            lm_loss(model, x, y).backward()
+            optimizer.step()
             times.append(timing.now(CPU) - start)
-            updates.append(update)
+        return times, updates
+
+    return steps
+
+
+def cost_row(
+    form: str, name: str, optimizer: torch.optim.Optimizer, times: list[float], updates: list[bool]
+) -> CostRow:
+    """The row of one run's timed steps, with its optimizers' and hylo's memory."""
     if isinstance(optimizer, hylo.HyLoOptimizer):
         held = optimizer.preconditioner.memory_breakdown()
         return CostRow(
@@ -284,23 +296,50 @@ def timed_run(
     return CostRow(form, name, tuple(times), tuple(updates), state_mb([optimizer]), None)
 
 
-def cost_rows(size: Size, steps: int, warmup: int, lrs: dict[str, float], notes: Notes) -> list[CostRow]:
-    """AdamW and hylo on the fused Mixtral and on its linear twin, from the same weights on the same batches."""
+def cost_rows(
+    size: Size,
+    steps: int,
+    warmup: int,
+    lrs: dict[str, float],
+    notes: Notes,
+    *,
+    rounds: int = 1,
+    options: Mapping[str, Any] | None = None,
+) -> list[CostRow]:
+    """AdamW and hylo (``hylo.HyLoOptimizer(model, AdamW, **options)``) on the fused Mixtral and on its linear twin,
+    from the same weights on the same batches, interleaved: after ``warmup`` steps of each, ``rounds`` rounds in
+    which every run takes its next ``steps // rounds`` steps in turn, so that a drift in the machine's speed reaches
+    every run alike."""
     base = size.model()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (warmup + steps, size.batch, size.seq + 1), generator=generator)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     forms: dict[str, Callable[[nn.Module], nn.Module]] = {"fused": copy.deepcopy, "linear twin": linear_twin}
-    rows = []
+    runs: dict[tuple[str, str], tuple[torch.optim.Optimizer, Callable[[int], tuple[list[float], list[bool]]]]] = {}
     for form, build in forms.items():
         for name in ("AdamW", "hylo"):
             model = build(base)
             adamw = functools.partial(torch.optim.AdamW, lr=lrs[name], weight_decay=WEIGHT_DECAY)
             with notes.noted(f"cost, {form}, {name}"):
-                optimizer = adamw(model.parameters()) if name == "AdamW" else hylo.HyLoOptimizer(model, adamw)
-                rows.append(timed_run(form, name, model, optimizer, batches, warmup))
-            if isinstance(optimizer, hylo.HyLoOptimizer):
-                optimizer.preconditioner.remove()
+                optimizer = (
+                    adamw(model.parameters())
+                    if name == "AdamW"
+                    else hylo.HyLoOptimizer(model, adamw, **dict(options or {}))
+                )
+                runs[form, name] = optimizer, timed_steps(model, optimizer, batches)
+    timed: dict[tuple[str, str], tuple[list[float], list[bool]]] = {key: ([], []) for key in runs}
+    for _, step in runs.values():
+        step(warmup)
+    for _ in range(rounds):
+        for key, (_, step) in runs.items():
+            times, updates = step(steps // rounds)
+            timed[key][0].extend(times)
+            timed[key][1].extend(updates)
+    rows = []
+    for (form, name), (optimizer, _) in runs.items():
+        rows.append(cost_row(form, name, optimizer, *timed[form, name]))
+        if isinstance(optimizer, hylo.HyLoOptimizer):
+            optimizer.preconditioner.remove()
     return rows
 
 
@@ -356,8 +395,11 @@ class ExpertMuon(Float32Muon):
                 stack.grad.zero_()
 
 
-def race_optimizer(method: str, model: nn.Module, lrs: dict[str, float]) -> torch.optim.Optimizer:
-    """``method``'s optimizer over ``model`` (the module docstring says which parameters each one trains)."""
+def race_optimizer(
+    method: str, model: nn.Module, lrs: dict[str, float], options: Mapping[str, Any] | None = None
+) -> torch.optim.Optimizer:
+    """``method``'s optimizer over ``model`` (the module docstring says which parameters each one trains; hylo's
+    with ``options``)."""
     adamw = functools.partial(torch.optim.AdamW, weight_decay=WEIGHT_DECAY)
     if method == "AdamW":
         return adamw(model.parameters(), lr=lrs["AdamW"])
@@ -374,7 +416,7 @@ def race_optimizer(method: str, model: nn.Module, lrs: dict[str, float]) -> torc
             model.parameters(), lr=lrs["SOAP"], weight_decay=WEIGHT_DECAY, precondition_frequency=10
         )
         return soap
-    return hylo.HyLoOptimizer(model, functools.partial(adamw, lr=lrs["hylo"]))
+    return hylo.HyLoOptimizer(model, functools.partial(adamw, lr=lrs["hylo"]), **dict(options or {}))
 
 
 def experts_trained_by(method: str, optimizer: torch.optim.Optimizer, model: nn.Module) -> str:
@@ -411,6 +453,7 @@ def race_run(
     every: int,
     lrs: dict[str, float],
     notes: Notes,
+    options: Mapping[str, Any] | None = None,
 ) -> RaceRun:
     """Train a copy of ``base`` under ``method`` on the windows of ``order`` (one row per step), evaluating on
     ``held`` at step 0, every ``every`` steps and at the end."""
@@ -423,7 +466,7 @@ def race_run(
     curve = [(0, 0.0, held_out())]
     seconds = 0.0
     with notes.noted(f"race, {method}"):
-        optimizer = race_optimizer(method, model, lrs)
+        optimizer = race_optimizer(method, model, lrs, options)
         for step, indices in enumerate(order.tolist(), start=1):
             x, y = batch_of(train, indices)
             start = timing.now(CPU)
@@ -440,9 +483,17 @@ def race_run(
 
 
 def race(
-    size: Size, methods: Sequence[str], steps: int, every: int, windows: int, lrs: dict[str, float], notes: Notes
+    size: Size,
+    methods: Sequence[str],
+    steps: int,
+    every: int,
+    windows: int,
+    lrs: dict[str, float],
+    notes: Notes,
+    options: Mapping[str, Any] | None = None,
 ) -> list[RaceRun]:
-    """Every method that can run here, from the same weights on the same batches of the stdlib corpus."""
+    """Every method that can run here, from the same weights on the same batches of the stdlib corpus (hylo with
+    ``options``)."""
     root = stdlib_root()
     corpus = read_corpus(root, stdlib_files(root), MAX_BYTES)
     train = TokenWindows(corpus.train, size.seq)
@@ -456,7 +507,7 @@ def race(
         if reason is not None:
             notes.add(f"race, {method}: skipped, {reason}")
             continue
-        runs.append(race_run(method, base, train, order, held, every, lrs, notes))
+        runs.append(race_run(method, base, train, order, held, every, lrs, notes, options))
     return runs
 
 
@@ -488,7 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-width", type=int, default=256, help="its experts' MLP width")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the model's context)")
-    parser.add_argument("--cost-steps", type=int, default=30, help="timed steps of each cost run")
+    parser.add_argument("--cost-steps", type=int, default=36, help="timed steps of each cost run")
+    parser.add_argument(
+        "--cost-rounds", type=int, default=4, help="rounds the cost runs take their timed steps in, in turn"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--steps", type=int, default=300, help="training steps of each race run")
     parser.add_argument("--eval-every", type=int, default=50, help="race steps between evaluations")
@@ -496,11 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="the race's methods")
     for method, lr in zip(METHODS, (3e-3, 0.02, 3e-3, 3e-3), strict=True):
         parser.add_argument(f"--lr-{method.lower()}", type=float, default=lr, help=f"{method}'s lr (default {lr:g})")
+    parser.add_argument(
+        "--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo's options (cost and race)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write the CSV files here")
     args = parser.parse_args(argv)
-    if min(args.cost_steps, args.steps, args.eval_every, args.eval_windows, args.batch_size, args.seq_len) < 1:
-        parser.error("--cost-steps, --steps, --eval-every, --eval-windows, --batch-size and --seq-len must be >= 1")
+    if min(args.cost_rounds, args.steps, args.eval_every, args.eval_windows, args.batch_size, args.seq_len) < 1:
+        parser.error("--cost-rounds, --steps, --eval-every, --eval-windows, --batch-size and --seq-len must be >= 1")
+    if args.cost_steps < args.cost_rounds or args.cost_steps % args.cost_rounds:
+        parser.error("--cost-steps must be a positive multiple of --cost-rounds")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     torch.set_num_threads(args.threads)
@@ -523,8 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             write_rows(args.out / "coverage.csv", [row.csv() for row in rows])
     if "cost" in args.parts:
-        costs = cost_rows(size, args.cost_steps, args.warmup, lrs, notes)
-        print(f"\ncost: {size.line()}; {args.cost_steps} timed steps after {args.warmup}\n")
+        costs = cost_rows(
+            size, args.cost_steps, args.warmup, lrs, notes, rounds=args.cost_rounds, options=dict(args.set)
+        )
+        print(
+            f"\ncost: {size.line()}; {args.cost_steps} timed steps after {args.warmup}, in {args.cost_rounds} "
+            f"interleaved rounds; hylo's options {dict(args.set)}\n"
+        )
         print(cost_table(costs))
         if args.out is not None:
             write_rows(
@@ -545,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             )
     if "race" in args.parts:
-        runs = race(size, args.methods, args.steps, args.eval_every, args.eval_windows, lrs, notes)
+        runs = race(size, args.methods, args.steps, args.eval_every, args.eval_windows, lrs, notes, dict(args.set))
         print(
             f"\nrace: {size.line()}; {args.steps} steps on the stdlib's source, held-out loss (nats per byte) over "
             f"{args.eval_windows} windows\n"

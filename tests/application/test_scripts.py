@@ -328,22 +328,53 @@ def test_bench_overhead_times_kaisa_in_the_same_loop_and_the_forward_under_autoc
     assert re.search(r"^sgd\+kaisa +not installed", out, re.M)
 
 
-def test_bench_stagger_times_the_three_runs_alternating(capsys: pytest.CaptureFixture[str]) -> None:
-    """``scripts/bench_stagger.py``: the plain optimizer, hylo and hylo staggered, ``--rounds`` × ``--steps`` timed
-    iterations each; the table's slowest is at least the mean and the median of its run."""
+def test_bench_stagger_times_the_runs_alternating(capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/bench_stagger.py``: the plain optimizer, hylo, hylo staggered and each ``--variant``, ``--rounds`` ×
+    ``--steps`` timed iterations each; the table's slowest is at least every mean of its run, the update steps' mean
+    at least the steps' between them on a solver that does its work at updates; a variant's options reach its run."""
     from hylo_scripts import bench_stagger
 
     times = bench_stagger.timed_iterations("mlp", "kfac", 2, {}, batch=8, steps=3, warmup=1, rounds=2)
     assert list(times) == ["plain", "hylo", "staggered"] and all(len(t) == 6 for t in times.values())
     bench_stagger.main(
         ["--model", "mlp", "--batch-size", "8", "--solver", "kfac", "--update-freq", "2"]
-        + ["--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--set", "damping=0.1"]
+        + ["--steps", "4", "--warmup", "2", "--rounds", "2", "--threads", "1", "--set", "damping=0.1"]
+        + ["--variant", "eager", "kfac_method='inverse'", "--variant", "rare", "update_freq=4"]
     )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("device: cpu") and "{'damping': 0.1}" in lines[0]
-    assert [line.split()[0] for line in lines[2:]] == ["plain", "hylo", "staggered"]
+    assert "'eager': {'kfac_method': 'inverse'}" in lines[0]
+    assert [line.split()[0] for line in lines[2:]] == ["plain", "hylo", "staggered", "eager", "rare"]
     for line in lines[2:]:
-        mean, median, slowest = (float(cell) for cell in line.split()[1::2])
-        assert slowest >= max(mean, median) - 0.05
-    with pytest.raises(ValueError, match="stagger_updates needs a fixed solver"):
+        cells = line.split()
+        mean, update, between, slowest = (float(cells[k]) for k in (1, 5, 7, 9))
+        assert slowest >= max(mean, update, between) - 0.05
+    assert re.fullmatch(r"\d\.\d\d \[\d\.\d\d–\d\.\d\d\]", " ".join(lines[2].split()[3:5]))
+    with pytest.raises(ValueError, match="'hylo': the name of a run already timed"):
+        bench_stagger.timed_iterations(
+            "mlp", "kfac", 2, {}, batch=8, steps=1, warmup=0, rounds=1, variants={"hylo": {}}
+        )
+    with pytest.raises(ValueError, match="--variant 'x' given twice"):
+        bench_stagger.main(["--variant", "x", "damping=1", "--variant", "x"])
         bench_stagger.timed_iterations("mlp", "hybrid", 2, {}, batch=8, steps=1, warmup=0, rounds=1)
+
+
+def test_bench_moe_cost_interleaves_its_runs_with_hylos_options() -> None:
+    """``scripts/bench_moe.py``'s cost part: every run takes ``steps`` timed steps in ``rounds`` turns after its
+    warm-up, and ``--set``'s options reach hylo (here ``update_freq=2``: every other timed step an update)."""
+    pytest.importorskip("transformers")
+    from hylo_scripts import bench_moe
+
+    size = bench_moe.Size(16, 1, 2, 16, 2, 8)
+    rows = bench_moe.cost_rows(
+        size, 8, 2, {"AdamW": 1e-3, "hylo": 1e-3}, bench_moe.Notes(), rounds=2, options={"update_freq": 2}
+    )
+    assert [(row.form, row.optimizer) for row in rows] == [
+        ("fused", "AdamW"),
+        ("fused", "hylo"),
+        ("linear twin", "AdamW"),
+        ("linear twin", "hylo"),
+    ]
+    assert all(len(row.times) == 8 for row in rows)
+    assert [row.updates for row in rows if row.optimizer == "hylo"] == [(True, False) * 4] * 2
+    assert not any(u for row in rows if row.optimizer == "AdamW" for u in row.updates)
