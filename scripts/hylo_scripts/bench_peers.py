@@ -11,18 +11,29 @@ seeds, read at the end of training.
   accuracy (higher is better).
 - ``lm``: the transformer of ``bench_accuracy.py --task lm`` (2 blocks of width 128, 4 heads,
   context 64, batch 32, 400 steps, evaluated every 25); the baseline is AdamW (weight decay
-  0.01), the metric the validation loss (nats per byte, lower is better).
+  0.01), the metric the validation loss (nats per byte, lower is better). ``--batch-size 256``
+  runs it at 8× the tokens per step (the users' regime), its training bytes scaled with the
+  batch (``--max-bytes``, default 1,000,000 × batch / 32: the same passes over the data).
 
 The baseline runs first: for each seed, its final metric at its best lr is the target, and each
-method's steps and training seconds to its first evaluation at or beyond the target are given
-with their ratios to the baseline's own. ms/step is the median over evaluation intervals of the
-interval's training time over its steps (amortised over the curvature-update steps). Parameters
-a peer does not train itself go to the baseline optimizer at the baseline's best lr
-(:mod:`hylo_scripts.peers`). A method whose package is missing is skipped with a printed note
-and a CSV row saying why. docs/benchmarks.md, "Peers", has the methods, the grids and a table.
+method's steps to its first evaluation at or beyond the target are given with their ratio to the
+baseline's own. Time is measured interleaved (:mod:`hylo_scripts.bench_interleave`): after the
+runs, every method at its best lr is rebuilt in this one process (the first seed's model, batches,
+optimizer and preconditioner) and stepped in turns, in blocks of whole update cycles (the least
+common multiple of the methods' cycles, at most ``--cost-block`` steps), ``--cost-rounds`` rounds
+after ``--cost-warmup`` blocks each; a method's ms/step is the mean over its blocks and its cost
+ratio the per-round ratio to the baseline's block. Its time to the target is its steps to the
+target × its ms/step, and the time ratio is that over the baseline's, so that a drift in the
+machine's speed reaches every method alike. The runs' own (sequential) training seconds stay as a
+cross-check column. When Muon ran, each method's steps and (interleaved) time to Muon's final
+metric at its best lr, per seed, are given too, against Muon's own. Parameters a peer does not
+train itself go to the baseline optimizer at the baseline's best lr (:mod:`hylo_scripts.peers`).
+A method whose package is missing is skipped with a printed note and a CSV row saying why.
+docs/benchmarks.md, "Peers", has the methods, the grids and a table.
 
     python scripts/bench_peers.py                                  # both tasks, every method, 3 seeds
     python scripts/bench_peers.py --task lm --seeds 0 --steps 100 --methods muon soap
+    python scripts/bench_peers.py --task lm --batch-size 256                 # 8× the tokens per step
     python scripts/bench_peers.py --quick --out runs/peers.csv     # a smoke test in seconds
 """
 
@@ -40,10 +51,11 @@ from typing import Any
 
 import torch
 
-from hylo_scripts import bench_accuracy, peers
+from hylo_scripts import bench_accuracy, bench_interleave, peers
 from hylo_scripts.argtypes import default_device, hylo_option, positive_int
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.bench_accuracy import LMCurve, median_range
+from hylo_scripts.bench_interleave import Cost, Stepper, time_to
 from hylo_scripts.data import DataOptions, DataSplits, load_dataset
 from hylo_scripts.hylo_options import ADAPTIVE, solver_choices
 from hylo_scripts.loop import RunResult, train
@@ -55,11 +67,17 @@ TASKS = ("classification", "lm", "both")
 #: hylo's solvers run by default.
 DEFAULT_SOLVERS = ("kfac", "hybrid")
 #: ``--quick`` sizes per task (a smoke test: seconds), under any flag given explicitly; every grid is cut to its
-#: middle lr.
+#: middle lr, and the interleaved timing takes :data:`QUICK_COST_ROUNDS` rounds.
 QUICK: dict[str, dict[str, Any]] = {
     "classification": {"batch_sizes": [100], "iterations": [8], "eval_every": 4},
     "lm": dict(bench_accuracy.QUICK),
 }
+#: ``--cost-rounds`` by default, and with ``--quick``.
+COST_ROUNDS, QUICK_COST_ROUNDS = 5, 2
+#: The LM bench's windows per step and training bytes at that batch (``--batch-size`` scales the bytes with it).
+LM_BATCH, LM_BYTES = 32, 1_000_000
+#: The methods whose final metric is the second target, the first of them that ran ("time to Muon's loss").
+SECOND_TARGETS = ("muon", "muon-f32")
 #: The columns of ``--out``: one row per run (a skipped method: one row with its reason).
 COLUMNS = (
     "task",
@@ -84,6 +102,22 @@ COLUMNS = (
     "goal",
     "steps_to_goal",
     "seconds_to_goal",
+    "batch_size",
+    "interleaved_ms_per_step",
+    "cost_ratio",
+    "cost_ratio_median",
+    "cost_ratio_min",
+    "cost_ratio_max",
+    "block_steps",
+    "cost_rounds",
+    "interleaved_seconds_to_target",
+    "interleaved_time_ratio",
+    "second_method",
+    "second_target",
+    "steps_to_second",
+    "second_step_ratio",
+    "interleaved_seconds_to_second",
+    "second_time_ratio",
 )
 
 
@@ -168,6 +202,56 @@ def reach(run: Run, goals: dict[int, tuple[float, int, float]]) -> dict[str, Any
     }
 
 
+def cost_columns(cost: Cost | None) -> dict[str, Any]:
+    """A method's interleaved cost as CSV columns: ms/step, the mean ratio to the baseline's, the per-round ratios'
+    median and range, the block and the rounds (all None: not measured)."""
+    names = ("interleaved_ms_per_step", "cost_ratio", "cost_ratio_median", "cost_ratio_min", "cost_ratio_max")
+    if cost is None:
+        return dict.fromkeys((*names, "block_steps", "cost_rounds"))
+    ratios = cost.round_ratios
+    values = (round(cost.ms_per_step, 3), cost.ratio, statistics.median(ratios), min(ratios), max(ratios))
+    return dict(zip(names, values, strict=True)) | {"block_steps": cost.block, "cost_rounds": cost.rounds}
+
+
+def interleaved_reach(reached: Mapping[str, Any], cost: Cost | None, baseline: Cost | None) -> dict[str, Any]:
+    """Time to the target from :func:`reach`'s steps: the run's steps × its interleaved cost, and its ratio to the
+    baseline's steps × the baseline's cost (None: never reached, or a cost not measured)."""
+    mine = time_to(reached["steps_to_target"], cost)
+    theirs = time_to(reached["baseline_steps"], baseline)
+    return {
+        "interleaved_seconds_to_target": None if mine is None else round(mine, 4),
+        "interleaved_time_ratio": None if mine is None or not theirs else mine / theirs,
+    }
+
+
+def second_reach(
+    run: Run,
+    second: str | None,
+    goals: Mapping[int, tuple[float, int, float]],
+    cost: Cost | None,
+    second_cost: Cost | None,
+) -> dict[str, Any]:
+    """``run``'s steps to the ``second`` method's final value (:func:`targets` of it, per seed) and their ratio to
+    the second method's own steps; the interleaved time to it and its ratio to the second method's own (None:
+    never reached, no such run, or a cost not measured)."""
+    goal = goals.get(run.curve.seed) if second is not None else None
+    empty = ("second_target", "steps_to_second", "second_step_ratio", "interleaved_seconds_to_second")
+    if goal is None:
+        return {"second_method": second} | dict.fromkeys((*empty, "second_time_ratio"))
+    target, own, _ = goal
+    hit = run.curve.first_below(target)
+    steps = None if hit is None else hit[0]
+    mine, theirs = time_to(steps, cost), time_to(own, second_cost)
+    return {
+        "second_method": second,
+        "second_target": target,
+        "steps_to_second": steps,
+        "second_step_ratio": None if steps is None else steps / own,
+        "interleaved_seconds_to_second": None if mine is None else round(mine, 4),
+        "second_time_ratio": None if mine is None or not theirs else mine / theirs,
+    }
+
+
 def goal_reach(run: Run, task: str, goal: float | None) -> dict[str, Any]:
     """The run's best metric over its evaluations and, on classification, its steps and seconds to ``goal`` % test
     accuracy (None: never, or no goal)."""
@@ -188,21 +272,35 @@ def metric_of(task: str, value: float) -> float:
     return value if task == "lm" else 100.0 * (1.0 - value)
 
 
-def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -> str:
-    """The table: per method at its best lr, the final metric, steps / seconds to the target, ratios, ms/step."""
+def _cell(values: Sequence[Any], fmt: str, count: str = "") -> str:
+    """``median [range]`` of the values that are not None, with ``count`` (``-``: none)."""
+    present = [v for v in values if v is not None]
+    return median_range(present, fmt) + count if present else "-"
+
+
+def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str], regime: str = "") -> str:
+    """The table: per method at its best lr, the final metric, steps to the target and their ratio, the interleaved
+    ms/step and cost ratio, the time to the target and its ratio from them, the runs' sequential time ratio and
+    ms/step; the steps and time to the second method's final metric (when it ran) and the accuracy goal's columns."""
     metric = "final val loss" if task == "lm" else "final acc %"
     header = (
-        f"{'method':<13} {'best lr':>8} {metric:>22} {'steps to target':>20} {'s to target':>20} "
-        f"{'step ratio':>20} {'time ratio':>20} {'ms/step':>8}"
+        f"{'method':<15} {'best lr':>8} {metric:>22} {'steps to target':>20} {'step ratio':>18} {'ms/step':>8} "
+        f"{'cost ratio':>18} {'s to target':>18} {'time ratio':>18} {'seq. time ratio':>18} {'seq. ms/step':>12}"
     )
+    second = next((r["second_method"] for r in rows if r.get("second_target") is not None), None)
+    if second is not None:
+        header += f" {f'steps to {second}':>18} {'step ratio':>18} {f'time vs {second}':>18}"
     goal = next((r["goal"] for r in rows if r.get("goal") is not None), None)
     if goal is not None:
         header += f" {'best acc %':>18} {f'steps to {goal:g}%':>18} {f's to {goal:g}%':>18}"
-    lines = [f"task {task}: target = the baseline's final metric at its best lr, per seed", header, "-" * len(header)]
+    title = f"task {task}{regime}: target = the baseline's final metric at its best lr, per seed"
+    if second is not None:
+        title += f"; and {second}'s"
+    lines = [title, header, "-" * len(header)]
     for method in dict.fromkeys(r["method"] for r in rows if r["status"] != "skipped"):
         runs = [r for r in rows if r["method"] == method and r["best_lr"] and r["status"] != "failed"]
         if not runs:
-            lines.append(f"{method:<13} no finished run at any lr (see the notes)")
+            lines.append(f"{method:<15} no finished run at any lr (see the notes)")
             continue
         hits = [r for r in runs if r["steps_to_target"] is not None]
         count = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)})"
@@ -210,16 +308,33 @@ def summarise(task: str, rows: Sequence[dict[str, Any]], notes: Sequence[str]) -
         diverged = "" if len(finals) == len(runs) else f" ({len(runs) - len(finals)} diverged)"
         fmt = ".4f" if task == "lm" else ".1f"
         edge = "*" if runs[0]["lr_at_edge"] else ""
-        lines.append(
-            f"{method:<13} {format(runs[0]['lr'], 'g') + edge:>8} {median_range(finals, fmt) + diverged:>22} "
-            f"{median_range([r['steps_to_target'] for r in hits], '.0f') + count:>20} "
-            f"{median_range([r['seconds_to_target'] for r in hits], '.1f') + count:>20} "
-            f"{median_range([r['step_ratio'] for r in hits], '.2f') + count:>20} "
-            f"{median_range([r['time_ratio'] for r in hits], '.2f') + count:>20} "
-            f"{statistics.median(r['ms_per_step'] for r in runs):>8.1f}"
-            + (_goal_columns(runs) if goal is not None else "")
+        cost = runs[0]
+        ms = "-" if cost["interleaved_ms_per_step"] is None else f"{cost['interleaved_ms_per_step']:.1f}"
+        ratios = [cost[f"cost_ratio_{k}"] for k in ("median", "min", "max")]
+        ratio = "-" if ratios[0] is None else f"{ratios[0]:.2f} [{ratios[1]:.2f}–{ratios[2]:.2f}]"
+        line = (
+            f"{method:<15} {format(runs[0]['lr'], 'g') + edge:>8} {median_range(finals, fmt) + diverged:>22} "
+            f"{_cell([r['steps_to_target'] for r in hits], '.0f', count):>20} "
+            f"{_cell([r['step_ratio'] for r in hits], '.2f', count):>18} {ms:>8} {ratio:>18} "
+            f"{_cell([r['interleaved_seconds_to_target'] for r in hits], '.1f', count):>18} "
+            f"{_cell([r['interleaved_time_ratio'] for r in hits], '.2f', count):>18} "
+            f"{_cell([r['time_ratio'] for r in hits], '.2f', count):>18} "
+            f"{statistics.median(r['ms_per_step'] for r in runs):>12.1f}"
         )
+        if second is not None:
+            reached = [r for r in runs if r["steps_to_second"] is not None]
+            tally = "" if len(reached) == len(runs) else f" ({len(reached)}/{len(runs)})"
+            line += (
+                f" {_cell([r['steps_to_second'] for r in reached], '.0f', tally):>18}"
+                f" {_cell([r['second_step_ratio'] for r in reached], '.2f', tally):>18}"
+                f" {_cell([r['second_time_ratio'] for r in reached], '.2f', tally):>18}"
+            )
+        lines.append(line + (_goal_columns(runs) if goal is not None else ""))
     lines.append("median [range] over seeds at each method's best lr; (k/n): only k of n seeds reached the target;")
+    lines.append(
+        "ms/step: interleaved, mean over blocks of whole update cycles; cost ratio: per-round ratio to the baseline's "
+        "block, median [range]; s to target, time ratio: steps × ms/step; seq.: the runs' own training seconds"
+    )
     lines.append("* the best lr is at an end of the method's grid (widen it with --lrs)")
     lines += notes
     return "\n".join(lines)
@@ -247,7 +362,75 @@ def task_args(args: argparse.Namespace, task: str) -> argparse.Namespace:
         values["iterations"] = [args.iterations]
     if task == "lm" and args.steps is not None:
         values["steps"] = args.steps
+    if task == "lm" and args.batch_size is not None:  # the same passes over the data as at the default batch
+        values["max_bytes"] = values["max_bytes"] * args.batch_size // values["batch_size"]
+        values["batch_size"] = args.batch_size
+    if task == "lm" and args.max_bytes is not None:
+        values["max_bytes"] = args.max_bytes
     return argparse.Namespace(**values)
+
+
+def regime(task: str, options: argparse.Namespace) -> str:
+    """The task's size per step, for the table's title: ``" (batch 32 × 64 tokens)"``."""
+    if task == "lm":
+        return f" (batch {options.batch_size} × {options.seq_len} tokens, {options.max_bytes:,} training bytes)"
+    return f" (batch {options.batch_sizes[0]})"
+
+
+def cycle_of(method: peers.Method, cfg: RunConfig) -> int:
+    """The steps of ``method``'s update cycle in the run ``cfg``: hylo's ``update_freq``, else the method's own."""
+    return int(cfg.hylo["update_freq"]) if cfg.solver is not None else method.cycle
+
+
+def measure_costs(
+    args: argparse.Namespace,
+    task: str,
+    data: DataSplits,
+    chosen: Mapping[str, tuple[peers.Method, RunConfig, float]],
+    notes: list[str],
+) -> dict[str, Cost]:
+    """Every ``chosen`` method's (name -> method, its best lr's config, rest_lr) per-step cost, interleaved
+    (:func:`hylo_scripts.bench_interleave.measure`) against the baseline's; {} without ``--cost-rounds`` or when the
+    baseline cannot be built. A method that fails to build or step is left out with a note."""
+    baseline = peers.BASELINES[task]
+    if not args.cost_rounds or baseline not in chosen:
+        return {}
+    cycles = {name: cycle_of(method, cfg) for name, (method, cfg, _) in chosen.items()}
+    sizes = {"rounds": args.cost_rounds, "warmup": args.cost_warmup, "cap": args.cost_block}
+    need = bench_interleave.steps_needed(cycles, **sizes)
+    steppers: dict[str, Stepper] = {}
+    try:
+        for name, (method, cfg, rest_lr) in chosen.items():
+            try:
+                steppers[name] = Stepper(
+                    cfg,
+                    data,
+                    args.device,
+                    optimizer_factory=None if method.optimizer is None else method.optimizer(cfg.lr, rest_lr),
+                    preconditioner_factory=method.preconditioner,
+                    steps=need,
+                )
+            except Exception as err:  # reported, the others are measured
+                notes.append(f"{name}: no interleaved cost, {type(err).__name__}: {err}")
+        if baseline not in steppers:
+            return {}
+        blocks = bench_interleave.block_lengths({n: cycles[n] for n in steppers}, args.cost_block)
+        print(
+            f"{task}: timing {', '.join(f'{n} ({blocks[n]} steps)' for n in steppers)} in turns, "
+            f"{args.cost_warmup} warm-up block(s) and {args.cost_rounds} rounds",
+            flush=True,
+        )
+        began = time.perf_counter()
+        try:
+            found = bench_interleave.measure(steppers, {n: cycles[n] for n in steppers}, baseline, **sizes)
+        except Exception as err:
+            notes.append(f"interleaved timing failed, {type(err).__name__}: {err}")
+            return {}
+        print(f"{task}: interleaved timing took {time.perf_counter() - began:.1f} s", flush=True)
+        return found
+    finally:
+        for stepper in steppers.values():
+            stepper.close()
 
 
 def run_config(
@@ -340,17 +523,32 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
             rest_lr = best_lr(runs, baseline)
     goals = targets(runs, baseline, rest_lr)
     best = {m: best_lr(runs, m) for m in dict.fromkeys(r.method for r in runs)}
+    chosen = {
+        m.name: (m, run_config(options, task, m, best[m.name], args.seeds[0], dict(args.set), rest_lr), rest_lr)
+        for m in methods
+        if m.name in best
+    }
+    costs = measure_costs(args, task, data, chosen, notes)
+    second = next((name for name in SECOND_TARGETS if name in best), None)
+    second_goals = {} if second is None else targets(runs, second, best[second])
     for run in runs:
         grid = sorted({r.curve.lr for r in runs if r.method == run.method})
+        at_best = run.curve.lr == best[run.method]
+        cost = costs.get(run.method) if at_best else None
+        reached = reach(run, goals)
         rows.append(
             dict.fromkeys(COLUMNS)
             | {"task": task, "method": run.method, "lr": run.curve.lr, "seed": run.curve.seed, "status": "ok"}
             | {"metric": "val_loss" if task == "lm" else "test_acc_pct"}
-            | {"final": metric_of(task, run.curve.final_loss), "best_lr": run.curve.lr == best[run.method]}
-            | reach(run, goals)
+            | {"final": metric_of(task, run.curve.final_loss), "best_lr": at_best}
+            | reached
             | {"ms_per_step": round(run.ms_per_step, 3)}
             | goal_reach(run, task, args.accuracy)
             | {"lr_at_edge": len(grid) > 1 and best[run.method] in (grid[0], grid[-1])}
+            | {"batch_size": options.batch_size if task == "lm" else options.batch_sizes[0]}
+            | cost_columns(cost)
+            | interleaved_reach(reached, cost, costs.get(baseline))
+            | second_reach(run, second, second_goals, cost, None if second is None else costs.get(second))
         )
     order = [m.name for m in methods]
     rows.sort(key=lambda row: order.index(row["method"]))  # stable: by method, each in its runs' order
@@ -365,7 +563,7 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
             for step, seconds, value in run.curve.points
         )
     print()
-    print(summarise(task, rows, notes))
+    print(summarise(task, rows, notes, regime(task, options)))
     print()
     return rows
 
@@ -409,6 +607,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
     parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")
     parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help=f"lm: windows per step (default {LM_BATCH}; 256: 8× the tokens), the training bytes scaled with it",
+    )
+    parser.add_argument(
+        "--max-bytes", type=positive_int, help=f"lm: training bytes (default {LM_BYTES:,} × batch size / {LM_BATCH})"
+    )
+    parser.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=None,
+        help=f"rounds of the interleaved timing (default {COST_ROUNDS}, --quick {QUICK_COST_ROUNDS}; 0: none)",
+    )
+    parser.add_argument(
+        "--cost-warmup", type=int, default=1, help="untimed blocks of each method before the rounds (default 1)"
+    )
+    parser.add_argument(
+        "--cost-block",
+        type=positive_int,
+        default=bench_interleave.BLOCK_CAP,
+        help="the longest block of the interleaved timing, in steps: the methods' cycles' least common multiple "
+        f"when it fits, else each method's whole cycles within it (default {bench_interleave.BLOCK_CAP})",
+    )
+    parser.add_argument(
         "--accuracy",
         type=float,
         default=96.0,
@@ -430,6 +652,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps: not a flag of --task classification")
     if args.iterations is not None and "classification" not in tasks:
         parser.error("--iterations: not a flag of --task lm")
+    for flag in ("batch_size", "max_bytes"):
+        if getattr(args, flag) is not None and "lm" not in tasks:
+            parser.error(f"--{flag.replace('_', '-')}: not a flag of --task classification")
+    if args.cost_rounds is None:
+        args.cost_rounds = QUICK_COST_ROUNDS if args.quick else COST_ROUNDS
+    if args.cost_rounds < 0 or args.cost_warmup < 0:
+        parser.error("--cost-rounds and --cost-warmup must be >= 0")
     for task in tasks:
         options = task_args(args, task)
         steps = options.steps if task == "lm" else options.iterations[0]

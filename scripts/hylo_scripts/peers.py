@@ -32,6 +32,8 @@ from hylo_scripts.runconfig import RunConfig
 
 #: The benchmark's tasks and each one's baseline method (the per-seed target comes from it).
 BASELINES = {"classification": "sgd", "lm": "adamw"}
+#: The steps between the preconditioner refreshes of SOAP, Shampoo, SINGD and KAISA (each :class:`Method`'s ``cycle``).
+PEER_CYCLE = 10
 
 
 def baseline_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
@@ -135,7 +137,7 @@ def _soap(lr: float, rest_lr: float) -> OptimizerFactory:
     def build(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
         from pytorch_optimizer import SOAP
 
-        return SOAP(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, precondition_frequency=10)
+        return SOAP(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, precondition_frequency=PEER_CYCLE)
 
     return build
 
@@ -150,8 +152,8 @@ def _shampoo(lr: float, rest_lr: float) -> OptimizerFactory:
             lr=lr,
             weight_decay=cfg.weight_decay,
             decoupled_weight_decay=True,
-            start_preconditioning_step=10,
-            preconditioning_compute_steps=10,
+            start_preconditioning_step=PEER_CYCLE,
+            preconditioning_compute_steps=PEER_CYCLE,
             # AdaGrad's magnitude: the package's RMSprop graft has no bias correction, so its first steps are
             # ~30× too long (they diverge on both tasks).
             graft_type=LayerWiseGrafting.ADAGRAD,
@@ -171,7 +173,7 @@ def _singd(lr: float, rest_lr: float) -> OptimizerFactory:
             lr=lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
-            T=10,
+            T=PEER_CYCLE,
             loss_average="batch+sequence" if cfg.task == "lm" else "batch",
             warn_unsupported=False,
         )
@@ -182,7 +184,7 @@ def _singd(lr: float, rest_lr: float) -> OptimizerFactory:
 
 
 def kaisa_preconditioner(
-    model: nn.Module, optimizer: torch.optim.Optimizer, update_freq: int = 10, damping: float = 0.003
+    model: nn.Module, optimizer: torch.optim.Optimizer, update_freq: int = PEER_CYCLE, damping: float = 0.003
 ) -> Steppable:
     """KAISA's ``KFACPreconditioner`` (kfac-pytorch) on ``model``'s :func:`curvature_modules`, its factors and
     inverses updated every ``update_freq`` steps, its lr read from ``optimizer``'s first group."""
@@ -215,7 +217,9 @@ class Method:
     the run's optimizer (None: the baseline's, :func:`hylo_scripts.loop.make_optimizer` of the run's
     ``RunConfig``);
     ``preconditioner``: a :data:`~hylo_scripts.loop.PreconditionerFactory` stepped before it;
-    ``solver``: hylo's solver; ``attribute``: a name the package must have (``torch.optim.Muon``).
+    ``solver``: hylo's solver; ``attribute``: a name the package must have (``torch.optim.Muon``);
+    ``cycle``: the steps of its update cycle (its preconditioner's refresh period; 1: every step costs the same;
+    hylo's: the run's ``update_freq``), which the interleaved timing's blocks are whole multiples of.
     """
 
     name: str
@@ -226,6 +230,7 @@ class Method:
     optimizer: Callable[[float, float], OptimizerFactory] | None = None
     preconditioner: PreconditionerFactory | None = None
     solver: str | None = None
+    cycle: int = 1
 
 
 #: Learning-rate grids of Muon in either form.
@@ -261,6 +266,7 @@ METHODS: dict[str, Method] = {
             {"classification": (1e-2, 3e-2, 0.1), "lm": (3e-3, 6e-3, 1.2e-2)},
             package="pytorch_optimizer",
             optimizer=_soap,
+            cycle=PEER_CYCLE,
         ),
         Method(
             "shampoo",
@@ -268,6 +274,7 @@ METHODS: dict[str, Method] = {
             {"classification": (1e-3, 3e-3, 1e-2), "lm": (1e-3, 2e-3, 4e-3)},
             package="pytorch_optimizer",
             optimizer=_shampoo,
+            cycle=PEER_CYCLE,
         ),
         Method(
             "singd",
@@ -275,6 +282,7 @@ METHODS: dict[str, Method] = {
             {"classification": (0.01, 0.03, 0.1), "lm": (3e-3, 1e-2, 3e-2)},
             package="singd",
             optimizer=_singd,
+            cycle=PEER_CYCLE,
         ),
         Method(
             "kaisa",
@@ -282,6 +290,7 @@ METHODS: dict[str, Method] = {
             _PRECONDITIONED,
             package="kfac",
             preconditioner=kaisa_preconditioner,
+            cycle=PEER_CYCLE,
         ),
     )
 }

@@ -1,8 +1,10 @@
 """scripts/bench_peers.py: its flags, the per-seed targets, the combined optimizer, the training loop's hooks for
-other optimizers, the same start for every method, a skipped package, and one tiny run's CSV."""
+other optimizers, the same start for every method, a skipped package, the interleaved per-step cost (its blocks of
+whole cycles, its rounds, the time to a target from it) and one tiny run's CSV."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from pathlib import Path
@@ -12,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from hylo_scripts import bench_accuracy, bench_peers, loop, peers
+from hylo_scripts import bench_accuracy, bench_interleave, bench_peers, loop, peers
 from hylo_scripts.bench_accuracy import LMCurve
+from hylo_scripts.bench_interleave import Cost, Stepper
 from hylo_scripts.hylo_options import ADAPTIVE_LR
 from hylo_scripts.loop import make_optimizer, train
 from hylo_scripts.optimizers import CombinedOptimizer
@@ -57,6 +60,10 @@ def test_flags_default_to_every_peer_both_tasks_three_seeds() -> None:
         "hybrid",
     ]
     assert args.lrs == {} and args.out == Path("peers.csv")
+    assert (args.cost_rounds, args.cost_warmup, args.cost_block, args.batch_size) == (5, 1, 60, None)
+    lm = bench_peers.task_args(args, "lm")
+    assert (lm.batch_size, lm.seq_len, lm.max_bytes) == (32, 64, 1_000_000)  # 2,048 tokens a step
+    assert bench_peers.parse_args(["--quick", "--device", "cpu"]).cost_rounds == 2
     args = bench_peers.parse_args(["--task", "lm", "--lrs", "muon=0.01,0.03", "hylo-kfac=1e-3", "--device", "cpu"])
     assert args.lrs == {"muon": (0.01, 0.03), "hylo-kfac": (1e-3,)}
 
@@ -73,6 +80,10 @@ def test_flags_default_to_every_peer_both_tasks_three_seeds() -> None:
         (["--task", "lm", "--steps", "10"], "lm: 10 steps is fewer than one evaluation interval (25)"),
         (["--methods", "adam"], "invalid choice: 'adam'"),
         (["--steps", "0"], "must be an int >= 1"),
+        (["--task", "classification", "--batch-size", "64"], "--batch-size: not a flag of --task classification"),
+        (["--task", "classification", "--max-bytes", "9"], "--max-bytes: not a flag of --task classification"),
+        (["--cost-rounds", "-1"], "--cost-rounds and --cost-warmup must be >= 0"),
+        (["--cost-block", "0"], "must be an int >= 1"),
     ],
 )
 def test_misused_flags_are_refused_with_the_reason(
@@ -88,6 +99,145 @@ def test_device_cuda_is_refused_on_a_cpu_only_machine(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         bench_peers.parse_args(["--device", "cuda"])
     assert "cuda: no CUDA device is available on this machine" in capsys.readouterr().err
+
+
+def test_the_users_regime_takes_8x_the_tokens_a_step_over_as_many_passes_of_the_data() -> None:
+    """``--batch-size 256``: 8× the windows of a step, and 8× the training bytes unless ``--max-bytes`` says; the
+    step count and the evaluation cadence stay."""
+    lm = bench_peers.task_args(bench_peers.parse_args(["--task", "lm", "--batch-size", "256"]), "lm")
+    assert (lm.batch_size, lm.max_bytes, lm.steps, lm.eval_every) == (256, 8_000_000, 400, 25)
+    told = bench_peers.parse_args(["--task", "lm", "--batch-size", "256", "--max-bytes", "3000000"])
+    assert bench_peers.task_args(told, "lm").max_bytes == 3_000_000
+    cfg = bench_peers.run_config(lm, "lm", peers.METHODS["adamw"], 2e-3, 0, {})
+    assert (cfg.batch_size, cfg.seq_len, cfg.max_bytes) == (256, 64, 8_000_000)
+    assert "batch 256 × 64 tokens" in bench_peers.regime("lm", lm)
+
+
+# --------------------------------------------------------------------------- the interleaved per-step cost
+def test_blocks_are_the_common_multiple_of_every_cycle_or_each_methods_whole_cycles_within_the_cap() -> None:
+    cycles = {"adamw": 1, "muon": 1, "hylo-kfac_adam": 3, "soap": 10}
+    assert bench_interleave.block_lengths(cycles) == dict.fromkeys(cycles, 30)
+    assert bench_interleave.block_lengths(cycles, cap=20) == {"adamw": 20, "muon": 20, "hylo-kfac_adam": 18, "soap": 20}
+    assert bench_interleave.block_lengths({"a": 1, "b": 7, "c": 9}, cap=5) == {"a": 5, "b": 7, "c": 9}  # ≥ one cycle
+    # at least 10 steps (whole multiples of the common cycle) where the cap allows
+    assert bench_interleave.block_lengths({"adamw": 1, "muon": 1}) == {"adamw": 10, "muon": 10}
+    assert bench_interleave.block_lengths({"adamw": 1, "hylo": 3}) == {"adamw": 12, "hylo": 12}
+    assert bench_interleave.block_lengths({"adamw": 1, "hylo": 3}, cap=8) == {"adamw": 6, "hylo": 6}
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bench_interleave.block_lengths({"a": 0})
+
+
+def test_each_method_cycle_is_hylos_update_freq_or_the_peers_refresh_period() -> None:
+    args = bench_peers.task_args(bench_peers.parse_args(["--task", "lm"]), "lm")
+    cycle = {
+        name: bench_peers.cycle_of(method, bench_peers.run_config(args, "lm", method, 1e-3, 0, {}, 2e-3))
+        for name, method in [*peers.METHODS.items(), ("hylo-kfac_adam", peers.hylo_method("kfac_adam"))]
+    }
+    assert cycle == {"sgd": 1, "adamw": 1, "muon": 1, "muon-f32": 1, "soap": 10, "shampoo": 10, "singd": 10} | {
+        "kaisa": 10,
+        "hylo-kfac_adam": 3,
+    }
+
+
+class FakeMachine:
+    """A clock and steppers whose every step costs a method's seconds times the machine's slowdown, which doubles
+    from one round (one block of every method) to the next: the drift the interleaving must see through."""
+
+    def __init__(self, per_step: dict[str, float]) -> None:
+        self.now = 0.0
+        self.calls: list[tuple[str, int]] = []
+        self.per_step = per_step
+
+    def clock(self) -> float:
+        return self.now
+
+    def slowdown(self) -> float:
+        return 2.0 ** (len(self.calls) // len(self.per_step))
+
+    def stepper(self, name: str) -> Any:
+        def take(steps: int) -> None:
+            self.now += steps * self.per_step[name] * self.slowdown()
+            self.calls.append((name, steps))
+
+        return take
+
+
+def test_interleaving_steps_every_method_one_block_of_whole_cycles_per_round_in_rotating_order() -> None:
+    machine = FakeMachine({"adamw": 0.010, "muon": 0.012, "hylo": 0.015})
+    blocks = bench_interleave.block_lengths({"adamw": 1, "muon": 1, "hylo": 3}, cap=60)
+    seconds = bench_interleave.interleave(
+        {name: machine.stepper(name) for name in machine.per_step}, blocks, rounds=3, warmup=1, clock=machine.clock
+    )
+    warmup, timed = machine.calls[:3], machine.calls[3:]
+    assert warmup == [("adamw", 12), ("muon", 12), ("hylo", 12)]  # untimed, whole cycles
+    assert [name for name, _ in timed] == ["adamw", "muon", "hylo", "muon", "hylo", "adamw", "hylo", "adamw", "muon"]
+    assert all(steps == 12 for _, steps in timed)
+    # round r runs at 2^(r+1) the base cost (the warm-up was round 0): each block's per-step time, exactly
+    for name, cost in machine.per_step.items():
+        assert seconds[name] == pytest.approx([cost * 2.0, cost * 4.0, cost * 8.0])
+    costs = bench_interleave.costs(seconds, blocks, "adamw")
+    assert costs["adamw"].ratio == pytest.approx(1.0) and costs["adamw"].ms_per_step == pytest.approx(10.0 * 14 / 3)
+    # the machine's speed drifted 4× over the rounds; every round's ratio is still the true one
+    assert costs["hylo"].round_ratios == pytest.approx((1.5, 1.5, 1.5)) and costs["hylo"].ratio == pytest.approx(1.5)
+    assert (costs["muon"].block, costs["muon"].rounds) == (12, 3)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench_interleave.interleave({}, {}, rounds=0, clock=machine.clock)
+
+
+def test_time_to_a_target_is_the_deterministic_steps_times_the_interleaved_cost() -> None:
+    adamw = Cost(ms_per_step=50.0, ratio=1.0, round_ratios=(1.0, 1.0), block=30, rounds=2)
+    hylo = Cost(ms_per_step=80.0, ratio=1.6, round_ratios=(1.5, 1.7), block=30, rounds=2)
+    muon = Cost(ms_per_step=55.0, ratio=1.1, round_ratios=(1.1, 1.1), block=30, rounds=2)
+    assert bench_interleave.time_to(125, hylo) == pytest.approx(10.0) and bench_interleave.time_to(None, hylo) is None
+    reached = {"steps_to_target": 125, "baseline_steps": 400}
+    timed = bench_peers.interleaved_reach(reached, hylo, adamw)
+    assert timed["interleaved_seconds_to_target"] == pytest.approx(10.0)
+    assert timed["interleaved_time_ratio"] == pytest.approx(125 * 80.0 / (400 * 50.0))  # 0.3125 × 1.6 = 0.5
+    assert bench_peers.interleaved_reach({"steps_to_target": None, "baseline_steps": 400}, hylo, adamw) == {
+        "interleaved_seconds_to_target": None,
+        "interleaved_time_ratio": None,
+    }
+    assert bench_peers.interleaved_reach(reached, hylo, None)["interleaved_time_ratio"] is None  # no baseline cost
+    columns = bench_peers.cost_columns(hylo)
+    assert (columns["cost_ratio_median"], columns["cost_ratio_min"], columns["cost_ratio_max"]) == (1.6, 1.5, 1.7)
+    # the second target: Muon's final value at its best lr, per seed, and its own steps to it (150)
+    run = _run("hylo", 4e-3, 0, [(100, 1.0, 1.60), (125, 2.0, 1.50), (150, 3.0, 1.45)])
+    second = bench_peers.second_reach(run, "muon", {0: (1.51, 150, 9.0)}, hylo, muon)
+    assert (second["steps_to_second"], second["second_step_ratio"]) == (125, pytest.approx(125 / 150))
+    assert second["interleaved_seconds_to_second"] == pytest.approx(10.0)
+    assert second["second_time_ratio"] == pytest.approx(125 * 80.0 / (150 * 55.0))
+    assert bench_peers.second_reach(run, None, {}, hylo, muon)["second_target"] is None
+
+
+@pytest.mark.parametrize("method", ["adamw", "muon", "hylo-kfac_adam"])
+def test_a_stepper_takes_the_runs_own_steps(method: str) -> None:
+    """The interleaved timing steps what the run stepped: after the run's steps, the stepper's model has the run's
+    test loss to the bit (the loop, with its evaluations between intervals, is the reference)."""
+    if method == "hylo-kfac_adam":
+        cfg = RunConfig(**{**TINY.__dict__, "solver": "kfac_adam", "rest_lr": 1e-3, "hylo": {"update_freq": 3}})
+        factory = None
+    else:
+        cfg = TINY
+        factory = None if method == "adamw" else peers.METHODS[method].optimizer(0.02, 2e-3)  # type: ignore[misc]
+    data = bench_peers.load("lm", argparse.Namespace(seq_len=16, max_bytes=20_000, eval_windows=8))
+    want = train(cfg, data, optimizer_factory=factory).log[-1].test_loss
+    stepper = Stepper(cfg, data, torch.device("cpu"), optimizer_factory=factory, steps=3)
+    stepper(1)
+    stepper(3)  # blocks resume where the last one stopped
+    assert loop.evaluate(stepper.model, cfg, data, torch.device("cpu"))[0] == want
+    stepper.close()
+
+
+def test_a_stepper_stretches_the_run_when_the_timing_needs_more_steps() -> None:
+    stepper = Stepper(
+        TINY,
+        bench_peers.load("lm", argparse.Namespace(seq_len=16, max_bytes=20_000, eval_windows=8)),
+        torch.device("cpu"),
+        steps=9,
+    )
+    assert stepper.cfg.epochs == 5 and TINY.epochs == 2  # 2 steps an epoch
+    stepper(9)
+    assert stepper.optimizer.param_groups[0]["lr"] > 0  # still inside the stretched schedule
 
 
 # --------------------------------------------------------------------------- targets and ratios
@@ -261,8 +411,21 @@ def test_a_quick_run_writes_one_csv_row_per_run_and_reports_a_missing_package(
     assert adamw["best_lr"] == "True" and adamw["step_ratio"] == "1.0" and float(adamw["final"]) > 0
     assert float(muon["lr"]) == peers.METHODS["muon"].grids["lm"][1]  # --quick: the middle of the grid
     assert float(muon["target"]) == float(adamw["final"])
+    # the interleaved cost: 2 rounds (--quick) of whole blocks, the time ratio = steps ratio × cost ratio
+    for row in (adamw, muon):
+        assert (row["cost_rounds"], row["block_steps"], row["batch_size"]) == ("2", "10", "8")
+        assert float(row["interleaved_ms_per_step"]) > 0
+    assert float(adamw["cost_ratio"]) == 1.0 and float(adamw["interleaved_time_ratio"]) == 1.0
+    if muon["step_ratio"]:
+        assert float(muon["interleaved_time_ratio"]) == pytest.approx(
+            float(muon["step_ratio"]) * float(muon["cost_ratio"]), rel=1e-3
+        )
+    # the second target is Muon's own final loss: Muon reaches it in its own steps and time
+    assert muon["second_method"] == "muon" and float(muon["second_target"]) == float(muon["final"])
+    assert (muon["steps_to_second"], muon["second_step_ratio"], muon["second_time_ratio"]) == ("4", "1.0", "1.0")
     printed = capsys.readouterr().out
     assert "singd: skipped, singd is not importable" in printed and "final val loss" in printed
+    assert "time vs muon" in printed and "seq. time ratio" in printed and "batch 8 × 16 tokens" in printed
     assert [(r["method"], r["step"]) for r in _rows(curves)] == [("adamw", "4"), ("muon", "4")]
 
 
