@@ -34,6 +34,7 @@ docs/benchmarks.md, "Peers", has the methods, the grids and a table.
     python scripts/bench_peers.py                                  # both tasks, every method, 3 seeds
     python scripts/bench_peers.py --task lm --seeds 0 --steps 100 --methods muon soap
     python scripts/bench_peers.py --task lm --batch-size 256                 # 8× the tokens per step
+    python scripts/bench_peers.py --task lm --solvers kfac_adam --variant exact factor_sample=1.0   # two hylos
     python scripts/bench_peers.py --quick --out runs/peers.csv     # a smoke test in seconds
 """
 
@@ -442,17 +443,17 @@ def run_config(
     hylo: Mapping[str, Any],
     rest_lr: float = math.nan,
 ) -> RunConfig:
-    """One run's config: ``bench_accuracy``'s of the task, with hylo's solver and the ``--set`` options ``hylo``
-    for a hylo method; an adaptive solver's other parameters train at the baseline's tuned ``rest_lr``."""
+    """One run's config: ``bench_accuracy``'s of the task, with hylo's solver, the ``--set`` options ``hylo`` and a
+    variant's own for a hylo method; an adaptive solver's other parameters train at the baseline's tuned ``rest_lr``."""
     if task == "lm":
         cfg = bench_accuracy.lm_config(options, method.solver, lr, seed)
     else:
         cfg = bench_accuracy.run_config(options, options.batch_sizes[0], method.solver, lr, seed)
     if method.solver in ADAPTIVE and math.isfinite(rest_lr):
         cfg = dataclasses.replace(cfg, rest_lr=rest_lr)
-    if method.solver is None or not hylo:
+    if method.solver is None or not (hylo or method.options):
         return cfg
-    return dataclasses.replace(cfg, hylo={**cfg.hylo, **hylo})
+    return dataclasses.replace(cfg, hylo={**cfg.hylo, **hylo, **dict(method.options)})
 
 
 def load(task: str, options: argparse.Namespace) -> DataSplits:
@@ -471,6 +472,7 @@ def run_task(args: argparse.Namespace, task: str, curves: list[dict[str, Any]]) 
     methods = [peers.METHODS[baseline]]
     methods += [peers.METHODS[m] for m in args.methods if m != baseline and task in peers.METHODS[m].grids]
     methods += [peers.hylo_method(s) for s in args.solvers]
+    methods += [peers.hylo_method(s, name, options) for s in args.solvers for name, options in args.variants.items()]
     if args.set and args.solvers:
         print(f"{task}: hylo runs with {dict(args.set)} over the task's options", flush=True)
     runs: list[Run] = []
@@ -587,6 +589,18 @@ def parse_lrs(values: Sequence[str], known: Sequence[str]) -> dict[str, tuple[fl
     return grids
 
 
+def parse_variants(given: Sequence[Sequence[str]]) -> dict[str, dict[str, Any]]:
+    """``--variant NAME KEY=VALUE ...`` as {name: options}; a name given twice, or not a word, is a ValueError."""
+    variants: dict[str, dict[str, Any]] = {}
+    for name, *settings in given:
+        if not name.replace("_", "").isalnum():
+            raise ValueError(f"--variant {name!r}: a name of letters, digits and _ comes first")
+        if name in variants:
+            raise ValueError(f"--variant {name!r} given twice")
+        variants[name] = dict(hylo_option(setting) for setting in settings)
+    return variants
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (defaults: the settings of docs/benchmarks.md, "Peers")."""
     peer_names = [m for m in peers.METHODS if m not in peers.BASELINES.values()]
@@ -603,6 +617,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="hylo options of every hylo run, over the task's (damping 0.3, kl_clip 0.01, update_freq 10, ρ 0.1)",
+    )
+    parser.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="NAME KEY=VALUE",
+        help="another hylo method per solver, hylo-<solver>-NAME, with these options over --set's (repeatable)",
     )
     parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
     parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")
@@ -642,7 +664,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--curves", type=Path, default=None, help="CSV of every run's curve (long format)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = parser.parse_args(argv)
+    try:
+        args.variants = parse_variants(args.variant)
+    except ValueError as err:
+        parser.error(str(err))
     known = list(peers.METHODS) + [f"hylo-{s}" for s in solver_choices()]
+    known += [f"hylo-{s}-{name}" for s in solver_choices() for name in args.variants]
     try:
         args.lrs = parse_lrs(args.lrs, known)
     except ValueError as err:
@@ -664,11 +691,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         steps = options.steps if task == "lm" else options.iterations[0]
         if steps < options.eval_every:
             parser.error(f"{task}: {steps} steps is fewer than one evaluation interval ({options.eval_every})")
-    if args.set:
+    for flag, options in [("--set", dict(args.set))] + [(f"--variant {n}", o) for n, o in args.variants.items()]:
         try:  # checked before any run, by hylo's own validation of the run's options
-            RunConfig(solver=args.solvers[0] if args.solvers else "kfac", hylo=dict(args.set))
+            RunConfig(solver=args.solvers[0] if args.solvers else "kfac", hylo={**dict(args.set), **options})
         except ValueError as err:
-            parser.error(f"--set: {err}")
+            parser.error(f"{flag}: {err}")
     args.tasks = tasks
     return args
 

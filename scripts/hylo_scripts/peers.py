@@ -20,6 +20,7 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.optim._muon as muon_module
@@ -231,6 +232,8 @@ class Method:
     preconditioner: PreconditionerFactory | None = None
     solver: str | None = None
     cycle: int = 1
+    #: hylo's options of this method's runs over the task's and ``--set``'s (a ``--variant``'s).
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 #: Learning-rate grids of Muon in either form.
@@ -300,13 +303,16 @@ METHODS: dict[str, Method] = {
 _ADAPTIVE = {"classification": (3e-3, 1e-2, 3e-2), "lm": (2e-3, 4e-3, 8e-3)}
 
 
-def hylo_method(solver: str) -> Method:
+def hylo_method(solver: str, variant: str | None = None, options: Mapping[str, Any] | None = None) -> Method:
     """hylo with ``solver`` on the task's baseline optimizer (damping 0.3, ``kl_clip`` 0.01, updates every 10 steps);
-    an adaptive solver (``kfac_adam``) on SGD without momentum, the baseline at its tuned lr elsewhere, no kl_clip."""
+    an adaptive solver (``kfac_adam``) on SGD without momentum, the baseline at its tuned lr elsewhere, no kl_clip.
+    A ``variant`` (``hylo-<solver>-<variant>``) runs with ``options`` over the others."""
+    name = f"hylo-{solver}" if variant is None else f"hylo-{solver}-{variant}"
+    extra = tuple((options or {}).items())
     if solver in ADAPTIVE:
         description = f"hylo's {solver} + SGD (no momentum), the baseline at its tuned lr elsewhere"
-        return Method(f"hylo-{solver}", description, _ADAPTIVE, solver=solver)
-    return Method(f"hylo-{solver}", f"hylo's {solver} + the baseline optimizer", _PRECONDITIONED, solver=solver)
+        return Method(name, description, _ADAPTIVE, solver=solver, options=extra)
+    return Method(name, f"hylo's {solver} + the baseline optimizer", _PRECONDITIONED, solver=solver, options=extra)
 
 
 def missing(method: Method) -> str | None:

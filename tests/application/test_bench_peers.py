@@ -84,6 +84,9 @@ def test_flags_default_to_every_peer_both_tasks_three_seeds() -> None:
         (["--task", "classification", "--max-bytes", "9"], "--max-bytes: not a flag of --task classification"),
         (["--cost-rounds", "-1"], "--cost-rounds and --cost-warmup must be >= 0"),
         (["--cost-block", "0"], "must be an int >= 1"),
+        (["--variant", "a", "damping=1", "--variant", "a"], "--variant 'a' given twice"),
+        (["--variant", "a-b"], "--variant 'a-b': a name of letters, digits and _ comes first"),
+        (["--variant", "neg", "damping=-1"], "--variant neg: "),
     ],
 )
 def test_misused_flags_are_refused_with_the_reason(
@@ -99,6 +102,21 @@ def test_device_cuda_is_refused_on_a_cpu_only_machine(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         bench_peers.parse_args(["--device", "cuda"])
     assert "cuda: no CUDA device is available on this machine" in capsys.readouterr().err
+
+
+def test_a_variant_is_another_hylo_method_per_solver_with_its_options_over_set() -> None:
+    """``--variant NAME KEY=VALUE ...``: ``hylo-<solver>-NAME`` beside ``hylo-<solver>``, its runs with its options
+    over ``--set``'s (the two hylos of one race: a before and an after in one interleaved timing)."""
+    argv = ["--task", "lm", "--solvers", "kfac_adam", "--set", "damping=0.5", "update_freq=4"]
+    args = bench_peers.parse_args([*argv, "--variant", "often", "update_freq=2", "--lrs", "hylo-kfac_adam-often=1e-3"])
+    assert args.variants == {"often": {"update_freq": 2}} and args.lrs == {"hylo-kfac_adam-often": (1e-3,)}
+    lm = bench_peers.task_args(args, "lm")
+    plain, often = peers.hylo_method("kfac_adam"), peers.hylo_method("kfac_adam", "often", {"update_freq": 2})
+    assert often.name == "hylo-kfac_adam-often" and often.grids == plain.grids
+    hylo = dict(args.set)
+    assert bench_peers.run_config(lm, "lm", plain, 1e-3, 0, hylo).hylo["update_freq"] == 4
+    cfg = bench_peers.run_config(lm, "lm", often, 1e-3, 0, hylo)
+    assert (cfg.hylo["update_freq"], cfg.hylo["damping"]) == (2, 0.5) and bench_peers.cycle_of(often, cfg) == 2
 
 
 def test_the_users_regime_takes_8x_the_tokens_a_step_over_as_many_passes_of_the_data() -> None:
