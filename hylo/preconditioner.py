@@ -195,7 +195,7 @@ class HyLoPreconditioner:
         layer, watch = self._layers[index], self._telemetry.watch
         begin = watch.mark()
         plan = self._planner.plan(index, self._config, self._plan_inputs)
-        call = capture_call(layer.math, x, grad_out, plan)
+        call = capture_call(layer.math, x, grad_out, plan, self._planner.sample(index, self._config))
         watch.hook(layer.name, begin)
         return call
 

@@ -148,7 +148,7 @@ class LayerBatch:
                 if statistic in call.reduced:
                     values.append(statistic.rescaled(math, call.reduced[statistic], scale / call.scale))
                 elif call.raw is not None:
-                    value = statistic.of_call(math, *call.raw, call.scale)
+                    value = statistic.of_sampled_call(math, *call.raw, call.scale, call.sample)
                     values.append(statistic.rescaled(math, value, scale / call.scale))
                 else:
                     raise RuntimeError(

@@ -235,6 +235,13 @@ class ConvMath(LayerMath):
             factor_g *= float(ho * wo) ** (self.kfc_exponent - 1.0)
         return factor_a, factor_g
 
+    def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
+        """The samples (images, with all their positions) ≡ ``offset`` (mod ``stride``) of a batched call (strided
+        views); None for an unbatched call or one with fewer samples than ``stride``."""
+        if x.dim() != self.spatial + 2 or x.shape[0] < stride:
+            return None
+        return x[offset::stride], grad_out[offset::stride]
+
     def exact_rows_math(self) -> ConvMath | None:
         """The same convolution with ``rows="exact"`` (None when its rows already are)."""
         if self.dense_rows:

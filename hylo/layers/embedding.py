@@ -103,6 +103,14 @@ class EmbeddingMath(LayerMath):
         g = self._g(grad_out, scale)
         return torch.diag(counts), g.mT @ g
 
+    def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
+        """The tokens ≡ ``offset`` (mod ``stride``) in the flat index order and their output gradients (strided
+        views); None with fewer tokens than ``stride``."""
+        tokens = x.reshape(-1)
+        if tokens.shape[0] < stride:
+            return None
+        return tokens[offset::stride], grad_out.reshape(-1, self.d_g)[offset::stride]
+
     def weight_grad(self) -> Tensor | None:
         """The weight's (V, D) gradient (this rank's (V_p, D) rows under FSDP2), written in place; ``ValueError``
         if it is sparse."""

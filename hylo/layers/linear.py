@@ -45,6 +45,14 @@ class LinearMath(LayerMath):
         a, g = self._rows(x, grad_out, scale)
         return a.mT @ a, g.mT @ g
 
+    def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
+        """The rows (leading positions, across all sequences of the batch) ≡ ``offset`` (mod ``stride``): strided
+        views; None with fewer rows than ``stride``."""
+        a = x.reshape(-1, x.shape[-1])
+        if a.shape[0] < stride:
+            return None
+        return a[offset::stride], grad_out.reshape(-1, grad_out.shape[-1])[offset::stride]
+
 
 class TransposedLinearMath(LinearMath):
     """A Linear whose ``weight`` is stored as (d_in, d_out), y = x·weight + bias (Hugging Face's ``Conv1D``).

@@ -38,6 +38,7 @@ NAMED_METHODS = (
     "empty_rows",
     "row_work",
     "kfac_factors",
+    "sampled_call",
     "kaisa_ratio",
     "exact_rows_math",
     "grad_tensor",
@@ -218,6 +219,12 @@ class LayerMath(ABC):
         Divide the first by the K-FAC row count and the second by the sample count (see
         :meth:`row_counts`) summed over the step's calls.
         """
+
+    def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
+        """The call restricted to its sampling units (a Linear's rows, a convolution's samples) ≡ ``offset``
+        (mod ``stride``), for :meth:`kfac_factors` (docs/solvers.md, "Sampled factors"); None: all its rows are
+        kept (this default, and a call with fewer units than ``stride``)."""
+        return None
 
     def kaisa_ratio(self, rows: int, kfac_rows: int) -> float:
         """c = hylo's Fisher over KAISA's on this layer: n², KAISA's G being of the raw ∂L/∂s = g/n."""

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from hylo.layers.math import LayerMath, naming_layer
 from hylo.layers.rows import DenseRows, FactoredRows, SampleRows, concat_rows
+from hylo.layers.sampling import RowSample
 
 T = TypeVar("T")
 
@@ -40,6 +41,13 @@ class CallStatistic(ABC, Generic[T]):
     @abstractmethod
     def of_call(self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> T:
         """The statistic of one call, output gradients multiplied by ``scale``."""
+
+    def of_sampled_call(
+        self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float, sample: RowSample | None
+    ) -> T:
+        """The statistic of one call under the step's row ``sample`` (None: every row); a statistic that does not
+        sample (this default) is :meth:`of_call`'s (docs/solvers.md, "Sampled factors")."""
+        return self.of_call(math, x, grad_out, scale)
 
     @abstractmethod
     def rescaled(self, math: LayerMath, value: T, factor: float) -> T:
@@ -70,6 +78,17 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
     def of_call(self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """The call's unnormalised factors."""
         return math.kfac_factors(x, grad_out, scale)
+
+    def of_sampled_call(
+        self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float, sample: RowSample | None
+    ) -> tuple[Tensor, Tensor]:
+        """k·Σ a aᵀ and k·Σ g gᵀ over the sampled rows (an unbiased estimate of the call's sums), or every row's
+        when ``sample`` is None or keeps them all (docs/solvers.md, "Sampled factors")."""
+        part = None if sample is None else sample.of_call(math, x, grad_out)
+        if sample is None or part is None:
+            return math.kfac_factors(x, grad_out, scale)
+        factor_a, factor_g = math.kfac_factors(*part, scale)
+        return factor_a.mul_(sample.stride), factor_g.mul_(sample.stride)
 
     def rescaled(self, math: LayerMath, value: tuple[Tensor, Tensor], factor: float) -> tuple[Tensor, Tensor]:
         """G scales by ``factor``² (A does not depend on the output gradients)."""
@@ -166,6 +185,8 @@ class CapturedCall:
     raw: tuple[Tensor, Tensor] | None = None
     reduced: Mapping[CallStatistic[Any], Any] = field(default_factory=dict)
     scale: float = 1.0
+    #: The step's row sample its statistics are (or, kept raw, will be) computed under (None: every row).
+    sample: RowSample | None = None
 
     @classmethod
     def of(cls, math: LayerMath, call: Call) -> CapturedCall:
@@ -191,23 +212,27 @@ class CapturedCall:
 Call = CapturedCall | tuple[Tensor, Tensor]
 
 
-def capture_call(math: LayerMath, x: Tensor, grad_out: Tensor, plan: CapturePlan | None) -> CapturedCall:
+def capture_call(
+    math: LayerMath, x: Tensor, grad_out: Tensor, plan: CapturePlan | None, sample: RowSample | None = None
+) -> CapturedCall:
     """One call as the update needs it: reduced per ``plan`` when that takes fewer bytes than its input
     and output gradient, else kept raw (docs/design.md, "Memory").
 
     The rule keeps a Linear's low-rank calls raw (its rows are its input and output gradient) and
     reduces a convolution's (its rows and factors are far smaller than its feature maps), except
-    where a K-FAC factor (d_a² numbers) outweighs a small batch's feature maps. An error raised here
-    (in the backward that runs the hook) names the layer.
+    where a K-FAC factor (d_a² numbers) outweighs a small batch's feature maps. ``sample``: the step's row
+    sample of the layer, kept with the call either way, so that a call kept raw gives at the update the bits
+    its hook would have (docs/solvers.md, "Sampled factors"). An error raised here (in the backward that runs
+    the hook) names the layer.
     """
     with naming_layer(math):
         rows, kfac_rows = math.row_counts(x, grad_out)
         if plan is None:
-            return CapturedCall(rows, kfac_rows, raw=(x, grad_out))
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out), sample=sample)
         statistics = sorted(plan.statistics, key=lambda statistic: statistic.name)
         numbers = sum(statistic.numbers(math, rows, kfac_rows) for statistic in statistics)
         raw_bytes = x.numel() * x.element_size() + grad_out.numel() * grad_out.element_size()
         if numbers * math.dtype.itemsize >= raw_bytes:
-            return CapturedCall(rows, kfac_rows, raw=(x, grad_out), scale=plan.scale)
-        reduced = {statistic: statistic.of_call(math, x, grad_out, plan.scale) for statistic in statistics}
-        return CapturedCall(rows, kfac_rows, reduced=reduced, scale=plan.scale)
+            return CapturedCall(rows, kfac_rows, raw=(x, grad_out), scale=plan.scale, sample=sample)
+        reduced = {s: s.of_sampled_call(math, x, grad_out, plan.scale, sample) for s in statistics}
+        return CapturedCall(rows, kfac_rows, reduced=reduced, scale=plan.scale, sample=sample)

@@ -13,6 +13,8 @@ is owed — and answers, for the current step:
   policy a layer keeps its low-rank rows always and K-FAC's factors where the policy's
   **forecast** (its rule on this step's row counts and the current critical flags, the trend not
   sampled) picks K-FAC;
+- **row sample**: the rows of each call K-FAC's factors are formed from (``factor_sample``, a pure function
+  of the seed, the step and the layer's name: docs/solvers.md, "Sampled factors");
 - **reconciliation**: after the policy's one decision per update, a layer whose calls every rank
   reduced for one family only, but decided for another, keeps the family its data serves (reason
   ``"planned"``).
@@ -34,6 +36,7 @@ from hylo.config import HyLoConfig, resolve
 from hylo.distributed import Communicator
 from hylo.layers.batch import LayerBatch, LayerShape
 from hylo.layers.capture import LayerCapture, backward_pass
+from hylo.layers.sampling import RowSample, row_sample
 from hylo.layers.statistics import CallStatistic, CapturedCall, CapturePlan
 from hylo.payload import CONTROL, Payload
 from hylo.policy import SolverPolicy, decode_decisions, encode_decisions, is_dynamic, kfac_refusal
@@ -179,6 +182,14 @@ class Planner:
                 costs.append(family_of(solver).cost(shape, solver, options).solve)
             self._offsets[freq] = stagger_offsets(costs, freq)
         return self._offsets[freq]
+
+    def sample(self, index: int, config: HyLoConfig) -> RowSample | None:
+        """The rows layer ``index``'s factors are formed from at this step (None: every row; docs/solvers.md,
+        "Sampled factors"): the same in its gradient hook and at ``step()``, on every rank and after a resume."""
+        kfac = config.kfac
+        return row_sample(
+            kfac.factor_sample, kfac.factor_sampler, config.lowrank.seed, self.step, self.layers[index].name
+        )
 
     def capturing(self, config: HyLoConfig, name: str) -> bool:
         """Whether this step captures layer ``name``'s inputs and output gradients."""

@@ -22,6 +22,7 @@ from torch import Tensor
 from hylo.layers.batch import LayerShape
 from hylo.layers.conv import DEFAULT_KFC_EXPONENT
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.sampling import FACTOR_SAMPLE_DOC, FACTOR_SAMPLE_RULE, FACTOR_SAMPLER_DOC, FACTOR_SAMPLER_RULE
 from hylo.layers.statistics import FACTORS
 from hylo.numerics import eigh_many, spd_inverse_many
 from hylo.payload import Payload
@@ -71,6 +72,8 @@ class KFACConfig(Section):
         rule=COUNT,
         schedule=True,
     )
+    factor_sample: float = option(1.0, doc=FACTOR_SAMPLE_DOC, rule=FACTOR_SAMPLE_RULE)
+    factor_sampler: str = option("strided", doc=FACTOR_SAMPLER_DOC, rule=FACTOR_SAMPLER_RULE)
     kfac_method: str = option(
         "eigen",
         doc="'eigen': (A ⊗ G + λI)⁻¹ exactly, through eigendecompositions, four products a step; 'inverse': "
