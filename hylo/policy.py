@@ -80,7 +80,7 @@ MB = 2**20
 def kfac_refusal(d_a: int, d_g: int, itemsize: int, config: HyLoConfig, solver: str = "kfac") -> str | None:
     """Why a (d_g, d_a) layer never gets ``solver`` (a K-FAC-factor state over ``kfac_max_state_mb``), or None."""
     limit = config.kfac.kfac_max_state_mb
-    size = family_of(solver).state_bytes(d_a, d_g, itemsize)
+    size = family_of(solver).state_bytes(d_a, d_g, itemsize, config.kfac.factor_block)
     if limit is None or size is None or size <= limit * MB:
         return None
     shown = f"{size / MB:,.0f}" if size >= 10 * MB else f"{size / MB:.3g}"

@@ -72,6 +72,8 @@ def registered_layers(found: Registration, config: HyLoConfig) -> list[Registere
     :func:`~hylo.policy.check_kfac_budget` if one configured for K-FAC is over ``kfac_max_state_mb``, and
     then every hook ``found`` placed is removed (the model is left as it was)."""
     layers = [RegisteredLayer(f.name, f.math, f.capture, config.initial_solver(f.name)) for f in found.layers]
+    for layer in layers:  # the statistic forms blocked factors (docs/solvers.md, "Blocked factors")
+        layer.math.factor_block = config.kfac.factor_block
     try:
         check_kfac_budget([layer.shape() for layer in layers], config)
     except ValueError:

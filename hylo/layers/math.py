@@ -199,6 +199,9 @@ class LayerMath(ABC):
     #: What the low-rank rows are, in the studies' ``reference`` column: ``"exact"`` per-sample gradients,
     #: or the name of a surrogate (a convolution's ``conv_rows``).
     rows_form: str = "exact"
+    #: The maximum block size of the layer's K-FAC factors (``factor_block``; None: whole factors), which the
+    #: statistic reads when it forms them (docs/solvers.md, "Blocked factors").
+    factor_block: int | None = None
 
     @abstractmethod
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import Tensor
 
+from hylo.layers.blocks import call_factors, side_numbers, zero_factor
 from hylo.layers.math import LayerMath, naming_layer
 from hylo.layers.rows import DenseRows, FactoredRows, SampleRows, concat_rows
 from hylo.layers.sampling import RowSample
@@ -72,11 +73,13 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
     name = "factors"
 
     def numbers(self, math: LayerMath, rows: int, kfac_rows: int) -> int:
-        """d_a² + d_g², whatever the call's size."""
-        return math.d_a**2 + math.d_g**2
+        """d_a² + d_g² (Σ sᵢ² of a blocked side), whatever the call's size."""
+        return side_numbers(math.d_a, math.factor_block) + side_numbers(math.d_g, math.factor_block)
 
     def of_call(self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """The call's unnormalised factors."""
+        """The call's unnormalised factors (a blocked side's diagonal blocks, packed: :func:`call_factors`)."""
+        if math.factor_block is not None:
+            return call_factors(math, x, grad_out, scale)
         return math.kfac_factors(x, grad_out, scale)
 
     def of_sampled_call(
@@ -103,11 +106,11 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
         return a, g
 
     def empty(self, math: LayerMath) -> tuple[Tensor, Tensor]:
-        """Zero factors."""
+        """Zero factors (packed where a side is blocked)."""
         device = math.weight.device
         return (
-            torch.zeros(math.d_a, math.d_a, dtype=math.dtype, device=device),
-            torch.zeros(math.d_g, math.d_g, dtype=math.dtype, device=device),
+            zero_factor(math.d_a, math.factor_block, math.dtype, device),
+            zero_factor(math.d_g, math.factor_block, math.dtype, device),
         )
 
     def tensors(self, value: tuple[Tensor, Tensor]) -> list[Tensor]:

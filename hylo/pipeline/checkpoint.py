@@ -155,7 +155,7 @@ RESTORABLE = (
     "seed",
 )
 #: Options a state_dict must have been made with: the saved running factors' scale depends on them.
-MATCHING = ("solver", "damping_convention", "kfc_exponent")
+MATCHING = ("solver", "damping_convention", "kfc_exponent", "factor_block")
 
 
 def save(

@@ -428,9 +428,10 @@ class SolverFamily(ABC, Generic[PreparedT]):
     def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
         """What a rank that does not own the layer keeps for the next update."""
 
-    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int, block: int | None = None) -> int | None:
         """Bytes of a (d_g, d_a) layer's state held on every rank, known before any update, when
-        ``kfac_max_state_mb`` bounds it; None: not bounded (the low-rank states grow with the batch)."""
+        ``kfac_max_state_mb`` bounds it (K-FAC factors in blocks of at most ``block``, ``factor_block``); None: not
+        bounded (the low-rank states grow with the batch)."""
         return None
 
     def rows_kept(self, batch: LayerBatch, solver: str) -> int:

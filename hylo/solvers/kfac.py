@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from hylo.layers.batch import LayerShape
+from hylo.layers.blocks import BlockLayout, side_numbers
 from hylo.layers.conv import DEFAULT_KFC_EXPONENT
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sampling import FACTOR_SAMPLE_DOC, FACTOR_SAMPLE_RULE, FACTOR_SAMPLER_DOC, FACTOR_SAMPLER_RULE
@@ -43,6 +44,26 @@ from hylo.solvers.base import (
     checked_tensors,
     positive_number,
 )
+from hylo.solvers.blockdiag import (
+    blocks,
+    joined,
+    rotated_in,
+    rotated_out,
+    shifted,
+)
+from hylo.solvers.kfac_blocks import (
+    block_width,
+    cubes,
+    decomposed,
+    factor_layouts,
+    factors_of,
+    held_shapes,
+    inverse_layouts,
+    side_width,
+    square_shape,
+    state_layouts,
+)
+from hylo.solvers.kfac_inverse import KFACInverseState, split_damping
 from hylo.solvers.kfac_kernels import EigenKernel, InverseKernel
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
@@ -98,42 +119,52 @@ class KFACConfig(Section):
         rule=Rule(lambda x: is_real(x) and x > 0, "a number > 0 (inf or None: no limit)"),
     )
 
+    factor_block: int | None = option(
+        None,
+        doc="the largest block of a K-FAC factor (every family that keeps K-FAC factors): a side wider than it is held as k = ⌈d/b⌉ "
+        "diagonal blocks of balanced sizes, each with its own eigenbasis (or inverse), so that its statistics cost "
+        "n·Σ sᵢ² instead of n·d², its decompositions Σ sᵢ³ instead of d³ and its products d·s instead of d² per "
+        'row (docs/solvers.md, "Blocked factors"); None (or b ≥ d): whole factors',
+        rule=COUNT,
+        fixed=True,
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._set("kfc_exponent", float(self.kfc_exponent))
 
 
-def eigen_shapes(d_a: int, d_g: int) -> dict[str, tuple[int, ...]]:
+def eigen_shapes(d_a: int, d_g: int, block: int | None = None) -> dict[str, tuple[int, ...]]:
     """The shapes of a (d_g, d_a) layer's running factors and their eigendecompositions, by field name (what
-    :class:`KFACState` holds, and the K-FAC part of a state that builds on it)."""
+    :class:`KFACState` holds, and the K-FAC part of a state that builds on it), a side wider than ``block`` packed."""
     return {
-        "factor_a": (d_a, d_a),
-        "factor_g": (d_g, d_g),
+        "factor_a": square_shape(d_a, block),
+        "factor_g": square_shape(d_g, block),
         "evals_a": (d_a,),
-        "evecs_a": (d_a, d_a),
+        "evecs_a": square_shape(d_a, block),
         "evals_g": (d_g,),
-        "evecs_g": (d_g, d_g),
+        "evecs_g": square_shape(d_g, block),
     }
 
 
-def kfac_state_bytes(d_a: int, d_g: int, itemsize: int) -> int:
+def kfac_state_bytes(d_a: int, d_g: int, itemsize: int, block: int | None = None) -> int:
     """Bytes of one layer's K-FAC state as :class:`KFACState` holds it: the running A (d_a×d_a, dense also for an
-    embedding's diagonal one) and G (d_g×d_g), their eigenvectors (the same sizes) and eigenvalues (d_a + d_g), in
-    the working dtype."""
-    return (2 * (d_a * d_a + d_g * d_g) + d_a + d_g) * itemsize
+    embedding's diagonal one; Σ sᵢ² blocked) and G, their eigenvectors (the same sizes) and eigenvalues (d_a + d_g),
+    in the working dtype."""
+    return (2 * (side_numbers(d_a, block) + side_numbers(d_g, block)) + d_a + d_g) * itemsize
 
 
-def eigh_work(d_a: int, d_g: int) -> float:
-    """Multiply-adds of eigendecomposing a (d_a × d_a) and a (d_g × d_g) factor."""
-    return EIGH_COST * (float(d_a) ** 3 + float(d_g) ** 3)
+def eigh_work(d_a: int, d_g: int, block: int | None = None) -> float:
+    """Multiply-adds of eigendecomposing a (d_a × d_a) and a (d_g × d_g) factor (block by block)."""
+    return EIGH_COST * (cubes(d_a, block) + cubes(d_g, block))
 
 
-def solve_work(d_a: int, d_g: int, method: str) -> float:
+def solve_work(d_a: int, d_g: int, method: str, block: int | None = None) -> float:
     """Multiply-adds of solving a layer's two factors by ``kfac_method``: eigendecompositions, or damped inverses
     by Cholesky."""
     if method == "inverse":
-        return INVERSE_COST * (float(d_a) ** 3 + float(d_g) ** 3)
-    return eigh_work(d_a, d_g)
+        return INVERSE_COST * (cubes(d_a, block) + cubes(d_g, block))
+    return eigh_work(d_a, d_g, block)
 
 
 @dataclass
@@ -155,17 +186,34 @@ class KFACState(LayerState):
     damping: float
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient (∇W Q_a taken part by part: no concatenated copy)."""
+        """Preconditioned (d_g, d_a) gradient (∇W Q_a taken part by part: no concatenated copy; block by block where
+        a side is blocked)."""
         parts = GradMatrix.of(grad)
+        if self.blocked:
+            layouts = self.layouts()
+            rotated = rotated_in(parts.to(self.evecs_a.dtype).full(), self.evecs_g, self.evecs_a, layouts)
+            rotated = rotated.div(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
+            return rotated_out(rotated, self.evecs_g, self.evecs_a, layouts)
         rotated = self.evecs_g.mT @ parts.to(self.evecs_a.dtype).times(self.evecs_a)
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
         return self.evecs_g @ rotated @ self.evecs_a.mT
+
+    @property
+    def blocked(self) -> bool:
+        """Whether a side holds packed blocks (docs/solvers.md, "Blocked factors")."""
+        return self.evecs_a.dim() == 1 or self.evecs_g.dim() == 1
+
+    def layouts(self) -> tuple[BlockLayout | None, BlockLayout | None]:
+        """(G's, A's) block layouts (None: a dense side)."""
+        return state_layouts(self.evecs_g, self.evecs_a, self.evals_g.shape[0], self.evals_a.shape[0])
 
     def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
         """This rank's part of ∇W Q_a: Q_gᵀ (∇W Q_a) mixes all rows, so a rank's rows of it are gathered; from a
         rank's columns of ∇W, ∇W Q_a is a sum over ranks (d_g·d_a numbers either way)."""
         shard = grad.shard
         assert shard is not None
+        if self.blocked:
+            return super().shard_partial(grad)
         work = grad.to(self.evecs_a.dtype)
         if shard.axis == 0:
             return Exchange.ROWS, work.times(self.evecs_a)
@@ -175,6 +223,8 @@ class KFACState(LayerState):
         """This rank's rows (or columns) of V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ from the whole ∇W Q_a."""
         shard = grad.shard
         assert shard is not None
+        if self.blocked:
+            return super().shard_finish(grad, received)
         rotated = self.evecs_g.mT @ received
         rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
         if shard.axis == 0:
@@ -204,8 +254,8 @@ class KFACState(LayerState):
         if "divisor" in entry:
             raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
         damping = positive_number(entry, "damping")
-        shapes = eigen_shapes(d_a, d_g)
         tensors = entry.get("tensors")
+        shapes = held_shapes(tensors, d_a, d_g, eigen_shapes(d_a, d_g))
         if isinstance(tensors, Mapping) and "inverse_a" in tensors:
             return KFACInverseState.from_dict(entry, d_a, d_g, dtype, device)
         t = checked_tensors(tensors, shapes, dict.fromkeys(shapes, dtype), device)
@@ -218,109 +268,25 @@ class KFACState(LayerState):
     def carried_from_dict(
         cls, carried: object, d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
     ) -> dict[str, Tensor]:
-        """The running factors A (d_a × d_a) and G (d_g × d_g) in ``dtype``, else ``ValueError``."""
-        shapes = {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g)}
+        """The running factors A (d_a × d_a) and G (d_g × d_g; packed blocks where blocked) in ``dtype``, else
+        ``ValueError``."""
+        shapes = held_shapes(carried, d_a, d_g, {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g)})
         return checked_tensors(carried, shapes, dict.fromkeys(shapes, dtype), device)
 
 
 @dataclass
-class KFACInverseState(LayerState):
-    """Running Kronecker factors of one layer and their damped inverses (``kfac_method="inverse"``).
-
-    ``precondition`` computes V̂ = (G + δ_g I)⁻¹ ∇W (A + δ_a I)⁻¹ with δ_a δ_g = λ (:func:`split_damping`): the
-    inverse of (A + δ_a I) ⊗ (G + δ_g I) = A ⊗ G + λI + δ_g A ⊗ I + δ_a I ⊗ G, a damping larger than λ's alone,
-    in two products (docs/solvers.md, "The inverse method").
-    """
-
-    family: ClassVar[str] = "kfac"
-
-    factor_a: Tensor
-    factor_g: Tensor
-    inverse_a: Tensor
-    inverse_g: Tensor
-    damping: float
-
-    def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient (∇W (A + δ_a I)⁻¹ taken part by part)."""
-        parts = GradMatrix.of(grad)
-        return self.inverse_g @ parts.to(self.inverse_a.dtype).times(self.inverse_a)
-
-    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's term of V̂ = Σ_ranks G⁻¹[:, rows] ∇W[rows] A⁻¹ (or G⁻¹ ∇W[:, cols] A⁻¹[cols]), summed over
-        ranks (d_g·d_a numbers)."""
-        shard = grad.shard
-        assert shard is not None
-        work = grad.to(self.inverse_a.dtype)
-        if shard.axis == 0:
-            return Exchange.SUM, self.inverse_g[:, shard.start : shard.stop] @ work.times(self.inverse_a)
-        return Exchange.SUM, self.inverse_g @ work.times(self.inverse_a[shard.start : shard.stop])
-
-    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows (or columns) of the summed V̂."""
-        shard = grad.shard
-        assert shard is not None
-        if shard.axis == 0:
-            return received[shard.start : shard.stop]
-        return received[:, shard.start : shard.stop]
-
-    def plan_parts(self) -> tuple[object, ...]:
-        """The damped inverses and λ (a refresh, which replaces only the factors, keeps the group kernel)."""
-        return (self.inverse_a, self.inverse_g, self.damping)
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Factors and damped inverses by name."""
-        return {
-            "factor_a": self.factor_a,
-            "factor_g": self.factor_g,
-            "inverse_a": self.inverse_a,
-            "inverse_g": self.inverse_g,
-        }
-
-    def carried(self) -> dict[str, Tensor]:
-        """The running factors, which the next update blends with its batch factors."""
-        return {"factor_a": self.factor_a, "factor_g": self.factor_g}
-
-    @classmethod
-    def from_dict(
-        cls, entry: Mapping[str, Any], d_a: int, d_g: int, dtype: torch.dtype, device: torch.device
-    ) -> KFACInverseState:
-        """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
-        ``dtype`` and the damping is a finite number > 0 (docs/reliability.md, "Validation")."""
-        if "divisor" in entry:
-            raise ValueError("state_dict entry holds a divisor, which a K-FAC state has none of")
-        damping = positive_number(entry, "damping")
-        shapes = {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g), "inverse_a": (d_a, d_a), "inverse_g": (d_g, d_g)}
-        t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
-        return cls(t["factor_a"], t["factor_g"], t["inverse_a"], t["inverse_g"], damping)
-
-
-def split_damping(factor_a: Tensor, factor_g: Tensor, damping: float) -> tuple[Tensor, Tensor]:
-    """Factored Tikhonov damping (δ_a, δ_g) = (π√λ, √λ/π), π = sqrt((tr A / d_a) / (tr G / d_g)) (1 where a trace
-    is not finite and > 0), so δ_a δ_g = λ: the shift of each factor in proportion to its mean eigenvalue (Martens
-    & Grosse's π; docs/solvers.md, "The inverse method"). 0-dim float64 tensors, no host sync."""
-    mean_a = torch.diagonal(factor_a).sum(dtype=torch.float64) / factor_a.shape[0]
-    mean_g = torch.diagonal(factor_g).sum(dtype=torch.float64) / factor_g.shape[0]
-    ratio = mean_a / mean_g
-    usable = (mean_a > 0) & (mean_g > 0) & torch.isfinite(ratio) & (ratio > 0)
-    pi = torch.where(usable, ratio, torch.ones_like(ratio)).sqrt()
-    root = damping**0.5
-    return pi * root, root / pi
-
-
-def _shifted(factor: Tensor, shift: Tensor) -> Tensor:
-    """factor + shift·I (a new tensor; the running factor is kept)."""
-    out = factor.clone()
-    out.diagonal().add_(shift.to(factor.dtype))
-    return out
-
-
-@dataclass
 class KFACFactors:
-    """A layer's running factors after this update's blend, and how the owner solves them (``method``)."""
+    """A layer's running factors after this update's blend, and how the owner solves them (``method``); ``layouts``:
+    A's and G's blocks (None: a dense side)."""
 
     factor_a: Tensor
     factor_g: Tensor
     method: str = "eigen"
+    layouts: tuple[BlockLayout | None, BlockLayout | None] = (None, None)
+
+    def widths(self) -> tuple[int, int]:
+        """(d_a, d_g)."""
+        return side_width(self.factor_a, self.layouts[0]), side_width(self.factor_g, self.layouts[1])
 
 
 def blend_factors(
@@ -349,12 +315,14 @@ def running_factors(
     return out
 
 
-def eigen_template(factor_a: Tensor, factor_g: Tensor) -> dict[str, Tensor]:
-    """Buffers for another rank's eigendecompositions of ``factor_a`` and ``factor_g``."""
+def eigen_template(factor_a: Tensor, factor_g: Tensor, widths: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """Buffers for another rank's eigendecompositions of ``factor_a`` and ``factor_g`` (of ``widths`` (d_a, d_g)
+    where a side is packed)."""
+    d_a, d_g = widths or (factor_a.shape[0], factor_g.shape[0])
     return {
-        "evals_a": factor_a.new_empty(factor_a.shape[0]),
+        "evals_a": factor_a.new_empty(d_a),
         "evecs_a": torch.empty_like(factor_a),
-        "evals_g": factor_g.new_empty(factor_g.shape[0]),
+        "evals_g": factor_g.new_empty(d_g),
         "evecs_g": torch.empty_like(factor_g),
     }
 
@@ -403,8 +371,11 @@ class KFACFamily(SolverFamily[KFACFactors]):
     def prepare(self, jobs: Sequence[UpdateJob], received: Payload, context: UpdateContext) -> list[KFACFactors]:
         """Blend the rank-averaged batch factors into each layer's running factors."""
         factors = running_factors(jobs, received, context.factor_decay, self.name)
-        method = context.options(KFACConfig).kfac_method
-        return [KFACFactors(factor_a, factor_g, method) for factor_a, factor_g in factors]
+        options = context.options(KFACConfig)
+        return [
+            KFACFactors(factor_a, factor_g, options.kfac_method, factor_layouts(job, options.factor_block))
+            for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
+        ]
 
     def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
         """Factors n_k(d_a² + d_g²); by ``kfac_method``, eigendecompositions 4(d_a³ + d_g³) and rotations
@@ -414,33 +385,58 @@ class KFACFamily(SolverFamily[KFACFactors]):
         all-reduce of A and G (twice their size) and the broadcast of the eigenvectors (or inverses).
         """
         d_a, d_g = shape.d_a, shape.d_g
-        method = options(KFACConfig).kfac_method
-        exchanged = 3.0 * (d_a**2 + d_g**2) if shape.world_size > 1 else 0.0
+        method, block = options(KFACConfig).kfac_method, options(KFACConfig).factor_block
+        squares = float(side_numbers(d_a, block) + side_numbers(d_g, block))
+        exchanged = 3.0 * squares if shape.world_size > 1 else 0.0
         return CostEstimate(
-            build=shape.kfac_rows * (d_a**2 + d_g**2),
-            solve=solve_work(d_a, d_g, method),
-            apply=(1.0 if method == "inverse" else 2.0) * d_a * d_g * (d_a + d_g),
+            build=shape.kfac_rows * squares,
+            solve=solve_work(d_a, d_g, method, block),
+            apply=(1.0 if method == "inverse" else 2.0)
+            * d_a
+            * d_g
+            * (block_width(d_a, block) + block_width(d_g, block)),
             bytes=exchanged * shape.itemsize,
         )
 
     def solve_cost(self, prepared: KFACFactors) -> float:
-        """The eigendecompositions' (or inverses') cost."""
-        return solve_work(prepared.factor_a.shape[0], prepared.factor_g.shape[0], prepared.method)
+        """The eigendecompositions' (or inverses') cost (block by block)."""
+        layout_a, layout_g = prepared.layouts
+        d_a, d_g = prepared.widths()
+        work = cubes(d_a, layout_a.largest if layout_a else None) + cubes(d_g, layout_g.largest if layout_g else None)
+        return (INVERSE_COST if prepared.method == "inverse" else EIGH_COST) * work
 
     def solve(self, prepared: Sequence[KFACFactors], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Eigendecompositions of every A and G batched by shape (or, for the layers of the inverse method, their
         damped inverses, batched by shape); each layer's solution in its order."""
         out: list[dict[str, Tensor]] = [{} for _ in prepared]
         eigen = [i for i, f in enumerate(prepared) if f.method == "eigen"]
-        decompositions = eigh_many([m for i in eigen for m in (prepared[i].factor_a, prepared[i].factor_g)])
-        for i, (ea, qa), (eg, qg) in zip(eigen, decompositions[0::2], decompositions[1::2], strict=True):
+        sides = [
+            (i, f, layout)
+            for i in eigen
+            for f, layout in zip(factors_of(prepared[i]), prepared[i].layouts, strict=True)
+        ]
+        units = [blocks(f, layout) for _, f, layout in sides]  # a blocked side's blocks, each decomposed alone
+        results = iter(eigh_many([u for side in units for u in side]))
+        solved = [
+            decomposed(side, layout, [next(results) for _ in side])
+            for side, (_, _, layout) in zip(units, sides, strict=True)
+        ]
+        for i, (ea, qa), (eg, qg) in zip(eigen, solved[0::2], solved[1::2], strict=True):
             out[i] = {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
         inverse = [i for i, f in enumerate(prepared) if f.method == "inverse"]
-        shifted = []
+        parts: list[list[Tensor]] = []
         for i in inverse:
-            delta_a, delta_g = split_damping(prepared[i].factor_a, prepared[i].factor_g, context.damping)
-            shifted += [_shifted(prepared[i].factor_a, delta_a), _shifted(prepared[i].factor_g, delta_g)]
-        inverses = spd_inverse_many(shifted)
+            p = prepared[i]
+            delta_a, delta_g = split_damping(p.factor_a, p.factor_g, context.damping, p.layouts)
+            parts += [
+                blocks(shifted(p.factor_a, p.layouts[0], delta_a), p.layouts[0]),
+                blocks(shifted(p.factor_g, p.layouts[1], delta_g), p.layouts[1]),
+            ]
+        flat = iter(spd_inverse_many([u for side in parts for u in side]))
+        inverses = [
+            joined([next(flat) for _ in side], layout)
+            for side, layout in zip(parts, inverse_layouts(prepared, inverse), strict=True)
+        ]
         for i, inv_a, inv_g in zip(inverse, inverses[0::2], inverses[1::2], strict=True):
             out[i] = {"inverse_a": inv_a, "inverse_g": inv_g}
         return out
@@ -450,7 +446,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         fa, fg = prepared.factor_a, prepared.factor_g
         if prepared.method == "inverse":
             return {"inverse_a": torch.empty_like(fa), "inverse_g": torch.empty_like(fg)}
-        return eigen_template(fa, fg)
+        return eigen_template(fa, fg, prepared.widths())
 
     def assemble(
         self, prepared: KFACFactors, solution: Mapping[str, Tensor], context: UpdateContext
@@ -475,9 +471,9 @@ class KFACFamily(SolverFamily[KFACFactors]):
         """Every rank keeps the running factors (the next update blends with them)."""
         return {"factor_a": prepared.factor_a, "factor_g": prepared.factor_g}
 
-    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
-        """:func:`kfac_state_bytes` (the eigen method's, the larger)."""
-        return kfac_state_bytes(d_a, d_g, itemsize)
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int, block: int | None = None) -> int | None:
+        """:func:`kfac_state_bytes` (the eigen method's, the larger), a side wider than ``block`` in blocks."""
+        return kfac_state_bytes(d_a, d_g, itemsize, block)
 
     def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
         """:class:`~hylo.solvers.kfac_kernels.EigenKernel` or :class:`~hylo.solvers.kfac_kernels.InverseKernel`

@@ -2,18 +2,27 @@
 
 docs/solvers.md, "Adam in the K-FAC eigenbasis": :class:`KFACAdamConfig` is the family's config section,
 :class:`AdamRule` the hyperparameters a state applies at every step, :func:`adapted` one step of the moments of
-the rotated gradient R (the arithmetic the family's group kernel runs as lists).
+the rotated gradient R (the arithmetic the family's group kernel runs as lists), :func:`carried_moments` the moments
+carried into a new basis at an update, dense or block-diagonal (docs/solvers.md, "Blocked factors").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
+from hylo.numerics import POWER_COST
 from hylo.rules import Rule, Section, is_real, option
+from hylo.solvers.blockdiag import column_argmax, joined, left, product, times
+from hylo.solvers.kfac import EIGH_COST
+from hylo.solvers.kfac_blocks import cubes
+
+if TYPE_CHECKING:
+    from hylo.solvers.bundled.kfac_adam import KFACAdamInputs, KFACAdamState
 
 #: Where the second moment v̂ comes from (see :class:`KFACAdamConfig`).
 SecondMoment = Literal["gradient", "factors"]
@@ -118,3 +127,83 @@ def adapted(
         v_hat = v / (1.0 - rule.beta2**steps)
     denominator = v_hat.sqrt_() if rule.exponent == 0.5 else v_hat.pow_(rule.exponent)
     return torch.div(m, denominator.add_(rule.eps)).mul_(1.0 / (1.0 - rule.beta1**steps)), m, v
+
+
+#: A side's index in (A's, G's) pairs.
+SIDES = {"a": 0, "g": 1}
+
+
+def side_layout(layouts: tuple[Any, Any], side: str) -> Any:
+    """Side ``"a"``'s or ``"g"``'s layout of an (A's, G's) pair (None: dense)."""
+    return layouts[SIDES[side]]
+
+
+def blocked_moments(previous: KFACAdamState, evecs_a: Tensor, evecs_g: Tensor, carry: str) -> tuple[Tensor, Tensor]:
+    """(m, v) of ``previous`` carried into the new bases where a side is packed: every product of
+    :func:`~hylo.solvers.bundled.kfac_adam.carried_moments` block by block (P = Q_oldᵀ Q_new and P∘P are
+    block-diagonal; ``"keep"`` pairs a column with the old column of its own block)."""
+    layout_g, layout_a = previous.layouts()
+    p_a = product(previous.evecs_a, evecs_a, layout_a, transpose=True)
+    p_g = product(previous.evecs_g, evecs_g, layout_g, transpose=True)
+    m = left(p_g, times(previous.exp_avg, p_a, layout_a), layout_g, transpose=True)
+    weights_a, weights_g = p_a.square(), p_g.square()
+    v = left(weights_g, times(previous.exp_avg_sq, weights_a, layout_a), layout_g, transpose=True)
+    if carry == "keep":
+        rows, cols = column_argmax(weights_g, layout_g), column_argmax(weights_a, layout_a)
+        v = torch.maximum(previous.exp_avg_sq.index_select(0, rows).index_select(1, cols), v)
+    return m, v
+
+
+def joined_side(pieces: Sequence[tuple[Tensor, Tensor]], layout: Any) -> tuple[Tensor, Tensor]:
+    """A side's (eigenvalues, basis) from its units' (the dense side's own pair, or its blocks' joined)."""
+    if layout is None:
+        return pieces[0]
+    return torch.cat([e for e, _ in pieces]), joined([q for _, q in pieces], layout)
+
+
+def carried_moments(
+    previous: KFACAdamState | None,
+    evecs_a: Tensor,
+    evecs_g: Tensor,
+    carry: str,
+    widths: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor, int]:
+    """Moments (m, v) in the new basis and the step count (docs/solvers.md, "Degenerate eigenspaces"): zeros and 0
+    without a previous state; else m exactly re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v by ``carry``:
+    ``"project"`` (P_g∘P_g)ᵀ v (P_a∘P_a); ``"keep"`` each entry with its eigenvector pair — new column j takes the
+    entry of the old column it lies most along (argmaxᵢ P_ij²) — and never below the projection, so that a column
+    the basis turned into directions of small v carries the v of what it turned from: m̂_j²/v̂_j ≤ Σᵢ m̂ᵢ²/v̂ᵢ
+    (Cauchy–Schwarz) however the basis turns. A basis that only reorders its columns moves v with them exactly. Blocked sides
+    (``widths``: (d_g, d_a), needed where a side is packed) do all of it block by block (docs/solvers.md, "Blocked factors")."""
+    if previous is None:
+        d_g, d_a = widths or (evecs_g.shape[0], evecs_a.shape[0])
+        zeros = evecs_a.new_zeros(d_g, d_a)
+        return zeros, zeros.clone(), 0
+    if previous.layouts() != (None, None):  # block by block: P and its square are block-diagonal too
+        return (*blocked_moments(previous, evecs_a, evecs_g, carry), previous.steps)
+    p_a = previous.evecs_a.mT @ evecs_a
+    p_g = previous.evecs_g.mT @ evecs_g
+    m = p_g.mT @ previous.exp_avg @ p_a
+    weights_a, weights_g = p_a.square(), p_g.square()
+    v = weights_g.mT @ previous.exp_avg_sq @ weights_a
+    if carry == "keep":
+        paired = previous.exp_avg_sq.index_select(0, weights_g.argmax(dim=0)).index_select(1, weights_a.argmax(dim=0))
+        v = torch.maximum(paired, v)
+    return m, v, previous.steps
+
+
+def basis_work(d_a: int, d_g: int, refresh: str, block: int | None = None) -> float:
+    """Multiply-adds of a layer's basis at an update: eigendecompositions, or the warm-started refresh
+    (:data:`~hylo.numerics.POWER_COST` per d³) for ``refresh="power"``; Σ sᵢ³ of a blocked side's blocks."""
+    return (POWER_COST if refresh == "power" else EIGH_COST) * (cubes(d_a, block) + cubes(d_g, block))
+
+
+def previous_basis(prepared: KFACAdamInputs, side: str) -> Tensor:
+    """The previous state's basis of side ``"a"`` or ``"g"`` (a layer with a previous state)."""
+    assert prepared.previous is not None
+    return prepared.previous.evecs_a if side == "a" else prepared.previous.evecs_g
+
+
+def side_factor(prepared: KFACAdamInputs, side: str) -> Tensor:
+    """The running factor of side ``"a"`` or ``"g"``."""
+    return prepared.factor_a if side == "a" else prepared.factor_g

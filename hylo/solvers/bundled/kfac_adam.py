@@ -39,17 +39,30 @@ from hylo.solvers.base import (
     positive_number,
     stacked,
 )
-from hylo.solvers.bundled.adam_rule import AdamRule, KFACAdamConfig, adapted
+from hylo.solvers.blockdiag import blocks, diagonal, identity, rotated_in, rotated_out
+from hylo.solvers.bundled.adam_rule import (
+    SIDES,
+    AdamRule,
+    KFACAdamConfig,
+    adapted,
+    basis_work,
+    carried_moments,
+    joined_side,
+    previous_basis,
+    side_factor,
+    side_layout,
+)
 from hylo.solvers.kfac import (
+    EIGH_COST,
     KFACConfig,
     KFACFamily,
     KFACState,
     eigen_shapes,
     eigen_template,
-    eigh_work,
     refreshed_states,
     running_factors,
 )
+from hylo.solvers.kfac_blocks import cubes, factor_layouts, held_shapes, state_layouts
 from hylo.solvers.registry import register_family
 
 #: Elementwise operations of one step on every entry of R (moments, bias correction, the division).
@@ -90,12 +103,23 @@ class KFACAdamState(LayerState):
         """V̂ and the state with this step's moments."""
         parts = GradMatrix.of(grad)
         dtype = self.evecs_a.dtype
-        rotated = self.evecs_g.mT @ parts.to(dtype).times(self.evecs_a)
+        layouts = self.layouts()
+        if layouts != (None, None):  # block by block (docs/solvers.md, "Blocked factors")
+            rotated = rotated_in(parts.to(dtype).full(), self.evecs_g, self.evecs_a, layouts)
+        else:
+            rotated = self.evecs_g.mT @ parts.to(dtype).times(self.evecs_a)
         step, m, v = adapted(
             rotated, self.exp_avg, self.exp_avg_sq, self.steps + 1, self.rule, (self.evals_g, self.evals_a)
         )
-        result = self.evecs_g @ step @ self.evecs_a.mT
+        if layouts != (None, None):
+            result = rotated_out(step, self.evecs_g, self.evecs_a, layouts)
+        else:
+            result = self.evecs_g @ step @ self.evecs_a.mT
         return result, dataclasses.replace(self, exp_avg=m, exp_avg_sq=v, steps=self.steps + 1)
+
+    def layouts(self) -> tuple[Any, Any]:
+        """(G's, A's) block layouts (None: a dense side; docs/solvers.md, "Blocked factors")."""
+        return state_layouts(self.evecs_g, self.evecs_a, self.evals_g.shape[0], self.evals_a.shape[0])
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
         """V̂ of :meth:`advance`, the state left as it is (the studies' use)."""
@@ -135,7 +159,8 @@ class KFACAdamState(LayerState):
         if "divisor" in entry:
             raise ValueError("state_dict entry holds a divisor, which a kfac_adam state has none of")
         damping = positive_number(entry, "damping")
-        shapes = {**eigen_shapes(d_a, d_g), "exp_avg": (d_g, d_a), "exp_avg_sq": (d_g, d_a)}
+        dense = {**eigen_shapes(d_a, d_g), "exp_avg": (d_g, d_a), "exp_avg_sq": (d_g, d_a)}
+        shapes = held_shapes(entry.get("tensors"), d_a, d_g, dense)
         t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
         for key in ("evals_a", "evals_g", "exp_avg_sq"):
             if bool((t[key] < 0).any()):
@@ -188,6 +213,9 @@ class AdamKernel(GroupKernel):
         self.rule = states[0].rule
         self.evecs_a = stacked([state.evecs_a for state in states], dtype)
         self.evecs_g = stacked([state.evecs_g for state in states], dtype)
+        d_g, d_a = states[0].exp_avg.shape
+        #: (G's, A's) block layouts where a side is held as packed blocks (docs/solvers.md, "Blocked factors").
+        self.layouts = state_layouts(self.evecs_g, self.evecs_a, d_g, d_a, batched=True)
         self.denominators: Tensor | None = None
         if self.rule.second_moment == "factors":
             v_hat = torch.stack([torch.outer(state.evals_g, state.evals_a) for state in states]).to(dtype)
@@ -197,6 +225,18 @@ class AdamKernel(GroupKernel):
     def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
         """V̂ of every layer and its state with this step's moments."""
         return self.apply_all([self], [grads], [states])[0]
+
+    def rotate_in(self, grads: Tensor) -> Tensor:
+        """Q_gᵀ ∇W Q_a of every layer (two batched products, or one per block size and side where blocked)."""
+        if self.layouts != (None, None):
+            return rotated_in(grads, self.evecs_g, self.evecs_a, self.layouts)
+        return torch.bmm(self.evecs_g.mT, torch.bmm(grads, self.evecs_a))
+
+    def rotate_out(self, step: Tensor) -> Tensor:
+        """Q_g X Q_aᵀ of every layer."""
+        if self.layouts != (None, None):
+            return rotated_out(step, self.evecs_g, self.evecs_a, self.layouts)
+        return torch.bmm(torch.bmm(self.evecs_g, step), self.evecs_a.mT)
 
     @classmethod
     def apply_all(
@@ -213,10 +253,7 @@ class AdamKernel(GroupKernel):
         for (rule, _, _), members in by_rule.items():
             mine = [adams[i] for i in members]
             adam = [[state for state in states[i] if isinstance(state, KFACAdamState)] for i in members]
-            rotated = [
-                torch.bmm(kernel.evecs_g.mT, torch.bmm(grads[i], kernel.evecs_a))
-                for kernel, i in zip(mine, members, strict=True)
-            ]
+            rotated = [kernel.rotate_in(grads[i]) for kernel, i in zip(mine, members, strict=True)]
             rows = [row for group in rotated for row in group.unbind(0)]
             flat = [state for group in adam for state in group]
             first = list(torch._foreach_lerp(rows, [state.exp_avg for state in flat], rule.beta1))
@@ -247,7 +284,7 @@ class AdamKernel(GroupKernel):
                     dataclasses.replace(state, exp_avg=m, exp_avg_sq=v, steps=state.steps + 1)
                     for state, m, v in zip(group, first[begin:stop], second[begin:stop], strict=True)
                 ]
-                out[i] = torch.bmm(torch.bmm(kernel.evecs_g, step), kernel.evecs_a.mT), successors
+                out[i] = kernel.rotate_out(step), successors
                 begin = stop
         return [out[i] for i in range(len(kernels))]
 
@@ -263,49 +300,14 @@ class KFACAdamInputs:
     #: Whether A is diagonal by construction (:attr:`~hylo.layers.math.LayerMath.diagonal_input_factor`): its basis
     #: is then the identity, never decomposed nor rotated.
     diagonal_a: bool = False
+    #: A's and G's block layouts (None: a dense side; docs/solvers.md, "Blocked factors").
+    layouts: tuple[Any, Any] = (None, None)
 
-
-def carried_moments(
-    previous: KFACAdamState | None, evecs_a: Tensor, evecs_g: Tensor, carry: str
-) -> tuple[Tensor, Tensor, int]:
-    """Moments (m, v) in the new basis and the step count (docs/solvers.md, "Degenerate eigenspaces"): zeros and 0
-    without a previous state; else m exactly re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v by ``carry``:
-    ``"project"`` (P_g∘P_g)ᵀ v (P_a∘P_a); ``"keep"`` each entry with its eigenvector pair — new column j takes the
-    entry of the old column it lies most along (argmaxᵢ P_ij²) — and never below the projection, so that a column
-    the basis turned into directions of small v carries the v of what it turned from: m̂_j²/v̂_j ≤ Σᵢ m̂ᵢ²/v̂ᵢ
-    (Cauchy–Schwarz) however the basis turns. A basis that only reorders its columns moves v with them exactly."""
-    d_g, d_a = evecs_g.shape[0], evecs_a.shape[0]
-    if previous is None:
-        zeros = evecs_a.new_zeros(d_g, d_a)
-        return zeros, zeros.clone(), 0
-    p_a = previous.evecs_a.mT @ evecs_a
-    p_g = previous.evecs_g.mT @ evecs_g
-    m = p_g.mT @ previous.exp_avg @ p_a
-    weights_a, weights_g = p_a.square(), p_g.square()
-    v = weights_g.mT @ previous.exp_avg_sq @ weights_a
-    if carry == "keep":
-        paired = previous.exp_avg_sq.index_select(0, weights_g.argmax(dim=0)).index_select(1, weights_a.argmax(dim=0))
-        v = torch.maximum(paired, v)
-    return m, v, previous.steps
-
-
-def basis_work(d_a: int, d_g: int, refresh: str) -> float:
-    """Multiply-adds of a layer's basis at an update: eigendecompositions, or the warm-started refresh
-    (:data:`~hylo.numerics.POWER_COST` per d³) for ``refresh="power"``."""
-    if refresh == "power":
-        return POWER_COST * (float(d_a) ** 3 + float(d_g) ** 3)
-    return eigh_work(d_a, d_g)
-
-
-def _basis(prepared: KFACAdamInputs, side: str) -> Tensor:
-    """The previous state's basis of side ``"a"`` or ``"g"`` (a layer with a previous state)."""
-    assert prepared.previous is not None
-    return prepared.previous.evecs_a if side == "a" else prepared.previous.evecs_g
-
-
-def _factor(prepared: KFACAdamInputs, side: str) -> Tensor:
-    """The running factor of side ``"a"`` or ``"g"``."""
-    return prepared.factor_a if side == "a" else prepared.factor_g
+    def widths(self) -> tuple[int, int]:
+        """(d_a, d_g)."""
+        d_a = self.factor_a.shape[0] if self.layouts[0] is None else self.layouts[0].width
+        d_g = self.factor_g.shape[0] if self.layouts[1] is None else self.layouts[1].width
+        return d_a, d_g
 
 
 def _basis_kind(prepared: KFACAdamInputs, side: str) -> str:
@@ -316,11 +318,6 @@ def _basis_kind(prepared: KFACAdamInputs, side: str) -> str:
     if side == "a" and prepared.diagonal_a:
         return "diagonal"
     return "power" if _warm_started(prepared) else "eigh"
-
-
-def _eye(factor: Tensor) -> Tensor:
-    """The identity of ``factor``'s size, dtype and device."""
-    return torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
 
 
 def _warm_started(prepared: KFACAdamInputs) -> bool:
@@ -360,6 +357,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """Each layer's batch factors blended into its running factors, with the state it held (moments to
         carry) and the options to apply (``context.options(KFACAdamConfig)``)."""
         options = context.options(KFACAdamConfig)
+        block = context.options(KFACConfig).factor_block
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         return [
             KFACAdamInputs(
@@ -368,6 +366,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
                 job.previous if isinstance(job.previous, KFACAdamState) else None,
                 options,
                 job.batch.math.diagonal_input_factor,
+                factor_layouts(job, block),
             )
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
@@ -377,7 +376,9 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
         entries a step."""
         kfac = self.kfac.cost(shape, "kfac", options.replaced(KFACConfig(kfac_method="eigen")))
-        solve = basis_work(shape.d_a, shape.d_g, options(KFACAdamConfig).basis_refresh)
+        solve = basis_work(
+            shape.d_a, shape.d_g, options(KFACAdamConfig).basis_refresh, options(KFACConfig).factor_block
+        )
         return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
@@ -385,7 +386,11 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         if prepared.options.adam_basis == "identity":
             return 0.0
         refresh = "power" if _warm_started(prepared) else "eigh"
-        return basis_work(0 if prepared.diagonal_a else prepared.factor_a.shape[0], prepared.factor_g.shape[0], refresh)
+        (d_a, d_g), (layout_a, layout_g) = prepared.widths(), prepared.layouts
+        work = (0.0 if prepared.diagonal_a else cubes(d_a, layout_a.largest if layout_a else None)) + cubes(
+            d_g, layout_g.largest if layout_g else None
+        )
+        return (POWER_COST if refresh == "power" else EIGH_COST) * work
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Each factor's eigenbasis, batched by shape: an eigendecomposition, or with ``basis_refresh="power"`` from a
@@ -396,29 +401,45 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         moments (docs/solvers.md, "Degenerate eigenspaces")."""
         sides = [(p, side) for p in prepared for side in ("a", "g")]
         kinds = [_basis_kind(p, side) for p, side in sides]
-        cold = [_factor(p, side) for (p, side), kind in zip(sides, kinds, strict=True) if kind == "eigh"]
-        hot = [(p, side) for (p, side), kind in zip(sides, kinds, strict=True) if kind == "power"]
+        # a blocked side's blocks are decomposed (or refreshed, or aligned) each alone, batched by size with every
+        # other layer's (docs/solvers.md, "Blocked factors"); a dense side is one unit
+        units = [blocks(side_factor(p, side), side_layout(p.layouts, side)) for p, side in sides]
+        olds = [
+            blocks(previous_basis(p, side), side_layout(p.layouts, side))
+            if kind == "power" or p.previous is not None
+            else []
+            for (p, side), kind in zip(sides, kinds, strict=True)
+        ]
+        cold = [u for k, kind in enumerate(kinds) if kind == "eigh" for u in units[k]]
+        hot = [k for k, kind in enumerate(kinds) if kind == "power"]
         decompositions = iter(eigh_many(cold))
-        refreshed = iter(
-            power_refresh_many([_factor(p, side) for p, side in hot], [_basis(p, side) for p, side in hot])
-        )
-        pairs: list[tuple[Tensor, Tensor]] = []
-        for (p, side), kind in zip(sides, kinds, strict=True):
-            factor = _factor(p, side)
+        refreshed = iter(power_refresh_many([u for k in hot for u in units[k]], [q for k in hot for q in olds[k]]))
+        pieces: list[list[tuple[Tensor, Tensor]]] = []
+        for k, ((p, side), kind) in enumerate(zip(sides, kinds, strict=True)):
+            factor, layout = side_factor(p, side), side_layout(p.layouts, side)
             if kind == "eigh":
-                pairs.append(next(decompositions))
+                pieces.append([next(decompositions) for _ in units[k]])
             elif kind == "power":
-                pairs.append(next(refreshed)[:2])
+                pieces.append([next(refreshed)[:2] for _ in units[k]])
             elif kind == "identity":
-                pairs.append((factor.new_ones(factor.shape[0]), _eye(factor)))
+                pieces.append(
+                    [(factor.new_ones(p.widths()[SIDES[side]]), identity(factor, p.widths()[SIDES[side]], layout))]
+                )
             else:  # a diagonal factor: its diagonal and the identity
-                pairs.append((torch.diagonal(factor).clamp_min(0.0), _eye(factor)))
+                pieces.append(
+                    [(diagonal(factor, layout).clamp_min(0.0), identity(factor, p.widths()[SIDES[side]], layout))]
+                )
         followed = [k for k, (p, _) in enumerate(sides) if kinds[k] in ("eigh", "power") and p.previous is not None]
-        turned = aligned_many(
-            [pairs[k][0] for k in followed], [pairs[k][1] for k in followed], [_basis(*sides[k]) for k in followed]
+        turned = iter(
+            aligned_many(
+                [e for k in followed for e, _ in pieces[k]],
+                [q for k in followed for _, q in pieces[k]],
+                [q for k in followed for q in olds[k]],
+            )
         )
-        for k, evecs in zip(followed, turned, strict=True):
-            pairs[k] = (pairs[k][0], evecs)
+        for k in followed:
+            pieces[k] = [(e, next(turned)) for e, _ in pieces[k]]
+        pairs = [joined_side(piece, side_layout(sides[k][0].layouts, sides[k][1])) for k, piece in enumerate(pieces)]
         return [
             {"evals_a": ea, "evecs_a": qa, "evals_g": eg, "evecs_g": qg}
             for (ea, qa), (eg, qg) in zip(pairs[::2], pairs[1::2], strict=True)
@@ -426,13 +447,14 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
 
     def solution_template(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
         """Buffers for another rank's eigendecompositions."""
-        return eigen_template(prepared.factor_a, prepared.factor_g)
+        return eigen_template(prepared.factor_a, prepared.factor_g, prepared.widths())
 
     def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
         """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
         s = solution
         options = prepared.options
-        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry)
+        d_a, d_g = prepared.widths()
+        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, (d_g, d_a))
         return KFACAdamState(
             prepared.factor_a,
             prepared.factor_g,
@@ -464,9 +486,9 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """:class:`AdamKernel`."""
         return AdamKernel([state for state in states if isinstance(state, KFACAdamState)], dtype)
 
-    def state_bytes(self, d_a: int, d_g: int, itemsize: int) -> int | None:
-        """K-FAC's state and the two moments (d_g·d_a numbers each)."""
-        kfac = self.kfac.state_bytes(d_a, d_g, itemsize)
+    def state_bytes(self, d_a: int, d_g: int, itemsize: int, block: int | None = None) -> int | None:
+        """K-FAC's state (blocked by ``block``) and the two moments (d_g·d_a numbers each)."""
+        kfac = self.kfac.state_bytes(d_a, d_g, itemsize, block)
         assert kfac is not None
         return kfac + 2 * d_a * d_g * itemsize
 
