@@ -89,8 +89,8 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
         when ``sample`` is None or keeps them all (docs/solvers.md, "Sampled factors")."""
         part = None if sample is None else sample.of_call(math, x, grad_out)
         if sample is None or part is None:
-            return math.kfac_factors(x, grad_out, scale)
-        factor_a, factor_g = math.kfac_factors(*part, scale)
+            return self.of_call(math, x, grad_out, scale)
+        factor_a, factor_g = self.of_call(math, *part, scale)
         return factor_a.mul_(sample.stride), factor_g.mul_(sample.stride)
 
     def rescaled(self, math: LayerMath, value: tuple[Tensor, Tensor], factor: float) -> tuple[Tensor, Tensor]:

@@ -185,6 +185,31 @@ def test_sampled_factors_average_to_the_exact_factors_over_the_offsets(case: str
         assert rel_err(draws[0][1], want_g) > 1e-3, f"{case} {name}: one draw's G is exact: nothing was sampled"
 
 
+def _packed_blocks(full: Tensor, block: int) -> Tensor:
+    """The diagonal blocks of ``full`` (balanced sizes: the first d mod k one wider), flattened in order and joined:
+    a blocked side as hylo holds it (docs/solvers.md, "Blocked factors"), written out independently of hylo."""
+    d = full.shape[0]
+    k = -(-d // block)
+    sizes = [d // k + (1 if i < d % k else 0) for i in range(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return torch.cat([full[s : s + n, s : s + n].flatten() for s, n in zip(starts, sizes, strict=True)])
+
+
+def test_sampled_blocked_factors_average_to_the_exact_blocks() -> None:
+    """With ``factor_block`` too, a sampled call's factors are the blocks of k·Σ over the sampled rows: over the k
+    offsets their mean is the exact factors' diagonal blocks, to round-off."""
+    module, _ = CASES["linear"]()
+    name = HyLoPreconditioner(copy.deepcopy(module), solver="kfac").layer_info()[0].name
+    draws = []
+    for offset in range(K):
+        got, exact = _sampled_step("linear", factor_sample=1 / K, factor_block=3, seed=_seed_for(offset, name))
+        draws.append(next(iter(got.values())))
+    want_a, want_g = (_packed_blocks(f, 3) for f in next(iter(exact.values())))
+    assert rel_err(torch.stack([d[0] for d in draws]).mean(0), want_a) < MEAN_RTOL
+    assert rel_err(torch.stack([d[1] for d in draws]).mean(0), want_g) < MEAN_RTOL
+    assert rel_err(draws[0][1], want_g) > 1e-3
+
+
 @pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "hybrid"])
 def test_the_sample_is_every_kth_row_from_the_drawn_offset(solver: str) -> None:
     """Every family that keeps K-FAC factors forms them from the rows ≡ o (mod k) of the (B·T) tokens, sums ×k."""
