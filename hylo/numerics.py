@@ -191,7 +191,9 @@ def _checked_eigh(sym: Tensor) -> tuple[Tensor, Tensor]:
 POWER_COST = 2.5
 
 
-def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
+def power_refresh_many(
+    mats: Sequence[Tensor], bases: Sequence[Tensor], products: Sequence[Tensor] | None = None
+) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Warm-started eigenbases of symmetric PSD matrices F from their previous bases Q (columns in ascending order of
     their eigenvalues, as :func:`eigh_many` leaves them), batched by shape: SOAP's refresh, one step of power
     iteration and a QR (docs/solvers.md, "The warm-started basis").
@@ -201,13 +203,14 @@ def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[
     making R's diagonal ≥ 0 (Q' ≈ Q where Q already diagonalises F); returned as (e ascending and clamped at zero,
     Q' in that order, ``order``: column j of Q' refines column ``order[j]`` of Q). A result that fails the check of
     :func:`eigh_many` (finite, orthogonal) is redone by its eigendecomposition, with ``order`` the identity. One
-    host sync per group (the check).
+    host sync per group (the check). ``products``: each F Q already computed as ``bmm`` of (F + Fᵀ)/2 and Q (an
+    adaptive refresh's measure, docs/solvers.md, "Adaptive refresh"), which the refresh then reuses.
     """
 
-    def refresh(stack: Tensor, basis: Tensor) -> list[Tensor]:
+    def refresh(stack: Tensor, basis: Tensor, *product: Tensor) -> list[Tensor]:
         sym = (stack + stack.mT).mul_(0.5)
         basis = basis.to(sym.dtype)
-        power = torch.bmm(sym, basis)
+        power = product[0] if product else torch.bmm(sym, basis)
         quotients = (basis * power).sum(dim=-2)
         order = torch.argsort(quotients, dim=-1, descending=True)
         power = power.gather(-1, order.unsqueeze(-2).expand_as(power))
@@ -226,7 +229,7 @@ def power_refresh_many(mats: Sequence[Tensor], bases: Sequence[Tensor]) -> list[
             order[failed] = _identity_orders(sym[failed])
         return [evals, evecs, order]
 
-    return [(r[0], r[1], r[2]) for r in _grouped(mats, refresh, [bases])]
+    return [(r[0], r[1], r[2]) for r in _grouped(mats, refresh, [bases] if products is None else [bases, products])]
 
 
 #: Eigenvalues closer than this many ε of their dtype times the largest one are one eigenspace in

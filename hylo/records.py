@@ -92,6 +92,9 @@ class Decision(_Costs):
     lowrank: str
     #: Rows the layer's low-rank solve kept over all ranks (m = Σ_p r_p), once the update ran; None for K-FAC.
     rows_kept: int | None = None
+    #: What the update decided beyond the solver, once it ran, by decisions.csv column (a family's ``note_columns``:
+    #: the adaptive refresh of Adam in the K-FAC eigenbasis, docs/solvers.md, "Adaptive refresh"); empty: nothing.
+    notes: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,8 @@ class UpdateResult:
     rejected: list[str]
     #: Each low-rank layer's (rows, rows kept) per rank, as gathered (the same on every rank).
     chosen: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    #: What each layer's update decided beyond its solver (:meth:`~hylo.solvers.base.SolverFamily.update_notes`).
+    notes: dict[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
 
 
 class UpdateStage:
@@ -106,7 +108,8 @@ class UpdateStage:
         rejected = self._rejected(jobs, states, strategy)
         watch.lap("check")
         chosen = {job.name: rows for job in jobs if (rows := family_of(job.solver).rows_chosen(prepared[job.name]))}
-        return UpdateResult(states, owners, rejected, chosen)
+        notes = {job.name: note for job in jobs if (note := family_of(job.solver).update_notes(prepared[job.name]))}
+        return UpdateResult(states, owners, rejected, chosen, notes)
 
     def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families

@@ -134,6 +134,12 @@ def update(
         dataclasses.replace(d, rows_kept=sum(r for _, r in outcome.chosen[d.layer])) if d.layer in outcome.chosen else d
         for d in outcome.decisions
     ]
+    outcome.decisions = [
+        dataclasses.replace(d, notes=result.notes[d.layer])
+        if d.layer in result.notes and d.layer not in result.rejected
+        else d
+        for d in outcome.decisions
+    ]
 
 
 def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:

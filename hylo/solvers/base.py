@@ -439,6 +439,14 @@ class SolverFamily(ABC, Generic[PreparedT]):
         ``rank_ratio="auto"`` the most it may keep)."""
         return batch.rows
 
+    #: The decisions.csv columns :meth:`update_notes` fills (docs/profiling.md, "Files"); none by default.
+    note_columns: ClassVar[tuple[str, ...]] = ()
+
+    def update_notes(self, prepared: PreparedT) -> Mapping[str, object] | None:
+        """What a prepared update decided for its layer beyond the solver, by :attr:`note_columns` name, the same on
+        every rank (:attr:`hylo.Decision.notes`); None: nothing."""
+        return None
+
     def rows_chosen(self, prepared: PreparedT) -> tuple[tuple[int, int], ...] | None:
         """Each rank's (rows, rows kept) of a prepared update, the same on every rank; None: the family keeps no
         rows (K-FAC)."""

@@ -18,7 +18,7 @@ from hylo.distributed import Communicator
 from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.records import Decision, StudyResult
-from hylo.solvers import LAYER_SOLVERS, UpdateContext, family_of, solver_names
+from hylo.solvers import FAMILIES, LAYER_SOLVERS, UpdateContext, family_of, solver_names
 from hylo.state import RegisteredLayer
 from hylo.telemetry.profiling import DISABLED, Stopwatch
 from hylo.telemetry.recorder import LayerTiming, Recorder
@@ -54,6 +54,7 @@ class Telemetry:
             top_k=options.rank_top_k,
             run=run_info(constants, comm.world_size, device, version),
             extra_solvers=[name for name in solver_names() if name not in LAYER_SOLVERS],
+            notes=list(dict.fromkeys(name for family in FAMILIES for name in family.note_columns)),
         )
         telemetry.watch = Stopwatch(device)
         if "rank" in options.studies or "grad_error" in options.studies:

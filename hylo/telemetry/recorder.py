@@ -51,10 +51,10 @@ DECISION_COLUMNS = (
 )
 
 
-def decision_columns(extra: Sequence[str]) -> tuple[str, ...]:
+def decision_columns(extra: Sequence[str], notes: Sequence[str] = ()) -> tuple[str, ...]:
     """Columns of decisions.csv: :data:`DECISION_COLUMNS`, then ``cost_<name>`` of each ``extra`` solver
-    (the variants registered beyond the built-in ones)."""
-    return (*DECISION_COLUMNS, *(f"cost_{name}" for name in extra))
+    (the variants registered beyond the built-in ones), then the registered families' ``notes`` columns."""
+    return (*DECISION_COLUMNS, *(f"cost_{name}" for name in extra), *notes)
 
 
 def rank_columns(top_k: int) -> tuple[str, ...]:
@@ -113,6 +113,7 @@ class Recorder:
         top_k: int,
         run: dict[str, object],
         extra_solvers: Sequence[str] = (),
+        notes: Sequence[str] = (),
     ) -> None:
         self.files = ProfileFiles(directory, rank, append)
         self.timing = self.files.open(f"timing-r{rank}.csv", TIMING_COLUMNS)
@@ -121,7 +122,7 @@ class Recorder:
         self.norms: NormBuffer | None = None
         self.decisions = self.rank = self.errors = None
         if self.lead:
-            self.decisions = self.files.open("decisions.csv", decision_columns(extra_solvers))
+            self.decisions = self.files.open("decisions.csv", decision_columns(extra_solvers, notes))
             if "grad_norm" in studies:
                 self.norms = NormBuffer(names)
                 self.files.open("grad-norm.csv", GRAD_NORM_COLUMNS, self.norms.write)
@@ -132,6 +133,7 @@ class Recorder:
             self.files.write_run(run)
         self.top_k = top_k
         self.extra_solvers = tuple(extra_solvers)
+        self.notes = tuple(notes)
 
     def record_step(self, step: int, kind: str, times: StepTimes, bytes_sent: int) -> None:
         """The step's row of steps-r{rank}.csv."""
@@ -178,6 +180,7 @@ class Recorder:
                     d.critical,
                     d.rows_kept,
                     *extra,
+                    *(d.notes.get(name) for name in self.notes),
                 )
             )
 

@@ -75,6 +75,8 @@ DECISION_COLUMNS = [
     *["step", "layer", "solver", "reason", "trend", "cost_kfac", "cost_lowrank", "cost_sngd", "critical"],
     "rows_kept",  # the rows the layer's low-rank solve kept over all ranks (empty for K-FAC)
     "cost_kfac_adam",  # the registered kfac_adam family (docs/profiling.md, "Files")
+    # its adaptive refresh's decisions (docs/solvers.md, "Adaptive refresh")
+    *["refreshed_a", "refreshed_g", "staleness_a", "staleness_g", "held_a", "held_g"],
 ]
 STUDIES = ("grad_norm", "rank", "grad_error")
 #: The options of the runs whose files are checked: updates every 2nd step, fc2 on K-FAC, all studies.

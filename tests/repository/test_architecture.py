@@ -487,7 +487,7 @@ def test_a_bundled_family_is_named_nowhere_else_in_hylo() -> None:
     assert type(family).__module__ == "hylo.solvers.bundled.kfac_adam"
     assert family.section is not None and family.section.section_name == "kfac_adam"
     bundled_modules = {path for path in BUNDLED.glob("*.py") if path.name != "__init__.py"}
-    assert {path.name for path in bundled_modules} == {"kfac_adam.py", "adam_rule.py"}
+    assert {path.name for path in bundled_modules} == {"kfac_adam.py", "adam_rule.py", "staleness.py"}
     naming = [
         f"{path.relative_to(ROOT.parent)}:{number}"
         for path in sorted(ROOT.rglob("*.py"))

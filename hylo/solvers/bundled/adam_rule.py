@@ -8,7 +8,8 @@ carried into a new basis at an update, dense or block-diagonal (docs/solvers.md,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hylo.numerics import POWER_COST
-from hylo.rules import Rule, Section, is_real, option
+from hylo.rules import COUNT, Rule, Section, is_real, option
 from hylo.solvers.blockdiag import column_argmax, joined, left, product, times
 from hylo.solvers.kfac import EIGH_COST
 from hylo.solvers.kfac_blocks import cubes
@@ -87,6 +88,20 @@ class KFACAdamConfig(Section):
         "eigh's time; eigenvalues: the previous basis's Rayleigh quotients, v re-sorted with its vectors); a "
         "layer's first update, and a refresh that fails the check, eigendecompose",
     )
+    refresh_tolerance: float | None = option(
+        None,
+        doc="None: every update refreshes every basis; a number: an update refreshes a layer's basis of A or G "
+        "only where its staleness, the relative off-diagonal mass ‖offdiag(Qᵀ F Q)‖_F / ‖F‖_F of the held basis Q "
+        "in the new running factor F, is at least this (0: every update, as None), else keeps it and its moments "
+        "as they are (eigenvalues: its Rayleigh quotients); inf: only max_refresh_interval refreshes",
+        rule=Rule(lambda x: is_real(x) and 0 <= x <= float("inf"), "a number >= 0 (inf allowed) or None"),
+    )
+    max_refresh_interval: int = option(
+        4,
+        doc="with refresh_tolerance: a basis kept max_refresh_interval − 1 updates in a row is refreshed at the "
+        "next whatever its staleness, so that none is older than this many updates (1: every update)",
+        rule=COUNT,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,6 +123,24 @@ class AdamRule:
         """The rule of ``config``."""
         beta1, beta2 = config.adam_betas
         return cls(beta1, beta2, config.adam_eps, config.adam_exponent, config.second_moment)
+
+    @classmethod
+    def saved(cls, saved: object) -> AdamRule:
+        """The rule a state saved (``dataclasses.asdict``), else ``ValueError`` naming it: a mapping of exactly the
+        rule's fields that :class:`KFACAdamConfig` accepts (docs/reliability.md, "Validation")."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
+            raise ValueError(f"rule must be a mapping with exactly {names}, got {saved!r}")
+        try:
+            config = KFACAdamConfig(
+                adam_betas=(saved["beta1"], saved["beta2"]),
+                adam_eps=saved["eps"],
+                adam_exponent=saved["exponent"],
+                second_moment=saved["second_moment"],
+            )
+        except ValueError as err:
+            raise ValueError(f"rule: {err}") from None
+        return cls.of(config)
 
 
 def adapted(
@@ -138,25 +171,33 @@ def side_layout(layouts: tuple[Any, Any], side: str) -> Any:
     return layouts[SIDES[side]]
 
 
-def blocked_moments(previous: KFACAdamState, evecs_a: Tensor, evecs_g: Tensor, carry: str) -> tuple[Tensor, Tensor]:
+def blocked_moments(
+    previous: KFACAdamState, evecs_a: Tensor, evecs_g: Tensor, carry: str, refresh: tuple[bool, bool] = (True, True)
+) -> tuple[Tensor, Tensor]:
     """(m, v) of ``previous`` carried into the new bases where a side is packed: every product of
-    :func:`~hylo.solvers.bundled.kfac_adam.carried_moments` block by block (P = Q_oldᵀ Q_new and P∘P are
-    block-diagonal; ``"keep"`` pairs a column with the old column of its own block)."""
+    :func:`carried_moments` block by block (P = Q_oldᵀ Q_new and P∘P are block-diagonal; ``"keep"`` pairs a column
+    with the old column of its own block); a side that ``refresh`` keeps, P = I, is skipped."""
     layout_g, layout_a = previous.layouts()
-    p_a = product(previous.evecs_a, evecs_a, layout_a, transpose=True)
-    p_g = product(previous.evecs_g, evecs_g, layout_g, transpose=True)
-    m = left(p_g, times(previous.exp_avg, p_a, layout_a), layout_g, transpose=True)
-    weights_a, weights_g = p_a.square(), p_g.square()
-    v = left(weights_g, times(previous.exp_avg_sq, weights_a, layout_a), layout_g, transpose=True)
-    if carry == "keep":
-        rows, cols = column_argmax(weights_g, layout_g), column_argmax(weights_a, layout_a)
-        v = torch.maximum(previous.exp_avg_sq.index_select(0, rows).index_select(1, cols), v)
+    m, v, paired = previous.exp_avg, previous.exp_avg_sq, previous.exp_avg_sq
+    if refresh[0]:
+        p_a = product(previous.evecs_a, evecs_a, layout_a, transpose=True)
+        weights_a = p_a.square()
+        m, v = times(m, p_a, layout_a), times(v, weights_a, layout_a)
+        paired = paired.index_select(1, column_argmax(weights_a, layout_a))
+    if refresh[1]:
+        p_g = product(previous.evecs_g, evecs_g, layout_g, transpose=True)
+        weights_g = p_g.square()
+        m, v = left(p_g, m, layout_g, transpose=True), left(weights_g, v, layout_g, transpose=True)
+        paired = paired.index_select(0, column_argmax(weights_g, layout_g))
+    if carry == "keep" and any(refresh):
+        v = torch.maximum(paired, v)
     return m, v
 
 
 def joined_side(pieces: Sequence[tuple[Tensor, Tensor]], layout: Any) -> tuple[Tensor, Tensor]:
-    """A side's (eigenvalues, basis) from its units' (the dense side's own pair, or its blocks' joined)."""
-    if layout is None:
+    """A side's (eigenvalues, basis) from its units' (the dense side's own pair, a blocked side's pair as a whole,
+    or its blocks' joined)."""
+    if layout is None or len(pieces) == 1:
         return pieces[0]
     return torch.cat([e for e, _ in pieces]), joined([q for _, q in pieces], layout)
 
@@ -167,27 +208,33 @@ def carried_moments(
     evecs_g: Tensor,
     carry: str,
     widths: tuple[int, int] | None = None,
+    refresh: tuple[bool, bool] = (True, True),
 ) -> tuple[Tensor, Tensor, int]:
     """Moments (m, v) in the new basis and the step count (docs/solvers.md, "Degenerate eigenspaces"): zeros and 0
     without a previous state; else m exactly re-projected, P_gᵀ m P_a with P = Q_oldᵀ Q_new, and v by ``carry``:
     ``"project"`` (P_g∘P_g)ᵀ v (P_a∘P_a); ``"keep"`` each entry with its eigenvector pair — new column j takes the
     entry of the old column it lies most along (argmaxᵢ P_ij²) — and never below the projection, so that a column
     the basis turned into directions of small v carries the v of what it turned from: m̂_j²/v̂_j ≤ Σᵢ m̂ᵢ²/v̂ᵢ
-    (Cauchy–Schwarz) however the basis turns. A basis that only reorders its columns moves v with them exactly. Blocked sides
-    (``widths``: (d_g, d_a), needed where a side is packed) do all of it block by block (docs/solvers.md, "Blocked factors")."""
+    (Cauchy–Schwarz) however the basis turns. A basis that only reorders its columns moves v with them exactly.
+    Blocked sides (``widths``: (d_g, d_a), needed where a side is packed) do all of it block by block
+    (docs/solvers.md, "Blocked factors"). A side that ``refresh`` (A's, G's) keeps has P = I: its products are
+    skipped (docs/solvers.md, "Adaptive refresh")."""
     if previous is None:
         d_g, d_a = widths or (evecs_g.shape[0], evecs_a.shape[0])
         zeros = evecs_a.new_zeros(d_g, d_a)
         return zeros, zeros.clone(), 0
     if previous.layouts() != (None, None):  # block by block: P and its square are block-diagonal too
-        return (*blocked_moments(previous, evecs_a, evecs_g, carry), previous.steps)
-    p_a = previous.evecs_a.mT @ evecs_a
-    p_g = previous.evecs_g.mT @ evecs_g
-    m = p_g.mT @ previous.exp_avg @ p_a
-    weights_a, weights_g = p_a.square(), p_g.square()
-    v = weights_g.mT @ previous.exp_avg_sq @ weights_a
-    if carry == "keep":
-        paired = previous.exp_avg_sq.index_select(0, weights_g.argmax(dim=0)).index_select(1, weights_a.argmax(dim=0))
+        return (*blocked_moments(previous, evecs_a, evecs_g, carry, refresh), previous.steps)
+    m, v, paired = previous.exp_avg, previous.exp_avg_sq, previous.exp_avg_sq
+    if refresh[1]:
+        p_g = previous.evecs_g.mT @ evecs_g
+        weights_g = p_g.square()
+        m, v, paired = p_g.mT @ m, weights_g.mT @ v, paired.index_select(0, weights_g.argmax(dim=0))
+    if refresh[0]:
+        p_a = previous.evecs_a.mT @ evecs_a
+        weights_a = p_a.square()
+        m, v, paired = m @ p_a, v @ weights_a, paired.index_select(1, weights_a.argmax(dim=0))
+    if carry == "keep" and any(refresh):
         v = torch.maximum(paired, v)
     return m, v, previous.steps
 
@@ -207,3 +254,22 @@ def previous_basis(prepared: KFACAdamInputs, side: str) -> Tensor:
 def side_factor(prepared: KFACAdamInputs, side: str) -> Tensor:
     """The running factor of side ``"a"`` or ``"g"``."""
     return prepared.factor_a if side == "a" else prepared.factor_g
+
+
+def warm_started(prepared: KFACAdamInputs) -> bool:
+    """Whether this update refines the layer's previous basis (``basis_refresh="power"``, a state held before)."""
+    options = prepared.options
+    return options.adam_basis == "kfac" and options.basis_refresh == "power" and prepared.previous is not None
+
+
+def basis_kind(prepared: KFACAdamInputs, side: str) -> str:
+    """How an update makes a side's basis: ``"identity"`` (``adam_basis="identity"``), ``"diagonal"`` (a diagonal
+    A: the identity, its diagonal the eigenvalues), ``"kept"`` (the held basis, ``refresh_tolerance``), ``"power"``
+    (the warm-started refresh) or ``"eigh"``."""
+    if prepared.options.adam_basis == "identity":
+        return "identity"
+    if side == "a" and prepared.diagonal_a:
+        return "diagonal"
+    if not prepared.refresh[SIDES[side]]:
+        return "kept"
+    return "power" if warm_started(prepared) else "eigh"

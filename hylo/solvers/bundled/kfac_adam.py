@@ -40,17 +40,20 @@ from hylo.solvers.base import (
     stacked,
 )
 from hylo.solvers.blockdiag import blocks, diagonal, identity, rotated_in, rotated_out
+from hylo.solvers.bundled import staleness
 from hylo.solvers.bundled.adam_rule import (
     SIDES,
     AdamRule,
     KFACAdamConfig,
     adapted,
+    basis_kind,
     basis_work,
     carried_moments,
     joined_side,
     previous_basis,
     side_factor,
     side_layout,
+    warm_started,
 )
 from hylo.solvers.kfac import (
     EIGH_COST,
@@ -79,7 +82,7 @@ class KFACAdamState(LayerState):
 
     family: ClassVar[str] = "kfac_adam"
     advances: ClassVar[bool] = True
-    entry_keys: ClassVar[frozenset[str]] = frozenset(("steps", "rule"))
+    entry_keys: ClassVar[frozenset[str]] = frozenset(("steps", "rule", "held"))
 
     factor_a: Tensor
     factor_g: Tensor
@@ -92,6 +95,9 @@ class KFACAdamState(LayerState):
     steps: int
     damping: float
     rule: AdamRule
+    #: Updates for which the basis of A and of G has been kept unrefreshed (``refresh_tolerance``; docs/solvers.md,
+    #: "Adaptive refresh").
+    held: tuple[int, int] = (0, 0)
 
     @property
     def bound(self) -> float | None:
@@ -146,8 +152,9 @@ class KFACAdamState(LayerState):
         return {"factor_a": self.factor_a, "factor_g": self.factor_g}
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``state_dict``: the tensors, λ, the step count and the rule."""
-        return {**super().to_dict(), "steps": self.steps, "rule": dataclasses.asdict(self.rule)}
+        """Plain data for ``state_dict``: the tensors, λ, the step count, the rule and the bases' kept updates."""
+        entry = {**super().to_dict(), "steps": self.steps, "rule": dataclasses.asdict(self.rule)}
+        return {**entry, "held": list(self.held)}
 
     @classmethod
     def from_dict(
@@ -155,7 +162,7 @@ class KFACAdamState(LayerState):
     ) -> KFACAdamState:
         """A state saved by ``to_dict``; ``ValueError`` naming the field unless every tensor has its shape and
         ``dtype``, the eigenvalues and v are ≥ 0, λ is a finite number > 0, the step count an int ≥ 0 and the rule
-        one :class:`KFACAdamConfig` accepts (docs/reliability.md, "Validation")."""
+        one :class:`KFACAdamConfig` accepts, ``held`` two ints ≥ 0 (docs/reliability.md, "Validation")."""
         if "divisor" in entry:
             raise ValueError("state_dict entry holds a divisor, which a kfac_adam state has none of")
         damping = positive_number(entry, "damping")
@@ -168,19 +175,7 @@ class KFACAdamState(LayerState):
         steps = entry.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        saved = entry.get("rule")
-        names = [f.name for f in dataclasses.fields(AdamRule)]
-        if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
-            raise ValueError(f"rule must be a mapping with exactly {names}, got {saved!r}")
-        try:
-            config = KFACAdamConfig(
-                adam_betas=(saved["beta1"], saved["beta2"]),
-                adam_eps=saved["eps"],
-                adam_exponent=saved["exponent"],
-                second_moment=saved["second_moment"],
-            )
-        except ValueError as err:
-            raise ValueError(f"rule: {err}") from None
+        rule, held = AdamRule.saved(entry.get("rule")), staleness.held_of(entry)
         return cls(
             t["factor_a"],
             t["factor_g"],
@@ -192,7 +187,8 @@ class KFACAdamState(LayerState):
             t["exp_avg_sq"],
             steps,
             damping,
-            AdamRule.of(config),
+            rule,
+            held,
         )
 
     @classmethod
@@ -309,21 +305,12 @@ class KFACAdamInputs:
         d_g = self.factor_g.shape[0] if self.layouts[1] is None else self.layouts[1].width
         return d_a, d_g
 
-
-def _basis_kind(prepared: KFACAdamInputs, side: str) -> str:
-    """How an update makes a side's basis: ``"identity"`` (``adam_basis="identity"``), ``"diagonal"`` (a diagonal
-    A: the identity, its diagonal the eigenvalues), ``"power"`` (the warm-started refresh) or ``"eigh"``."""
-    if prepared.options.adam_basis == "identity":
-        return "identity"
-    if side == "a" and prepared.diagonal_a:
-        return "diagonal"
-    return "power" if _warm_started(prepared) else "eigh"
-
-
-def _warm_started(prepared: KFACAdamInputs) -> bool:
-    """Whether this update refines the layer's previous basis (``basis_refresh="power"``, a state held before)."""
-    options = prepared.options
-    return options.adam_basis == "kfac" and options.basis_refresh == "power" and prepared.previous is not None
+    #: Whether this update refreshes the basis of A and of G, decided on every rank from the same all-reduced
+    #: factors; each side's measures, one per unit (the side, or its blocks; None: not measured), and staleness
+    #: (docs/solvers.md, "Adaptive refresh").
+    refresh: tuple[bool, bool] = (True, True)
+    measures: tuple[tuple[staleness.Measured, ...] | None, tuple[staleness.Measured, ...] | None] = (None, None)
+    staleness: tuple[float | None, float | None] = (None, None)
 
 
 class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
@@ -341,6 +328,8 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
     adaptive_defaults = {"solver": "kfac_adam", "update_freq": 3, "basis_refresh": "power", "damping": 0.3}
     #: Adam's constants: the wrapped optimizer's own.
     inherited_options = {"adam_betas": "betas", "adam_eps": "eps"}
+    #: The decisions.csv columns of :meth:`update_notes` (docs/profiling.md, "Files").
+    note_columns = staleness.NOTE_COLUMNS
     #: K-FAC's family, whose batch factors, exchange and cost this family shares.
     kfac: ClassVar[KFACFamily] = KFACFamily()
 
@@ -359,7 +348,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         options = context.options(KFACAdamConfig)
         block = context.options(KFACConfig).factor_block
         factors = running_factors(jobs, received, context.factor_decay, self.name)
-        return [
+        inputs = [
             KFACAdamInputs(
                 factor_a,
                 factor_g,
@@ -370,6 +359,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
             )
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
+        return staleness.with_decisions(inputs)  # the adaptive refresh (docs/solvers.md, "Adaptive refresh")
 
     def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
         """K-FAC's estimate with the eigen method, its solve the warm-started refresh's where ``basis_refresh`` is
@@ -382,14 +372,14 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
-        """The eigendecompositions' cost, or the warm-started refresh's (none for the identity basis)."""
+        """The eigendecompositions' cost, or the warm-started refresh's (none for the identity basis), of the sides
+        it refreshes (Σ sᵢ³ of a blocked side's blocks)."""
         if prepared.options.adam_basis == "identity":
             return 0.0
-        refresh = "power" if _warm_started(prepared) else "eigh"
-        (d_a, d_g), (layout_a, layout_g) = prepared.widths(), prepared.layouts
-        work = (0.0 if prepared.diagonal_a else cubes(d_a, layout_a.largest if layout_a else None)) + cubes(
-            d_g, layout_g.largest if layout_g else None
-        )
+        refresh = "power" if warm_started(prepared) else "eigh"
+        on = (not prepared.diagonal_a and prepared.refresh[0], prepared.refresh[1])
+        sides = zip(prepared.widths(), prepared.layouts, on, strict=True)
+        work = sum(cubes(d, layout.largest if layout else None) for d, layout, refreshes in sides if refreshes)
         return (POWER_COST if refresh == "power" else EIGH_COST) * work
 
     def solve(self, prepared: Sequence[KFACAdamInputs], context: UpdateContext) -> list[dict[str, Tensor]]:
@@ -400,7 +390,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         eigenspaces (:func:`~hylo.numerics.aligned_many`), so that no rotation among equal eigenvalues mixes the
         moments (docs/solvers.md, "Degenerate eigenspaces")."""
         sides = [(p, side) for p in prepared for side in ("a", "g")]
-        kinds = [_basis_kind(p, side) for p, side in sides]
+        kinds = [basis_kind(p, side) for p, side in sides]
         # a blocked side's blocks are decomposed (or refreshed, or aligned) each alone, batched by size with every
         # other layer's (docs/solvers.md, "Blocked factors"); a dense side is one unit
         units = [blocks(side_factor(p, side), side_layout(p.layouts, side)) for p, side in sides]
@@ -413,7 +403,10 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         cold = [u for k, kind in enumerate(kinds) if kind == "eigh" for u in units[k]]
         hot = [k for k, kind in enumerate(kinds) if kind == "power"]
         decompositions = iter(eigh_many(cold))
-        refreshed = iter(power_refresh_many([u for k in hot for u in units[k]], [q for k in hot for q in olds[k]]))
+        products = staleness.measured_products([sides[k] for k in hot])  # F·Q of the measure, reused
+        refreshed = iter(
+            power_refresh_many([u for k in hot for u in units[k]], [q for k in hot for q in olds[k]], products)
+        )
         pieces: list[list[tuple[Tensor, Tensor]]] = []
         for k, ((p, side), kind) in enumerate(zip(sides, kinds, strict=True)):
             factor, layout = side_factor(p, side), side_layout(p.layouts, side)
@@ -421,6 +414,8 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
                 pieces.append([next(decompositions) for _ in units[k]])
             elif kind == "power":
                 pieces.append([next(refreshed)[:2] for _ in units[k]])
+            elif kind == "kept":  # the held basis, whole (docs/solvers.md, "Adaptive refresh")
+                pieces.append([staleness.kept_side(p, side)])
             elif kind == "identity":
                 pieces.append(
                     [(factor.new_ones(p.widths()[SIDES[side]]), identity(factor, p.widths()[SIDES[side]], layout))]
@@ -454,7 +449,9 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         s = solution
         options = prepared.options
         d_a, d_g = prepared.widths()
-        m, v, steps = carried_moments(prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, (d_g, d_a))
+        m, v, steps = carried_moments(
+            prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, (d_g, d_a), prepared.refresh
+        )
         return KFACAdamState(
             prepared.factor_a,
             prepared.factor_g,
@@ -467,7 +464,13 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
             steps,
             context.damping,
             AdamRule.of(options),
+            staleness.held_after(prepared),
         )
+
+    def update_notes(self, prepared: KFACAdamInputs) -> Mapping[str, object] | None:
+        """Under ``refresh_tolerance``, at a layer's update that measured a held basis: per side whether it
+        refreshed, its staleness and the updates it has now been kept (decisions.csv; docs/profiling.md)."""
+        return staleness.notes(prepared)
 
     def carried(self, prepared: KFACAdamInputs) -> dict[str, Tensor]:
         """The running factors (the next update blends with them)."""
