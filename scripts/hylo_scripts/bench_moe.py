@@ -336,10 +336,10 @@ def cost_rows(
             timed[key][0].extend(times)
             timed[key][1].extend(updates)
     rows = []
-    for (form, name), (optimizer, _) in runs.items():
-        rows.append(cost_row(form, name, optimizer, *timed[form, name]))
-        if isinstance(optimizer, hylo.HyLoOptimizer):
-            optimizer.preconditioner.remove()
+    for (form, name), (built, _) in runs.items():
+        rows.append(cost_row(form, name, built, *timed[form, name]))
+        if isinstance(built, hylo.HyLoOptimizer):
+            built.preconditioner.remove()
     return rows
 
 
