@@ -191,6 +191,13 @@ def _checked_eigh(sym: Tensor) -> tuple[Tensor, Tensor]:
 POWER_COST = 2.5
 
 
+#: The shift σ = POWER_SHIFT · max(e) of :func:`power_refresh_many`'s power step (F + σI) Q: far above the round-off of
+#: F Q in float32 (ε·‖F‖·√d), so that the QR keeps the previous basis inside a null or (nearly) repeated eigenspace
+#: instead of completing it arbitrarily, and small enough to leave the convergence of the eigenvectors of eigenvalues
+#: above it as it was (docs/solvers.md, "The warm-started basis").
+POWER_SHIFT = 1e-3
+
+
 def power_refresh_many(
     mats: Sequence[Tensor], bases: Sequence[Tensor], products: Sequence[Tensor] | None = None
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -199,8 +206,10 @@ def power_refresh_many(
     iteration and a QR (docs/solvers.md, "The warm-started basis").
 
     Per matrix: the Rayleigh quotients e = diag(Qᵀ F Q), Q's columns sorted by them in descending order (the order
-    in which a QR of F Q converges to the leading eigenvectors), Q' = qr(F Q_sorted) with each column's sign
-    making R's diagonal ≥ 0 (Q' ≈ Q where Q already diagonalises F); returned as (e ascending and clamped at zero,
+    in which a QR of F Q converges to the leading eigenvectors), Q' = qr((F + σI) Q_sorted), σ = :data:`POWER_SHIFT`
+    · max(e), with each column's sign making R's diagonal ≥ 0 (Q' = Q to round-off where Q already diagonalises F,
+    inside a repeated eigenvalue or a null space too: the shift keeps a column that F leaves (nearly) null from
+    being completed arbitrarily); returned as (e ascending and clamped at zero,
     Q' in that order, ``order``: column j of Q' refines column ``order[j]`` of Q). A result that fails the check of
     :func:`eigh_many` (finite, orthogonal) is redone by its eigendecomposition, with ``order`` the identity. One
     host sync per group (the check). ``products``: each F Q already computed as ``bmm`` of (F + Fᵀ)/2 and Q (an
@@ -212,6 +221,9 @@ def power_refresh_many(
         basis = basis.to(sym.dtype)
         power = product[0] if product else torch.bmm(sym, basis)
         quotients = (basis * power).sum(dim=-2)
+        largest = quotients.amax(dim=-1, keepdim=True).unsqueeze(-1)
+        shift = torch.where(largest > 0, POWER_SHIFT * largest, 1.0)
+        power = torch.addcmul(power, basis, shift)  # (F + σI) Q: a column F leaves (nearly) null stays itself
         order = torch.argsort(quotients, dim=-1, descending=True)
         power = power.gather(-1, order.unsqueeze(-2).expand_as(power))
         try:

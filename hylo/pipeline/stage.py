@@ -176,12 +176,15 @@ class UpdateStage:
 
     def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], strategy: Strategy) -> list[str]:
         """Layers whose new state is non-finite, agreed on by all ranks (one host sync): every floating tensor's
-        largest |entry| by one ``torch._foreach_norm`` (NaN or inf where any entry is), folded per layer."""
+        largest |entry| by one ``torch._foreach_norm`` (NaN or inf where any entry is), folded per layer. A tensor
+        the state shares with the layer's previous one (a refresh replaces only the running factors) was checked
+        when that state was stored, and is not read again."""
         device = jobs[0].batch.math.weight.device
         by_dtype: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[int]]] = {}
         for i, job in enumerate(jobs):
-            for t in states[job.name].tensors().values():
-                if t.is_floating_point():
+            before = job.previous.tensors() if job.previous is not None else {}
+            for name, t in states[job.name].tensors().items():
+                if t.is_floating_point() and before.get(name) is not t:
                     tensors, owner = by_dtype.setdefault((t.dtype, t.device), ([], []))
                     tensors.append(t)
                     owner.append(i)

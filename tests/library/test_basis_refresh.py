@@ -2,8 +2,8 @@
 
 Specified against independent references:
 
-- :func:`~hylo.numerics.power_refresh_many` is one step of subspace iteration written with NumPy (Rayleigh
-  quotients, columns sorted, ``numpy.linalg.qr``, signs fixed) matrix by matrix, batched or not; an exact
+- :func:`~hylo.numerics.power_refresh_many` is one step of subspace iteration on F + σI written with NumPy
+  (Rayleigh quotients, columns sorted, the shift, ``numpy.linalg.qr``, signs fixed) matrix by matrix, batched or not; an exact
   eigenbasis is its fixed point (re-sorted where the eigenvalues changed order), and repeated refreshes converge
   to ``numpy.linalg.eigh``'s eigenpairs;
 - in a run, a layer's first update eigendecomposes (the state equals ``basis_refresh="eigh"``'s); at each later
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo.numerics import eigh_many, power_refresh_many
+from hylo.numerics import POWER_SHIFT, eigh_many, power_refresh_many
 from hylo.solvers.bundled.kfac_adam import KFACAdamState
 from tests.kit.checks import DT, assert_rel_close
 
@@ -36,11 +36,13 @@ pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 
 def _numpy_refresh(factor: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One step of subspace iteration from ``basis``: (eigenvalue estimates ascending, basis, old column of each)."""
+    """One step of subspace iteration on F + σI from ``basis`` (σ = ``POWER_SHIFT`` times the largest Rayleigh
+    quotient): (eigenvalue estimates ascending, basis, old column of each)."""
     sym = (factor + factor.T) / 2
     quotients = np.einsum("ij,ij->j", basis, sym @ basis)
     order = np.argsort(-quotients, kind="stable")
-    q, r = np.linalg.qr(sym @ basis[:, order])
+    shift = POWER_SHIFT * quotients.max() if quotients.max() > 0 else 1.0
+    q, r = np.linalg.qr((sym + shift * np.eye(sym.shape[0])) @ basis[:, order])
     q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
     return np.maximum(quotients[order][::-1], 0.0), q[:, ::-1], order[::-1]
 

@@ -178,6 +178,33 @@ def test_factor_update_freq_refreshes_running_factors_between_updates(factor_upd
         assert_rel_close(grad_matrix(layer), dense_kfac(solved[0], solved[1], grad, damping))
 
 
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam"])
+def test_a_refresh_step_checks_the_new_running_factors_only(solver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finiteness check of a ``factor_update_freq`` step reads the running factors it folded, not the solve and
+    moments the state keeps from the last update (checked when that update stored them); an update reads them all."""
+    layer = nn.Linear(4, 3, dtype=DT)
+    pre = HyLoPreconditioner(layer, solver=solver, update_freq=3, factor_update_freq=1, damping=0.05)
+    checked: list[int] = []
+    norm = torch._foreach_norm
+
+    def spy(tensors: list[Tensor], ord: float = 2.0, **kwargs: object) -> tuple[Tensor, ...]:  # noqa: A002
+        if ord == float("inf"):
+            checked.append(sum(t.numel() for t in tensors))
+        return norm(tensors, ord, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", spy)
+    for step in range(2):
+        layer.zero_grad()
+        F.mse_loss(layer(torch.randn(6, 4, dtype=DT)), fixed_target((6, 3), seed=step)).backward()
+        checked.clear()
+        pre.step()
+        state = pre.layer_info()[0].state
+        assert state is not None
+        every = sum(t.numel() for t in state.tensors.values() if t.is_floating_point())
+        factors = state.tensors["factor_a"].numel() + state.tensors["factor_g"].numel()
+        assert checked == [every if step == 0 else factors], (step, checked)
+
+
 # --------------------------------------------------------------------------- eigh failures
 def _failing_eigh(*args: object, **kwargs: object) -> None:
     raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge (simulated)")

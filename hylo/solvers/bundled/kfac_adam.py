@@ -386,9 +386,9 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """Each factor's eigenbasis, batched by shape: an eigendecomposition, or with ``basis_refresh="power"`` from a
         layer's second update on its previous basis refined (:func:`~hylo.numerics.power_refresh_many`); the identity
         and the diagonal for a diagonal A (an embedding's); identity bases and unit eigenvalues for
-        ``adam_basis="identity"``. A basis that follows a previous one is turned to it inside its degenerate
-        eigenspaces (:func:`~hylo.numerics.aligned_many`), so that no rotation among equal eigenvalues mixes the
-        moments (docs/solvers.md, "Degenerate eigenspaces")."""
+        ``adam_basis="identity"``. An eigendecomposition that follows a previous basis is turned to it inside its
+        degenerate eigenspaces (:func:`~hylo.numerics.aligned_many`), so that no rotation among equal eigenvalues
+        mixes the moments; the shifted power step keeps them by itself (docs/solvers.md, "Degenerate eigenspaces")."""
         sides = [(p, side) for p in prepared for side in ("a", "g")]
         kinds = [basis_kind(p, side) for p, side in sides]
         # a blocked side's blocks are decomposed (or refreshed, or aligned) each alone, batched by size with every
@@ -424,7 +424,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
                 pieces.append(
                     [(diagonal(factor, layout).clamp_min(0.0), identity(factor, p.widths()[SIDES[side]], layout))]
                 )
-        followed = [k for k, (p, _) in enumerate(sides) if kinds[k] in ("eigh", "power") and p.previous is not None]
+        followed = [k for k, (p, _) in enumerate(sides) if kinds[k] == "eigh" and p.previous is not None]
         turned = iter(
             aligned_many(
                 [e for k in followed for e, _ in pieces[k]],
