@@ -191,11 +191,11 @@ def _checked_eigh(sym: Tensor) -> tuple[Tensor, Tensor]:
 POWER_COST = 2.5
 
 
-#: The shift σ = POWER_SHIFT · max(e) of :func:`power_refresh_many`'s power step (F + σI) Q: far above the round-off of
-#: F Q in float32 (ε·‖F‖·√d), so that the QR keeps the previous basis inside a null or (nearly) repeated eigenspace
+#: The shift σ = POWER_SHIFT · max(e) of :func:`power_refresh_many`'s power step (F + σI) Q: well above the round-off
+#: of F Q in float32 (ε·‖F‖·√d), so that the QR keeps the previous basis inside a null or (nearly) repeated eigenspace
 #: instead of completing it arbitrarily, and small enough to leave the convergence of the eigenvectors of eigenvalues
 #: above it as it was (docs/solvers.md, "The warm-started basis").
-POWER_SHIFT = 1e-3
+POWER_SHIFT = 1e-4
 
 
 def power_refresh_many(
