@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,3 +71,21 @@ def hylo_option(text: str) -> tuple[str, Any]:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return key, value
+
+
+def add_variant_flag(parser: argparse.ArgumentParser, help: str) -> None:  # noqa: A002
+    """``--variant NAME KEY=VALUE ...`` (repeatable): another hylo run, named, with these options (read them with
+    :func:`parse_variants`)."""
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE", help=help)
+
+
+def parse_variants(given: Sequence[Sequence[str]]) -> dict[str, dict[str, Any]]:
+    """``--variant`` arguments as {name: options}; a name given twice, or not a word, is a ValueError."""
+    variants: dict[str, dict[str, Any]] = {}
+    for name, *settings in given:
+        if not name.replace("_", "").isalnum():
+            raise ValueError(f"--variant {name!r}: a name of letters, digits and _ comes first")
+        if name in variants:
+            raise ValueError(f"--variant {name!r} given twice")
+        variants[name] = dict(hylo_option(setting) for setting in settings)
+    return variants

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from hylo_scripts import bench_accuracy, bench_interleave, peers
-from hylo_scripts.argtypes import default_device, hylo_option, positive_int
+from hylo_scripts.argtypes import add_variant_flag, default_device, hylo_option, parse_variants, positive_int
 from hylo_scripts.argtypes import device as device_type
 from hylo_scripts.bench_accuracy import LMCurve, median_range
 from hylo_scripts.bench_interleave import Cost, Stepper, time_to
@@ -589,18 +589,6 @@ def parse_lrs(values: Sequence[str], known: Sequence[str]) -> dict[str, tuple[fl
     return grids
 
 
-def parse_variants(given: Sequence[Sequence[str]]) -> dict[str, dict[str, Any]]:
-    """``--variant NAME KEY=VALUE ...`` as {name: options}; a name given twice, or not a word, is a ValueError."""
-    variants: dict[str, dict[str, Any]] = {}
-    for name, *settings in given:
-        if not name.replace("_", "").isalnum():
-            raise ValueError(f"--variant {name!r}: a name of letters, digits and _ comes first")
-        if name in variants:
-            raise ValueError(f"--variant {name!r} given twice")
-        variants[name] = dict(hylo_option(setting) for setting in settings)
-    return variants
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (defaults: the settings of docs/benchmarks.md, "Peers")."""
     peer_names = [m for m in peers.METHODS if m not in peers.BASELINES.values()]
@@ -618,13 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="hylo options of every hylo run, over the task's (damping 0.3, kl_clip 0.01, update_freq 10, ρ 0.1)",
     )
-    parser.add_argument(
-        "--variant",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar="NAME KEY=VALUE",
-        help="another hylo method per solver, hylo-<solver>-NAME, with these options over --set's (repeatable)",
+    add_variant_flag(
+        parser, "another hylo method per solver, hylo-<solver>-NAME, with these options over --set's (repeatable)"
     )
     parser.add_argument("--steps", type=positive_int, help="lm: steps per run (default 400)")
     parser.add_argument("--iterations", type=positive_int, help="classification: steps per run (default 120)")

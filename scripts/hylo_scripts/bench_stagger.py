@@ -26,14 +26,14 @@ import copy
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import hylo
-from hylo_scripts.argtypes import hylo_option
+from hylo_scripts.argtypes import add_variant_flag, hylo_option, parse_variants
 from hylo_scripts.bench_overhead import workload
 from hylo_scripts.models import model_names
 
@@ -130,16 +130,6 @@ def table(times: Mapping[str, list[float]], *, update_freq: int, warmup: int, ro
     return "\n".join(lines)
 
 
-def _variants(given: Sequence[Sequence[str]]) -> dict[str, dict[str, Any]]:
-    """``--variant NAME KEY=VALUE ...`` arguments by name (``ValueError`` for a name given twice)."""
-    variants: dict[str, dict[str, Any]] = {}
-    for name, *settings in given:
-        if name in variants:
-            raise ValueError(f"--variant {name!r} given twice")
-        variants[name] = dict(hylo_option(setting) for setting in settings)
-    return variants
-
-
 def main(argv: list[str] | None = None) -> None:
     """Print the table of the runs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,14 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--solver", default="kfac")
     parser.add_argument("--update-freq", type=int, default=10)
     parser.add_argument("--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo options")
-    parser.add_argument(
-        "--variant",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar="NAME KEY=VALUE",
-        help="another hylo run: a name, then options on top of --set (repeatable)",
-    )
+    add_variant_flag(parser, "another hylo run: a name, then options on top of --set (repeatable)")
     parser.add_argument("--no-staggered", action="store_true", help="leave out the run with stagger_updates=True")
     parser.add_argument("--steps", type=int, default=40, help="timed iterations of each run per round")
     parser.add_argument("--warmup", type=int, default=10)
@@ -169,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     lm = args.model in model_names("lm")
     sizes = {"layers": args.layers, "width": args.width} if lm else None
-    variants = _variants(args.variant)
+    variants = parse_variants(args.variant)
     times = timed_iterations(
         args.model,
         args.solver,

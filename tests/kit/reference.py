@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -135,3 +136,18 @@ def conv_reference(conv: nn.Conv2d, x: Tensor, out: Tensor, grad_out: Tensor) ->
         "G": torch.einsum("ngl,nhl->gh", gs, gs) / n,
         "positions": torch.tensor(float(positions), dtype=patches.dtype),
     }
+
+
+def numpy_power_refresh(factor: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step of subspace iteration on F + σI from ``basis`` (σ = ``POWER_SHIFT`` times the largest Rayleigh
+    quotient; docs/solvers.md, "The warm-started basis"), written with NumPy: (eigenvalue estimates ascending,
+    basis, old column of each)."""
+    from hylo.numerics import POWER_SHIFT
+
+    sym = (factor + factor.T) / 2
+    quotients = np.einsum("ij,ij->j", basis, sym @ basis)
+    order = np.argsort(-quotients, kind="stable")
+    shift = POWER_SHIFT * quotients.max() if quotients.max() > 0 else 1.0
+    q, r = np.linalg.qr((sym + shift * np.eye(sym.shape[0])) @ basis[:, order])
+    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    return np.maximum(quotients[order][::-1], 0.0), q[:, ::-1], order[::-1]

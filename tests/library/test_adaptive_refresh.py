@@ -34,13 +34,14 @@ from torch import Tensor, nn
 
 import hylo
 from hylo.layers.blocks import block_layout
-from hylo.numerics import POWER_COST, POWER_SHIFT
+from hylo.numerics import POWER_COST
 from hylo.solvers.bundled.adam_rule import KFACAdamConfig
 from hylo.solvers.bundled.kfac_adam import KFACAdamFamily, KFACAdamInputs
 from hylo.solvers.bundled.staleness import measured_many, refreshed
 from hylo.solvers.kfac import EIGH_COST
 from tests.kit.checks import DT, assert_rel_close, counting_host_syncs, rel_err
 from tests.kit.harness import run_distributed
+from tests.kit.reference import numpy_power_refresh
 from tests.library.test_distributed import local_slice, make_data, make_model
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -52,18 +53,6 @@ def _spd(d: int, seed: int) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(3 * d, d, generator=gen, dtype=DT) * torch.linspace(0.2, 2.0, d, dtype=DT)
     return x.mT @ x / (3 * d)
-
-
-def numpy_refresh(factor: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One step of subspace iteration on F + σI from ``basis`` (docs/solvers.md, "The warm-started basis"): the
-    eigenvalue estimates ascending and the basis."""
-    sym = (factor + factor.T) / 2
-    quotients = np.einsum("ij,ij->j", basis, sym @ basis)
-    order = np.argsort(-quotients, kind="stable")
-    shift = POWER_SHIFT * quotients.max() if quotients.max() > 0 else 1.0
-    q, r = np.linalg.qr((sym + shift * np.eye(sym.shape[0])) @ basis[:, order])
-    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
-    return np.maximum(quotients[order][::-1], 0.0), q[:, ::-1]
 
 
 def _dense_mass(factor: np.ndarray, basis: np.ndarray) -> float:
@@ -150,15 +139,20 @@ def _run(steps: int = 10, **options: Any) -> tuple[list[dict[str, Any]], hylo.Hy
     return _train(model, pre, range(steps)), pre
 
 
-@pytest.mark.parametrize("refresh", ["power", "eigh"])
-def test_tolerance_zero_refreshes_every_update_bit_for_bit_as_today(refresh: str) -> None:
-    today, _ = _run(basis_refresh=refresh)
-    zero, pre = _run(basis_refresh=refresh, refresh_tolerance=0.0)
-    for a, b in zip(today, zero, strict=True):
+def _assert_same_steps(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
+    """Every step's gradients and every layer's state tensors, bit for bit."""
+    for a, b in zip(first, second, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
         for name, state in a["states"].items():
             for key, tensor in state.tensors.items():
                 assert torch.equal(tensor, b["states"][name].tensors[key]), key
+
+
+@pytest.mark.parametrize("refresh", ["power", "eigh"])
+def test_tolerance_zero_refreshes_every_update_bit_for_bit_as_today(refresh: str) -> None:
+    today, _ = _run(basis_refresh=refresh)
+    zero, pre = _run(basis_refresh=refresh, refresh_tolerance=0.0)
+    _assert_same_steps(today, zero)
     notes = [d.notes for d in pre.decision_log if d.step > 0]
     assert notes and all(n["refreshed_a"] and n["refreshed_g"] and n["held_a"] == n["held_g"] == 0 for n in notes)
     assert all(n["staleness_a"] > 0 for n in notes)  # measured, and refreshed although small
@@ -178,7 +172,7 @@ def test_an_infinite_tolerance_holds_each_basis_between_forced_refreshes() -> No
                     assert torch.equal(state.tensors[f"evecs_{side}"], old)
                     assert_rel_close(state.tensors[f"evals_{side}"], torch.diagonal(old.mT @ factor @ old), 1e-12)
                 else:  # forced: one step of subspace iteration from the held basis
-                    want_e, want_q = numpy_refresh(factor.numpy(), old.numpy())
+                    want_e, want_q, _ = numpy_power_refresh(factor.numpy(), old.numpy())
                     assert_rel_close(state.tensors[f"evecs_{side}"], torch.from_numpy(want_q.copy()), 1e-8)
                     assert_rel_close(state.tensors[f"evals_{side}"], torch.from_numpy(want_e.copy()), 1e-10)
             if held < 3:  # the moments advance in the held basis, not re-projected
@@ -330,11 +324,7 @@ def test_blocked_tolerance_zero_is_the_blocked_path_bit_for_bit(refresh: str) ->
     dense, _ = _run(basis_refresh=refresh)
     assert not torch.equal(blocked[-1]["grads"][0], dense[-1]["grads"][0])  # the blocks change the run
     assert {i.name: i.state.tensors["evecs_a"].dim() for i in pre.layer_info()} == {"0": 1, "2": 1}
-    for a, b in zip(blocked, zero, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
-        for name, state in a["states"].items():
-            for key, tensor in state.tensors.items():
-                assert torch.equal(tensor, b["states"][name].tensors[key]), key
+    _assert_same_steps(blocked, zero)
     notes = [d.notes for d in pre.decision_log if d.step > 0]
     assert notes and all(n["refreshed_a"] and n["refreshed_g"] and n["staleness_a"] > 0 for n in notes)
 
@@ -357,7 +347,7 @@ def test_an_infinite_tolerance_holds_each_blocked_basis_whole() -> None:
                     want = np.concatenate([np.diag(q.T @ f @ q) for f, q in zip(factors, bases, strict=True)])
                     assert_rel_close(state.tensors[f"evals_{side}"], torch.from_numpy(want), 1e-12)
                 else:  # forced: every block refreshed from its held block
-                    pairs = [numpy_refresh(f, q) for f, q in zip(factors, bases, strict=True)]
+                    pairs = [numpy_power_refresh(f, q)[:2] for f, q in zip(factors, bases, strict=True)]
                     want_q = torch.block_diag(*[torch.from_numpy(q.copy()) for _, q in pairs])
                     got_q = torch.from_numpy(_dense(state.tensors[f"evecs_{side}"], d))
                     assert_rel_close(got_q, want_q, 1e-8)

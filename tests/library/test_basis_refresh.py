@@ -28,23 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo.numerics import POWER_SHIFT, eigh_many, power_refresh_many
+from hylo.numerics import eigh_many, power_refresh_many
 from hylo.solvers.bundled.kfac_adam import KFACAdamState
 from tests.kit.checks import DT, assert_rel_close
+from tests.kit.reference import numpy_power_refresh
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
-
-
-def _numpy_refresh(factor: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One step of subspace iteration on F + σI from ``basis`` (σ = ``POWER_SHIFT`` times the largest Rayleigh
-    quotient): (eigenvalue estimates ascending, basis, old column of each)."""
-    sym = (factor + factor.T) / 2
-    quotients = np.einsum("ij,ij->j", basis, sym @ basis)
-    order = np.argsort(-quotients, kind="stable")
-    shift = POWER_SHIFT * quotients.max() if quotients.max() > 0 else 1.0
-    q, r = np.linalg.qr((sym + shift * np.eye(sym.shape[0])) @ basis[:, order])
-    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
-    return np.maximum(quotients[order][::-1], 0.0), q[:, ::-1], order[::-1]
 
 
 def _spd(d: int, seed: int, spread: float = 3.0) -> Tensor:
@@ -59,7 +48,7 @@ def test_a_refresh_is_one_step_of_subspace_iteration_batched_or_not() -> None:
     previous = [q for _, q in eigh_many([_spd(9, 10 + s) for s in range(3)] + [_spd(5, 17)])]
     batched = power_refresh_many(factors, previous)
     for factor, basis, (evals, evecs, order) in zip(factors, previous, batched, strict=True):
-        want_e, want_q, want_order = _numpy_refresh(factor.numpy(), basis.numpy())
+        want_e, want_q, want_order = numpy_power_refresh(factor.numpy(), basis.numpy())
         assert_rel_close(evals, torch.from_numpy(want_e.copy()), 1e-12)
         assert_rel_close(evecs, torch.from_numpy(want_q.copy()), 1e-10)
         assert order.tolist() == want_order.tolist()
@@ -112,7 +101,7 @@ def test_a_failed_refresh_is_redone_by_the_eigendecomposition() -> None:
     (bad_e, _, bad_order), (good_e, _, good_order) = power_refresh_many([bad, good], previous)
     assert not bool(torch.isfinite(bad_e).all())  # the update stage rejects this state
     assert torch.equal(bad_order, torch.arange(5))
-    want_e, _, want_order = _numpy_refresh(good.numpy(), previous[1].numpy())
+    want_e, _, want_order = numpy_power_refresh(good.numpy(), previous[1].numpy())
     assert_rel_close(good_e, torch.from_numpy(want_e.copy()), 1e-12)
     assert good_order.tolist() == want_order.tolist()
 
@@ -156,7 +145,7 @@ def test_the_first_update_eigendecomposes_and_later_ones_refresh_from_the_previo
             before = power[update - 1][name]  # the state the update started from (its moments one step on)
             moments = {}
             for side in ("a", "g"):
-                want_e, want_q, order = _numpy_refresh(
+                want_e, want_q, order = numpy_power_refresh(
                     state.tensors[f"factor_{side}"].numpy(), before.tensors[f"evecs_{side}"].numpy()
                 )
                 assert_rel_close(state.tensors[f"evals_{side}"], torch.from_numpy(want_e.copy()), 1e-10)

@@ -108,18 +108,23 @@ def test_kfac_adam_between_updates_is_adam_in_the_block_eigenbasis() -> None:
         assert_rel_close(got, expected, 1e-8)
 
 
-def _run(steps: int, solver: str, **options: object) -> tuple[nn.Module, hylo.HyLoPreconditioner]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D_IN, D_OUT, dtype=DT), nn.Tanh(), nn.Linear(D_OUT, 3, dtype=DT))
-    pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=2, **options)
+def _train(model: nn.Module, pre: hylo.HyLoPreconditioner, steps: range) -> None:
+    """SGD with ``pre`` over ``steps``, step k on its own seeded batch."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(steps):
+    for step in steps:
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(24, D_IN, generator=gen, dtype=DT), torch.randint(0, 3, (24,), generator=gen)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         pre.step()
         opt.step()
+
+
+def _run(steps: int, solver: str, **options: object) -> tuple[nn.Module, hylo.HyLoPreconditioner]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_OUT, dtype=DT), nn.Tanh(), nn.Linear(D_OUT, 3, dtype=DT))
+    pre = hylo.HyLoPreconditioner(model, solver=solver, update_freq=2, **options)
+    _train(model, pre, range(steps))
     return model, pre
 
 
@@ -145,14 +150,7 @@ def test_blocks_change_the_run_and_resume_bit_exactly(solver: str) -> None:
     resumed.load_state_dict(model.state_dict())
     pre2 = hylo.HyLoPreconditioner(resumed, solver=solver, update_freq=2, factor_block=BLOCK, **extra)
     pre2.load_state_dict(saved)
-    opt = torch.optim.SGD(resumed.parameters(), lr=0.05)
-    for step in range(5, 9):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(24, D_IN, generator=gen, dtype=DT), torch.randint(0, 3, (24,), generator=gen)
-        opt.zero_grad()
-        F.cross_entropy(resumed(x), y).backward()
-        pre2.step()
-        opt.step()
+    _train(resumed, pre2, range(5, 9))
     for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="factor_block"):
