@@ -11,10 +11,13 @@ Models are float64 so the comparisons can be tight (relative 1e-8 in the Frobeni
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hylo import HyLoPreconditioner
 from tests.kit.cases import LINEAR_SHAPES, conv_case, linear_case, scheduled_damping_steps
@@ -178,31 +181,35 @@ def test_factor_update_freq_refreshes_running_factors_between_updates(factor_upd
         assert_rel_close(grad_matrix(layer), dense_kfac(solved[0], solved[1], grad, damping))
 
 
+class _LargestEntryReads(TorchDispatchMode):
+    """The numbers each ``_foreach_norm(·, ∞)`` of a step reads (the finiteness check of new states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func).startswith("aten._foreach_norm") and len(args) > 1 and args[1] == float("inf"):
+            self.reads.append(sum(t.numel() for t in args[0]))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("solver", ["kfac", "kfac_adam"])
-def test_a_refresh_step_checks_the_new_running_factors_only(solver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refresh_step_checks_the_new_running_factors_only(solver: str) -> None:
     """The finiteness check of a ``factor_update_freq`` step reads the running factors it folded, not the solve and
     moments the state keeps from the last update (checked when that update stored them); an update reads them all."""
     layer = nn.Linear(4, 3, dtype=DT)
     pre = HyLoPreconditioner(layer, solver=solver, update_freq=3, factor_update_freq=1, damping=0.05)
-    checked: list[int] = []
-    norm = torch._foreach_norm
-
-    def spy(tensors: list[Tensor], ord: float = 2.0, **kwargs: object) -> tuple[Tensor, ...]:  # noqa: A002
-        if ord == float("inf"):
-            checked.append(sum(t.numel() for t in tensors))
-        return norm(tensors, ord, **kwargs)
-
-    monkeypatch.setattr(torch, "_foreach_norm", spy)
     for step in range(2):
         layer.zero_grad()
         F.mse_loss(layer(torch.randn(6, 4, dtype=DT)), fixed_target((6, 3), seed=step)).backward()
-        checked.clear()
-        pre.step()
+        with _LargestEntryReads() as spy:
+            pre.step()
         state = pre.layer_info()[0].state
         assert state is not None
         every = sum(t.numel() for t in state.tensors.values() if t.is_floating_point())
         factors = state.tensors["factor_a"].numel() + state.tensors["factor_g"].numel()
-        assert checked == [every if step == 0 else factors], (step, checked)
+        assert spy.reads == [every if step == 0 else factors], (step, spy.reads)
 
 
 # --------------------------------------------------------------------------- eigh failures
