@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -253,20 +254,28 @@ def test_any_index_shape_is_rows_of_tokens(shape: tuple[int, ...]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- (2) K-FAC
-@pytest.mark.parametrize("kind", ["flat", "token"])
-def test_kfac_matches_dense_with_diagonal_token_counts(kind: str) -> None:
+def _kfac_step(
+    kind: str, solver: str, **options: Any
+) -> tuple[EmbNet, HyLoPreconditioner, Tensor, Tensor, Tensor, Tensor]:
+    """One update step of ``solver`` on an EmbNet: the net, the preconditioner, the indices, ∇W, and the one-hot rows
+    a and the true output gradients g = n·∂L/∂s of its tokens."""
     net = EmbNet(kind)
     idx = tokens((B, T))
     loss_fn = loss_fn_for(kind, idx)
-    pre = HyLoPreconditioner(net, solver="kfac", update_freq=1, damping=DAMPING)
+    pre = HyLoPreconditioner(net, solver=solver, update_freq=1, damping=DAMPING, **options)
     out = net.emb(idx)
     out.retain_grad()
     loss_fn(net.head(out)).backward()
     grad = hylo_matrix(net)
     pre.step()
     n = idx.numel()
-    a = one_hot_rows(net, idx)
-    g = n * out.grad.reshape(n, D)
+    return net, pre, idx, grad, one_hot_rows(net, idx), n * out.grad.reshape(n, D)
+
+
+@pytest.mark.parametrize("kind", ["flat", "token"])
+def test_kfac_matches_dense_with_diagonal_token_counts(kind: str) -> None:
+    net, pre, idx, grad, a, g = _kfac_step(kind, "kfac")
+    n = idx.numel()
     assert_rel_close(g.mT @ a / n, grad, REPLAY_RTOL)  # the one-hot rows reproduce ∇W
     factor_a, factor_g = a.mT @ a / n, g.mT @ g / n
     counts = torch.bincount(idx.reshape(-1), minlength=V).to(DT)
@@ -285,18 +294,9 @@ def test_kfac_adam_in_its_kfac_reduction_matches_dense_with_its_identity_token_b
     """``kfac_adam`` keeps an embedding's token side in the identity basis, e_a = diag(A), never decomposed
     (docs/solvers.md, "Degenerate eigenspaces"); in its K-FAC reduction (v̂ = e_g e_aᵀ, exponent 1, β₁ 0, ε = λ) its
     step is the dense (A ⊗ G + λI)⁻¹ vec ∇W with A and G from the one-hot rows and the true output gradients."""
-    net = EmbNet(kind)
-    idx = tokens((B, T))
-    loss_fn = loss_fn_for(kind, idx)
     options = {"adam_betas": (0.0, 0.999), "adam_exponent": 1.0, "second_moment": "factors", "adam_eps": DAMPING}
-    pre = HyLoPreconditioner(net, solver="kfac_adam", update_freq=1, damping=DAMPING, **options)
-    out = net.emb(idx)
-    out.retain_grad()
-    loss_fn(net.head(out)).backward()
-    grad = hylo_matrix(net)
-    pre.step()
+    net, pre, idx, grad, a, g = _kfac_step(kind, "kfac_adam", **options)
     n = idx.numel()
-    a, g = one_hot_rows(net, idx), n * out.grad.reshape(n, D)
     state = pre.layer_info()[0].state
     assert state is not None
     assert torch.equal(state.tensors["evecs_a"], torch.eye(V, dtype=DT))
