@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hylo.config import HyLoConfig
+from hylo.layers.blocks import layer_blocks
 from hylo.layers.capture import LayerCapture
 from hylo.layers.math import LayerMath
 from hylo.layers.walk import Registration
@@ -73,7 +74,7 @@ def registered_layers(found: Registration, config: HyLoConfig) -> list[Registere
     then every hook ``found`` placed is removed (the model is left as it was)."""
     layers = [RegisteredLayer(f.name, f.math, f.capture, config.initial_solver(f.name)) for f in found.layers]
     for layer in layers:  # the statistic forms blocked factors (docs/solvers.md, "Blocked factors")
-        layer.math.factor_block = config.kfac.factor_block
+        layer.math.factor_blocks = layer_blocks(layer.math, config.kfac.factor_block, config.kfac.split_gate_up)
     try:
         check_kfac_budget([layer.shape() for layer in layers], config)
     except ValueError:

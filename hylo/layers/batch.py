@@ -30,7 +30,8 @@ class LayerShape:
     ``rows`` are the local samples n, ``kfac_rows`` the K-FAC rows n_k (samples × output
     positions for a convolution), ``kept_local`` the rows r a rank keeps on the KID/KIS path,
     ``dense_rows`` whether the low-rank rows are whole per-sample gradients, ``row_work`` the
-    multiply-adds of building them, and ``itemsize`` the bytes per number sent.
+    multiply-adds of building them, ``itemsize`` the bytes per number sent, and ``blocks`` the
+    maximum block sizes of its K-FAC factors, A's and G's (:attr:`LayerMath.factor_blocks`).
     """
 
     d_a: int
@@ -42,6 +43,7 @@ class LayerShape:
     dense_rows: bool = False
     row_work: float = 0.0
     itemsize: int = 4
+    blocks: tuple[int | None, int | None] = (None, None)
 
     @classmethod
     def of(cls, math: LayerMath, rows: int, kfac_rows: int, kept: int, world_size: int) -> LayerShape:
@@ -56,6 +58,7 @@ class LayerShape:
             math.dense_rows,
             math.row_work(rows, kfac_rows),
             math.dtype.itemsize,
+            math.factor_blocks,
         )
 
     @property

@@ -107,6 +107,16 @@ def packed_layout(width: int, numbers: int) -> BlockLayout | None:
     return None
 
 
+def layer_blocks(math: LayerMath, block: int | None, split_gate_up: bool) -> tuple[int | None, int | None]:
+    """A layer's (A's, G's) maximum block sizes: ``factor_block`` on both sides, and with ``split_gate_up`` G's at
+    most one output part's width where the layer concatenates ``math.output_parts`` > 1 maps (docs/moe.md, "Gate
+    and up")."""
+    if not split_gate_up or math.output_parts == 1:
+        return block, block
+    part = math.d_g // math.output_parts
+    return block, part if block is None else min(block, part)
+
+
 def side_numbers(width: int, block: int | None) -> int:
     """Numbers of one (d × d) factor of a side as held: d², or Σ sᵢ² blocked."""
     layout = block_layout(width, block)
@@ -183,11 +193,11 @@ def _factors_from_rows(math: LayerMath) -> bool:
 
 
 def call_factors(math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """One call's unnormalised factors with ``math.factor_block``: a blocked side's diagonal blocks of Σ r rᵀ
+    """One call's unnormalised factors with ``math.factor_blocks``: a blocked side's diagonal blocks of Σ r rᵀ
     packed, formed from the rows (n·Σ sᵢ²) where the layer's factors are its rows' (:func:`_factors_from_rows`),
     else cut from the layer's dense factor; a side that is not blocked as :meth:`LayerMath.kfac_factors` forms it."""
-    layout_a = block_layout(math.d_a, math.factor_block)
-    layout_g = block_layout(math.d_g, math.factor_block)
+    layout_a = block_layout(math.d_a, math.factor_blocks[0])
+    layout_g = block_layout(math.d_g, math.factor_blocks[1])
     if layout_a is None and layout_g is None:
         return math.kfac_factors(x, grad_out, scale)
     if _factors_from_rows(math):

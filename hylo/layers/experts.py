@@ -9,6 +9,9 @@ e = index[t, p]. Every expert's two projections are layers of their own (``gate_
 - ``gate_up_proj.<e>``: inputs x_t, output gradients the gradient of ``gate_up[e] x_t``, through the gate;
 - ``down_proj.<e>``: inputs h_t = gate(gate_up[e] x_t), output gradients w_tp · ∂L/∂y_t.
 
+K-FAC holds ``gate_up_proj.<e>``'s G as its gate and up halves, as it holds the two projections of an unfused expert
+(``output_parts`` 2, ``split_gate_up``; docs/moe.md, "Gate and up").
+
 The module's hooks see its inputs (the hidden states, the routing index and weights) and its output's gradient;
 on capture steps the tap recomputes each routed expert's h_t (and keeps the gate's graph for the backward), so
 the rows are those of the same model written with one ``nn.Linear`` per expert. Tokens routed past the last
@@ -115,9 +118,10 @@ class ExpertMath(LinearMath):
 
     routed_rows = True
 
-    def __init__(self, module: nn.Module, attr: str, expert: int) -> None:
+    def __init__(self, module: nn.Module, attr: str, expert: int, output_parts: int = 1) -> None:
         self.attr = attr
         self.expert = expert
+        self.output_parts = output_parts
         super().__init__(module)
 
     def _parameter(self) -> Tensor:
@@ -196,8 +200,8 @@ class ExpertsLayers(FusedLayers):
     def layers(self) -> list[tuple[str, LayerMath]]:
         """``<gate_up>.<e>`` for every expert e, then ``<down>.<e>``."""
         return [
-            (f"{attr}.{e}", ExpertMath(self.module, attr, e))
-            for attr in (self.layout.gate_up, self.layout.down)
+            (f"{attr}.{e}", ExpertMath(self.module, attr, e, parts))
+            for attr, parts in ((self.layout.gate_up, 2), (self.layout.down, 1))
             for e in range(self.experts)
         ]
 

@@ -199,9 +199,13 @@ class LayerMath(ABC):
     #: What the low-rank rows are, in the studies' ``reference`` column: ``"exact"`` per-sample gradients,
     #: or the name of a surrogate (a convolution's ``conv_rows``).
     rows_form: str = "exact"
-    #: The maximum block size of the layer's K-FAC factors (``factor_block``; None: whole factors), which the
-    #: statistic reads when it forms them (docs/solvers.md, "Blocked factors").
-    factor_block: int | None = None
+    #: How many maps of equal width the layer's outputs concatenate (a fused expert's gate and up projections: 2).
+    #: With ``split_gate_up`` its G is held as one block per map, as K-FAC holds separate layers (docs/moe.md,
+    #: "Gate and up").
+    output_parts: int = 1
+    #: The maximum block sizes of the layer's K-FAC factors, A's and G's (None: whole), which the statistic reads
+    #: when it forms them (:func:`~hylo.layers.blocks.layer_blocks`; docs/solvers.md, "Blocked factors").
+    factor_blocks: tuple[int | None, int | None] = (None, None)
 
     @abstractmethod
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:

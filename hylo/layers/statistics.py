@@ -74,11 +74,12 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
 
     def numbers(self, math: LayerMath, rows: int, kfac_rows: int) -> int:
         """d_a² + d_g² (Σ sᵢ² of a blocked side), whatever the call's size."""
-        return side_numbers(math.d_a, math.factor_block) + side_numbers(math.d_g, math.factor_block)
+        block_a, block_g = math.factor_blocks
+        return side_numbers(math.d_a, block_a) + side_numbers(math.d_g, block_g)
 
     def of_call(self, math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """The call's unnormalised factors (a blocked side's diagonal blocks, packed: :func:`call_factors`)."""
-        if math.factor_block is not None:
+        if math.factor_blocks != (None, None):
             return call_factors(math, x, grad_out, scale)
         return math.kfac_factors(x, grad_out, scale)
 
@@ -109,8 +110,8 @@ class KroneckerFactors(CallStatistic[tuple[Tensor, Tensor]]):
         """Zero factors (packed where a side is blocked)."""
         device = math.weight.device
         return (
-            zero_factor(math.d_a, math.factor_block, math.dtype, device),
-            zero_factor(math.d_g, math.factor_block, math.dtype, device),
+            zero_factor(math.d_a, math.factor_blocks[0], math.dtype, device),
+            zero_factor(math.d_g, math.factor_blocks[1], math.dtype, device),
         )
 
     def tensors(self, value: tuple[Tensor, Tensor]) -> list[Tensor]:

@@ -26,6 +26,8 @@ from hylo import integrity
 from hylo.config import HyLoConfig, options
 from hylo.distributed import Communicator
 from hylo.integrity import CHECKSUM_KEY
+from hylo.layers.blocks import side_numbers
+from hylo.layers.math import LayerMath
 from hylo.pipeline.planner import Planner
 from hylo.policy import SolverPolicy
 from hylo.rules import is_index
@@ -71,6 +73,18 @@ def check_finite(where: str, tensors: Mapping[str, Tensor]) -> None:
     for key, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{where}: state_dict tensor {key!r} is not finite")
+
+
+def check_layout(where: str, tensors: Mapping[str, Tensor], math: LayerMath) -> None:
+    """``ValueError`` where a saved running factor is held otherwise than this layer holds it (dense, or packed in
+    blocks of ``math.factor_blocks``: a checkpoint made with another ``factor_block`` or ``split_gate_up``)."""
+    for side, width, block in (("a", math.d_a, math.factor_blocks[0]), ("g", math.d_g, math.factor_blocks[1])):
+        factor, numbers = tensors.get(f"factor_{side}"), side_numbers(width, block)
+        if isinstance(factor, Tensor) and factor.numel() != numbers:
+            raise ValueError(
+                f"{where}: state_dict holds its {side.upper()} factor as {factor.numel()} numbers, this preconditioner "
+                f"holds it as {numbers} (made with another factor_block or split_gate_up)"
+            )
 
 
 def checked_header(state_dict: object) -> Mapping[str, Any]:
@@ -418,6 +432,7 @@ def _layer(
         except ValueError as err:
             raise ValueError(f"{where}: state_dict's carried tensors: {err}") from err
         check_finite(where, moved)
+        check_layout(where, moved, m)
         state = RemoteState(family.name, moved)
         if own_file and carried is not None and in_world and owner != comm.rank:
             return solver, state, owner, False
@@ -437,6 +452,7 @@ def _layer(
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
     check_finite(where, full.tensors())
+    check_layout(where, full.tensors(), m)
     return solver, full, owner if in_world else 0, False
 
 

@@ -307,7 +307,7 @@ class Planner:
         shapes = [
             batch_of[layer.name].shape(world, config.lowrank.expected_rows(batch_of[layer.name].rows, layer.kept))
             if layer.name in batch_of
-            else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world)
+            else LayerShape(layer.math.d_a, layer.math.d_g, world_size=world, blocks=layer.math.factor_blocks)
             for layer in self.layers
         ]
         decisions = self.policy.decide(step, shapes, freq, world, config)

@@ -128,6 +128,13 @@ class KFACConfig(Section):
         rule=COUNT,
         fixed=True,
     )
+    split_gate_up: bool = option(
+        True,
+        doc="a fused expert's gate_up G as its gate and up halves (each at most factor_block), as K-FAC holds an "
+        "unfused expert's two projections; a half's basis costs an eighth of the whole's (docs/moe.md, \"Gate and up\")",
+        rule=Rule(lambda x: isinstance(x, bool), "a bool"),
+        fixed=True,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,17 +161,10 @@ def kfac_state_bytes(d_a: int, d_g: int, itemsize: int, block: int | None = None
     return (2 * (side_numbers(d_a, block) + side_numbers(d_g, block)) + d_a + d_g) * itemsize
 
 
-def eigh_work(d_a: int, d_g: int, block: int | None = None) -> float:
-    """Multiply-adds of eigendecomposing a (d_a × d_a) and a (d_g × d_g) factor (block by block)."""
-    return EIGH_COST * (cubes(d_a, block) + cubes(d_g, block))
-
-
-def solve_work(d_a: int, d_g: int, method: str, block: int | None = None) -> float:
-    """Multiply-adds of solving a layer's two factors by ``kfac_method``: eigendecompositions, or damped inverses
-    by Cholesky."""
-    if method == "inverse":
-        return INVERSE_COST * (cubes(d_a, block) + cubes(d_g, block))
-    return eigh_work(d_a, d_g, block)
+def solve_work(d_a: int, d_g: int, method: str, blocks: tuple[int | None, int | None] = (None, None)) -> float:
+    """Multiply-adds of solving a layer's two factors by ``kfac_method``, block by block (A's, G's ``blocks``):
+    eigendecompositions, or damped inverses by Cholesky."""
+    return (INVERSE_COST if method == "inverse" else EIGH_COST) * (cubes(d_a, blocks[0]) + cubes(d_g, blocks[1]))
 
 
 @dataclass
@@ -373,7 +373,7 @@ class KFACFamily(SolverFamily[KFACFactors]):
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         options = context.options(KFACConfig)
         return [
-            KFACFactors(factor_a, factor_g, options.kfac_method, factor_layouts(job, options.factor_block))
+            KFACFactors(factor_a, factor_g, options.kfac_method, factor_layouts(job))
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
 
@@ -385,16 +385,16 @@ class KFACFamily(SolverFamily[KFACFactors]):
         all-reduce of A and G (twice their size) and the broadcast of the eigenvectors (or inverses).
         """
         d_a, d_g = shape.d_a, shape.d_g
-        method, block = options(KFACConfig).kfac_method, options(KFACConfig).factor_block
-        squares = float(side_numbers(d_a, block) + side_numbers(d_g, block))
+        method, (block_a, block_g) = options(KFACConfig).kfac_method, shape.blocks
+        squares = float(side_numbers(d_a, block_a) + side_numbers(d_g, block_g))
         exchanged = 3.0 * squares if shape.world_size > 1 else 0.0
         return CostEstimate(
             build=shape.kfac_rows * squares,
-            solve=solve_work(d_a, d_g, method, block),
+            solve=solve_work(d_a, d_g, method, shape.blocks),
             apply=(1.0 if method == "inverse" else 2.0)
             * d_a
             * d_g
-            * (block_width(d_a, block) + block_width(d_g, block)),
+            * (block_width(d_a, block_a) + block_width(d_g, block_g)),
             bytes=exchanged * shape.itemsize,
         )
 

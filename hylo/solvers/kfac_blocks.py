@@ -63,9 +63,10 @@ def side_width(factor: Tensor, layout: BlockLayout | None) -> int:
     return factor.shape[0] if layout is None else layout.width
 
 
-def factor_layouts(job: UpdateJob, block: int | None) -> tuple[BlockLayout | None, BlockLayout | None]:
-    """A job's (A's, G's) block layouts under ``factor_block``."""
-    return block_layout(job.batch.math.d_a, block), block_layout(job.batch.math.d_g, block)
+def factor_layouts(job: UpdateJob) -> tuple[BlockLayout | None, BlockLayout | None]:
+    """A job's (A's, G's) block layouts: its layer's ``factor_blocks``."""
+    math = job.batch.math
+    return block_layout(math.d_a, math.factor_blocks[0]), block_layout(math.d_g, math.factor_blocks[1])
 
 
 def decomposed(

@@ -11,6 +11,7 @@ experts to, and the comparison ``scripts/bench_moe.py`` times.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,11 +70,28 @@ def qwen2_moe(
     return model.train()
 
 
+class GateUp(nn.Module):
+    """An expert's gate and up projections as two ``nn.Linear`` layers (Mixtral's unfused ``w1`` and ``w3``), applied
+    as the fused ``gate_up`` is: the gate's outputs, then the up's."""
+
+    def __init__(self, hidden: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, width, False, device, dtype)
+        self.up = nn.Linear(hidden, width, False, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[gate x, up x] along the last dimension."""
+        return torch.cat([self.gate(x), self.up(x)], dim=-1)
+
+
 class LinearExperts(nn.Module):
     """Fused experts written with one ``nn.Linear`` per expert and projection (``<gate_up>.<e>``, ``<down>.<e>``:
-    the names hylo gives the fused experts' layers), the same function in the same order."""
+    the names hylo gives the fused experts' layers), the same function in the same order; with ``halves`` each
+    gate_up a :class:`GateUp` (``<gate_up>.<e>.gate`` and ``.up``)."""
 
-    def __init__(self, fused: nn.Module, gate_up: str = "gate_up_proj", down: str = "down_proj") -> None:
+    def __init__(
+        self, fused: nn.Module, gate_up: str = "gate_up_proj", down: str = "down_proj", halves: bool = False
+    ) -> None:
         super().__init__()
         gate_up_weight, down_weight = getattr(fused, gate_up), getattr(fused, down)
         assert isinstance(gate_up_weight, Tensor) and isinstance(down_weight, Tensor)
@@ -82,20 +100,32 @@ class LinearExperts(nn.Module):
         self.act_fn: Callable[[Tensor], Tensor] = fused.act_fn  # type: ignore[assignment]
         self.names = (gate_up, down)
         dtype, device = gate_up_weight.dtype, gate_up_weight.device
-        setattr(self, gate_up, nn.ModuleList(nn.Linear(hidden, double, False, device, dtype) for _ in range(experts)))
+        first: Callable[[], nn.Module] = (
+            functools.partial(GateUp, hidden, double // 2, device, dtype)
+            if halves
+            else functools.partial(nn.Linear, hidden, double, False, device, dtype)
+        )
+        setattr(self, gate_up, nn.ModuleList(first() for _ in range(experts)))
         setattr(self, down, nn.ModuleList(nn.Linear(double // 2, hidden, False, device, dtype) for _ in range(experts)))
         with torch.no_grad():
             for e in range(experts):
-                self.projection(0, e).weight.copy_(gate_up_weight[e])
-                self.projection(1, e).weight.copy_(down_weight[e])
+                projection = self.projection(0, e)
+                if isinstance(projection, GateUp):
+                    projection.gate.weight.copy_(gate_up_weight[e, : double // 2])
+                    projection.up.weight.copy_(gate_up_weight[e, double // 2 :])
+                else:
+                    assert isinstance(projection, nn.Linear)
+                    projection.weight.copy_(gate_up_weight[e])
+                second = self.projection(1, e)
+                assert isinstance(second, nn.Linear)
+                second.weight.copy_(down_weight[e])
 
-    def projection(self, which: int, expert: int) -> nn.Linear:
-        """Expert ``expert``'s gate_up (``which`` 0) or down (1) Linear."""
+    def projection(self, which: int, expert: int) -> nn.Module:
+        """Expert ``expert``'s gate_up (``which`` 0: a Linear or a :class:`GateUp`) or down (1: a Linear)."""
         linears = getattr(self, self.names[which])
         assert isinstance(linears, nn.ModuleList)
-        linear = linears[expert]
-        assert isinstance(linear, nn.Linear)
-        return linear
+        module: nn.Module = linears[expert]
+        return module
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Each expert on its routed tokens (in ``torch.where`` order of (slot, token)), weighted and summed."""
@@ -121,11 +151,12 @@ def fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def linear_twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose fused experts are :class:`LinearExperts` holding the same weights."""
+def linear_twin(model: nn.Module, halves: bool = False) -> nn.Module:
+    """A copy of ``model`` whose fused experts are :class:`LinearExperts` holding the same weights (each gate_up as
+    two Linear layers with ``halves``)."""
     twin = copy.deepcopy(model)
     for name, module in fused_experts(twin):
         parent_name, _, child = name.rpartition(".")
         parent = twin.get_submodule(parent_name) if parent_name else twin
-        setattr(parent, child, LinearExperts(module))
+        setattr(parent, child, LinearExperts(module, halves=halves))
     return twin

@@ -55,14 +55,18 @@ def lm_loss(model: nn.Module, ids: Tensor) -> Tensor:
     return loss
 
 
-def options(solver: str) -> dict[str, Any]:
+def options(solver: str, split_gate_up: bool = False) -> dict[str, Any]:
+    """The tests' options; ``split_gate_up`` off unless asked, so that a gate_up is one layer as in the twin."""
     extra = {"adam_eps": 1e-3} if solver == "kfac_adam" else {}
-    return {"solver": solver, "update_freq": 2, "damping": 0.05, "rank_ratio": 0.5, "seed": 3, **extra}
+    return {"solver": solver, "update_freq": 2, "damping": 0.05, "rank_ratio": 0.5, "seed": 3, **extra} | {
+        "split_gate_up": split_gate_up
+    }
 
 
 def expert_grads(model: nn.Module) -> dict[str, Tensor]:
     """Every expert's projection gradient by hylo's layer name (fused: a slice of the 3-D ``.grad``; twin: its
-    Linear's), and every other matrix gradient by parameter name."""
+    Linear's, a halves twin's gate and up joined as the fused gate_up's), and every other matrix gradient by
+    parameter name."""
     found: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -71,6 +75,8 @@ def expert_grads(model: nn.Module) -> dict[str, Tensor]:
             found.update({f"{name}.{e}": p.grad[e].clone() for e in range(p.shape[0])})
         else:
             found[name.removesuffix(".weight")] = p.grad.clone()
+    for name in [name for name in found if name.endswith(".gate") and f"{name[:-5]}.up" in found]:
+        found[name[:-5]] = torch.cat([found.pop(name), found.pop(f"{name[:-5]}.up")])
     return found
 
 
@@ -126,13 +132,29 @@ def test_an_unrecognised_3d_parameter_and_an_unmodelled_layout_are_left_alone_wi
 
 
 # ------------------------------------------------------------------------------------------ the twin, every solver
+def joined_names(names: list[str]) -> list[str]:
+    """Layer names with a halves twin's ``<gate_up>.<e>.gate`` and ``.up`` as the fused ``<gate_up>.<e>``."""
+    halves = {name[:-3] for name in names if name.endswith(".up") and f"{name[:-3]}.gate" in names}
+    joined = [n[:-5] if n.endswith(".gate") and n[:-5] in halves else n for n in names]
+    return [n for n in joined if not (n.endswith(".up") and n[:-3] in halves)]
+
+
 def run_pair(
-    fused: nn.Module, twin: nn.Module, solver: str, steps: int, loss: Any = lm_loss, rtol: float = 1e-10
+    fused: nn.Module,
+    twin: nn.Module,
+    solver: str,
+    steps: int,
+    loss: Any = lm_loss,
+    rtol: float = 1e-10,
+    split_gate_up: bool = False,
 ) -> list[tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
-    """``steps`` steps of hylo on both models (SGD, lr 0.05): per step the fused raw gradients (the twin's to
-    ``rtol``), its preconditioned ones and the twin's preconditioned ones."""
-    pres = [hylo.HyLoPreconditioner(m, **options(solver)) for m in (fused, twin)]
-    assert [x.name for x in pres[0].layer_info()] == [x.name for x in pres[1].layer_info()]
+    """``steps`` steps of hylo on both models (SGD, lr 0.05; ``split_gate_up`` for the fused one): per step the
+    fused raw gradients (the twin's to ``rtol``), its preconditioned ones and the twin's preconditioned ones."""
+    pres = [
+        hylo.HyLoPreconditioner(fused, **options(solver, split_gate_up)),
+        hylo.HyLoPreconditioner(twin, **options(solver)),
+    ]
+    assert [x.name for x in pres[0].layer_info()] == joined_names([x.name for x in pres[1].layer_info()])
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, twin)]
     seen = []
     for step in range(steps):
@@ -149,7 +171,7 @@ def run_pair(
         seen.append((raws[0], expert_grads(fused), expert_grads(twin)))
         for opt in opts:
             opt.step()
-    assert [x.solver for x in pres[0].layer_info()] == [x.solver for x in pres[1].layer_info()]
+    assert {x.solver for x in pres[0].layer_info()} == {x.solver for x in pres[1].layer_info()}
     return seen
 
 
@@ -164,6 +186,26 @@ def test_every_solver_gives_fused_experts_the_gradients_of_the_linear_twin(famil
             torch.testing.assert_close(value, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} at step {step}")
         for name in ("model.layers.0.mlp.experts.gate_up_proj.0", "model.layers.0.mlp.experts.down_proj.3"):
             assert not torch.allclose(got[name], raw[name]), f"{name} was not preconditioned at step {step}"
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam"])
+def test_split_gate_up_is_kfac_on_an_expert_written_with_separate_gate_and_up_linears(family: str, solver: str) -> None:
+    """The default ``split_gate_up``: a fused expert's gate_up preconditioned as K-FAC preconditions the model whose
+    experts hold their gate and up projections as two ``nn.Linear`` layers (Mixtral's unfused w1 and w3)."""
+    fused = tiny(family)
+    twin = linear_twin(fused, halves=True)
+    for step, (_, got, expected) in enumerate(run_pair(fused, twin, solver, 3, split_gate_up=True)):
+        assert got.keys() == expected.keys()
+        for name, value in got.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} at step {step}")
+    unsplit = hylo.HyLoPreconditioner(tiny(family), **options(solver))
+    split = hylo.HyLoPreconditioner(tiny(family), solver=solver)
+    widths = [(x.name, x.d_g) for x in split.layer_info() if ".gate_up_proj." in x.name]
+    assert widths and hylo.HyLoConfig().kfac.split_gate_up
+    for pre, blocks in ((split, [(None, d_g // 2) for _, d_g in widths]), (unsplit, [(None, None)] * len(widths))):
+        held = {info.name: info.math.factor_blocks for info in pre.layer_info()}
+        assert [held[name] for name, _ in widths] == blocks
 
 
 @pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "sngd"])
@@ -379,10 +421,13 @@ def steps_of(model: nn.Module, pre: hylo.HyLoPreconditioner, opt: torch.optim.Op
     return seen
 
 
-@pytest.mark.parametrize("solver", ["kfac", "kis"])
-def test_training_resumes_bit_exactly_from_a_checkpoint(solver: str) -> None:
+@pytest.mark.parametrize(
+    ("solver", "split_gate_up"), [("kfac", False), ("kfac", True), ("kfac_adam", True), ("kis", False)]
+)
+def test_training_resumes_bit_exactly_from_a_checkpoint(solver: str, split_gate_up: bool) -> None:
     model = tiny()
-    pre, opt = hylo.HyLoPreconditioner(model, **options(solver)), torch.optim.SGD(model.parameters(), lr=0.05)
+    pre = hylo.HyLoPreconditioner(model, **options(solver, split_gate_up))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     steps_of(model, pre, opt, range(3))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hylo": pre.state_dict()}, buffer)
@@ -391,7 +436,7 @@ def test_training_resumes_bit_exactly_from_a_checkpoint(solver: str) -> None:
     saved = torch.load(buffer, weights_only=True)
     resumed = tiny(seed=1)
     resumed.load_state_dict(saved["model"])
-    resumed_pre = hylo.HyLoPreconditioner(resumed, **options(solver))
+    resumed_pre = hylo.HyLoPreconditioner(resumed, **options(solver, split_gate_up))
     resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05)
     resumed_opt.load_state_dict(saved["opt"])
     resumed_pre.load_state_dict(saved["hylo"])
@@ -399,6 +444,24 @@ def test_training_resumes_bit_exactly_from_a_checkpoint(solver: str) -> None:
         assert got.keys() == want.keys()
         for name, value in got.items():
             assert torch.equal(value, want[name]), name
+
+
+@pytest.mark.parametrize("saved_split", [False, True])
+def test_a_checkpoint_whose_gate_up_factors_are_held_otherwise_is_refused_naming_the_layer(saved_split: bool) -> None:
+    """A state_dict made with the other ``split_gate_up`` (or before the option existed: whole factors) holds
+    gate_up's G in another layout: the load refuses it, naming the layer, and leaves the preconditioner as it was."""
+    model = tiny()
+    pre = hylo.HyLoPreconditioner(model, **options("kfac", saved_split))
+    steps_of(model, pre, torch.optim.SGD(model.parameters(), lr=0.05), range(2))
+    saved = pre.state_dict()
+    other = tiny()
+    other_pre = hylo.HyLoPreconditioner(other, **options("kfac", not saved_split))
+    steps_of(other, other_pre, torch.optim.SGD(other.parameters(), lr=0.05), range(2))
+    before = other_pre.state_dict()
+    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.mlp\.experts\.gate_up_proj\.0'.*G factor"):
+        other_pre.load_state_dict(saved)
+    after = other_pre.state_dict()
+    assert after["checksum"] == before["checksum"]  # the seal over every step count, option and tensor
 
 
 def test_bf16_experts_are_preconditioned_close_to_float32() -> None:

@@ -239,10 +239,10 @@ def carried_moments(
     return m, v, previous.steps
 
 
-def basis_work(d_a: int, d_g: int, refresh: str, block: int | None = None) -> float:
+def basis_work(d_a: int, d_g: int, refresh: str, blocks: tuple[int | None, int | None] = (None, None)) -> float:
     """Multiply-adds of a layer's basis at an update: eigendecompositions, or the warm-started refresh
     (:data:`~hylo.numerics.POWER_COST` per d³) for ``refresh="power"``; Σ sᵢ³ of a blocked side's blocks."""
-    return (POWER_COST if refresh == "power" else EIGH_COST) * (cubes(d_a, block) + cubes(d_g, block))
+    return (POWER_COST if refresh == "power" else EIGH_COST) * (cubes(d_a, blocks[0]) + cubes(d_g, blocks[1]))
 
 
 def previous_basis(prepared: KFACAdamInputs, side: str) -> Tensor:

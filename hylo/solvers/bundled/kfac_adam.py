@@ -346,7 +346,6 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         """Each layer's batch factors blended into its running factors, with the state it held (moments to
         carry) and the options to apply (``context.options(KFACAdamConfig)``)."""
         options = context.options(KFACAdamConfig)
-        block = context.options(KFACConfig).factor_block
         factors = running_factors(jobs, received, context.factor_decay, self.name)
         inputs = [
             KFACAdamInputs(
@@ -355,7 +354,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
                 job.previous if isinstance(job.previous, KFACAdamState) else None,
                 options,
                 job.batch.math.diagonal_input_factor,
-                factor_layouts(job, block),
+                factor_layouts(job),
             )
             for job, (factor_a, factor_g) in zip(jobs, factors, strict=True)
         ]
@@ -366,9 +365,7 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         ``"power"`` (:data:`~hylo.numerics.POWER_COST`), plus the moments' elementwise work on the d_g·d_a
         entries a step."""
         kfac = self.kfac.cost(shape, "kfac", options.replaced(KFACConfig(kfac_method="eigen")))
-        solve = basis_work(
-            shape.d_a, shape.d_g, options(KFACAdamConfig).basis_refresh, options(KFACConfig).factor_block
-        )
+        solve = basis_work(shape.d_a, shape.d_g, options(KFACAdamConfig).basis_refresh, shape.blocks)
         return dataclasses.replace(kfac, solve=solve, apply=kfac.apply + ELEMENTWISE_COST * shape.d_a * shape.d_g)
 
     def solve_cost(self, prepared: KFACAdamInputs) -> float:
