@@ -244,6 +244,15 @@ def power_refresh_many(
     return [(r[0], r[1], r[2]) for r in _grouped(mats, refresh, [bases] if products is None else [bases, products])]
 
 
+def finite_each(tensors: Sequence[Tensor]) -> Tensor:
+    """Per tensor of one floating dtype, whether every entry is finite, by one ``torch._foreach_norm``: the 2-norm
+    accumulated in float64 for tensors of at most 32 bits (NaN or inf exactly where an entry is: no finite entry can
+    overflow it, and a CPU reads it several times faster than the largest |entry|), the largest |entry| for float64
+    tensors (whose squares could overflow)."""
+    order = math.inf if tensors[0].dtype == torch.float64 else 2
+    return torch.isfinite(torch.stack(torch._foreach_norm(list(tensors), order, dtype=torch.float64)))
+
+
 #: Eigenvalues closer than this many ε of their dtype times the largest one are one eigenspace in
 #: :func:`aligned_many`: below that gap an eigensolver's vectors are not determined (their error grows as ε·‖F‖/gap).
 CLUSTER_EPS = 64

@@ -22,7 +22,6 @@ the family interface only; it never tests a solver's name.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from hylo.distributed import Communicator, Pending, assign_owners
 from hylo.layers.gradmatrix import GradMatrix, checked_results
 from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
+from hylo.numerics import finite_each
 from hylo.payload import Payload
 from hylo.sections import Strategy
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of, whole_step
@@ -97,12 +97,20 @@ class UpdateStage:
         shared = [job for job in jobs if self.comm.world_size > 1 and (strategy == "inverse" or whole_step(job.solver))]
         states = self._share(shared, owners, prepared, solutions, context) if shared else {}
         local = [job for job in jobs if job.name not in states]
+        built: dict[str, HeldState] = {}
+        for exchange in launched:  # each family's solved layers assembled together (it may batch them)
+            solved = [name for name in exchange.names if name in solutions and name not in states]
+            if solved:
+                assembled = exchange.family.assemble_all(
+                    [prepared[name] for name in solved], [solutions[name] for name in solved], context
+                )
+                built.update(zip(solved, assembled, strict=True))
         for job in local:
             family = family_of(job.solver)
-            if job.name in solutions:
-                states[job.name] = family.assemble(prepared[job.name], solutions[job.name], context)
-            else:
-                states[job.name] = RemoteState(family.name, family.carried(prepared[job.name]))
+            remote = job.name not in built
+            states[job.name] = (
+                RemoteState(family.name, family.carried(prepared[job.name])) if remote else built[job.name]
+            )
         if local:
             watch.lap("solve", [job.name for job in local])
         rejected = self._rejected(jobs, states, strategy)
@@ -168,17 +176,21 @@ class UpdateStage:
             received = self.comm.broadcast(payload, src)
             if sharded:  # own allocations, aligned as a loaded checkpoint's (docs/distributed.md, "FSDP2")
                 received = Payload({key: tensor.clone() for key, tensor in received.items()})
-            for name, family in owned:
-                states[name] = family.assemble(prepared[name], received.fields(name), context)
+            for family in dict.fromkeys(family for _, family in owned):
+                names = [name for name, other in owned if other is family]
+                assembled = family.assemble_all(
+                    [prepared[name] for name in names], [received.fields(name) for name in names], context
+                )
+                states.update(zip(names, assembled, strict=True))
             names = [name for name, _ in owned]
             watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return states
 
     def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], strategy: Strategy) -> list[str]:
-        """Layers whose new state is non-finite, agreed on by all ranks (one host sync): every floating tensor's
-        largest |entry| by one ``torch._foreach_norm`` (NaN or inf where any entry is), folded per layer. A tensor
-        the state shares with the layer's previous one (a refresh replaces only the running factors) was checked
-        when that state was stored, and is not read again."""
+        """Layers whose new state is non-finite, agreed on by all ranks (one host sync): every floating tensor by
+        :func:`~hylo.numerics.finite_each`, one norm per dtype, folded per layer. A tensor the state shares with the
+        layer's previous one (a refresh replaces only the running factors) was checked when that state was stored,
+        and is not read again."""
         device = jobs[0].batch.math.weight.device
         by_dtype: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[int]]] = {}
         for i, job in enumerate(jobs):
@@ -190,8 +202,7 @@ class UpdateStage:
                     owner.append(i)
         bad = torch.zeros(len(jobs), device=device)
         for tensors, owner in by_dtype.values():
-            largest = torch.stack(torch._foreach_norm(tensors, math.inf)).to(device)
-            bad.index_add_(0, torch.tensor(owner).to(device), (~torch.isfinite(largest)).to(bad.dtype))
+            bad.index_add_(0, torch.tensor(owner).to(device), (~finite_each(tensors)).to(device, bad.dtype))
         flags = bad == 0
         if self.comm.world_size > 1 and strategy == "gradient":
             flags = self.comm.all_true(flags)

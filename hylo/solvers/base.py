@@ -424,6 +424,12 @@ class SolverFamily(ABC, Generic[PreparedT]):
     def assemble(self, prepared: PreparedT, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
         """The layer's state from its inputs and its solved tensors."""
 
+    def assemble_all(
+        self, prepared: Sequence[PreparedT], solutions: Sequence[Mapping[str, Tensor]], context: UpdateContext
+    ) -> list[LayerState]:
+        """:meth:`assemble` of several layers, in order (a family may batch it across them)."""
+        return [self.assemble(p, s, context) for p, s in zip(prepared, solutions, strict=True)]
+
     @abstractmethod
     def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
         """What a rank that does not own the layer keeps for the next update."""

@@ -182,7 +182,7 @@ def test_factor_update_freq_refreshes_running_factors_between_updates(factor_upd
 
 
 class _LargestEntryReads(TorchDispatchMode):
-    """The numbers each ``_foreach_norm(·, ∞)`` of a step reads (the finiteness check of new states)."""
+    """The numbers each ``_foreach_norm(·, ∞)`` of a step reads (the finiteness check of new float64 states)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 import hylo
 from hylo.integrity import seal
 from hylo.solvers import FAMILIES, register_family, solver_names
-from hylo.solvers.bundled.adam_rule import AdamRule
-from hylo.solvers.bundled.kfac_adam import KFACAdamFamily, KFACAdamState, carried_moments
+from hylo.solvers.bundled.adam_rule import AdamRule, carried_moments, carried_moments_many
+from hylo.solvers.bundled.kfac_adam import KFACAdamFamily, KFACAdamState
 from hylo.solvers.kfac import KFACFamily
 from tests.kit.cases import conv_case
 from tests.kit.checks import DT, assert_rel_close, rel_err
@@ -185,6 +185,36 @@ def test_the_second_moment_follows_permuted_eigenvectors() -> None:
     torch.testing.assert_close(projected, old.exp_avg_sq[perm_g][:, perm_a], rtol=1e-12, atol=1e-14)
     _, kept, _ = carried_moments(old, q_a, q_g, "keep")
     torch.testing.assert_close(kept, old.exp_avg_sq[perm_g][:, perm_a], rtol=1e-12, atol=1e-14)
+
+
+def test_moments_carried_in_batches_are_each_layers_own_carry() -> None:
+    """``carried_moments_many`` (an update's assembly, batched across layers of one shape, rule and refresh flags)
+    gives every layer what :func:`carried_moments` gives it alone: dense layers of two shapes, both rules, a side
+    kept (P = I), a first state and a basis that only permutes (whose "keep" pairing moves v exactly)."""
+    olds: list[KFACAdamState | None] = [
+        _state(_orthogonal(5, 10 + i), _orthogonal(3, 20 + i), seed=i) for i in range(5)
+    ]
+    olds += [_state(_orthogonal(4, 30), _orthogonal(2, 31), seed=9), _state(_orthogonal(4, 32), _orthogonal(2, 33), 8)]
+    olds.append(None)
+    bases = [(_orthogonal(5, 40 + i), _orthogonal(3, 50 + i)) for i in range(5)]
+    bases += [(_orthogonal(4, 60), _orthogonal(2, 61)), (_orthogonal(4, 62), _orthogonal(2, 63))]
+    bases.append((torch.eye(4, dtype=DT), torch.eye(2, dtype=DT)))
+    permuted = olds[1]
+    assert permuted is not None
+    bases[1] = (permuted.evecs_a[:, torch.tensor([3, 0, 4, 1, 2])], permuted.evecs_g[:, torch.tensor([2, 0, 1])])
+    carry = ["keep", "keep", "keep", "project", "keep", "keep", "keep", "keep"]
+    refresh = [(True, True), (True, True), (True, True), (True, True), (True, False), (True, True), (False, True)]
+    refresh.append((True, True))
+    widths = [(3, 5)] * 5 + [(2, 4)] * 3
+    got = carried_moments_many(olds, bases, carry, widths, refresh)
+    for i, (m, v, steps) in enumerate(got):
+        want = carried_moments(olds[i], *bases[i], carry[i], widths[i], refresh[i])
+        assert steps == want[2], i
+        torch.testing.assert_close(m, want[0], rtol=1e-13, atol=1e-15, msg=f"m of layer {i}")
+        torch.testing.assert_close(v, want[1], rtol=1e-13, atol=1e-15, msg=f"v of layer {i}")
+    torch.testing.assert_close(got[1][1], permuted.exp_avg_sq[[2, 0, 1]][:, [3, 0, 4, 1, 2]], rtol=1e-12, atol=1e-14)
+    storages = {t.untyped_storage().data_ptr() for m, v, _ in got for t in (m, v)}
+    assert len(storages) == 2 * len(got)  # each layer's moments are tensors of its own
 
 
 def test_first_state_starts_from_zero_moments() -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from hylo.numerics import cholesky_many, spd_inverse_many
+from hylo.numerics import cholesky_many, finite_each, spd_inverse_many
 from tests.kit.checks import as_parts, assert_same_tensors, grad_matrix, grads, rel_err, state_snapshot
 from tests.kit.harness import run_distributed
 from tests.kit.models import backward, batch, mlp, run
@@ -134,6 +134,23 @@ def test_overflowing_curvature_keeps_the_previous_state(solver: str) -> None:
     assert not _step_quietly(pre)
     infos = pre.layer_info()
     assert infos[0].state != states["fc1"] and not any(i.rejected for i in infos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_finiteness_check_of_new_states_flags_exactly_the_tensors_with_a_non_finite_entry(
+    dtype: torch.dtype,
+) -> None:
+    """The check of new states (``finite_each``) never takes a huge finite tensor for a non-finite one — every entry
+    at the dtype's largest finite value, whose square overflows the dtype itself — and flags a single NaN, inf or
+    −inf among finite entries."""
+    big = torch.finfo(dtype).max
+    huge = torch.full((64, 64), big, dtype=dtype)
+    tensors = [huge, -huge, torch.zeros(3, dtype=dtype), torch.ones(5, 7, dtype=dtype)]
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.full((9, 9), big / 2, dtype=dtype)
+        t[4, 5] = bad
+        tensors.append(t)
+    assert finite_each(tensors).tolist() == [True] * 4 + [False] * 3
 
 
 # --------------------------------------------------------------------------- 2b. decompositions that fail silently

@@ -239,6 +239,55 @@ def carried_moments(
     return m, v, previous.steps
 
 
+def carried_moments_many(
+    previous: Sequence[KFACAdamState | None],
+    bases: Sequence[tuple[Tensor, Tensor]],
+    carry: Sequence[str],
+    widths: Sequence[tuple[int, int]],
+    refresh: Sequence[tuple[bool, bool]],
+) -> list[tuple[Tensor, Tensor, int]]:
+    """:func:`carried_moments` of many layers (their previous states, new (Q_a, Q_g) ``bases``, ``carry`` rules,
+    (d_g, d_a) ``widths`` and ``refresh`` flags): the dense layers whose moments, bases, rules and flags agree in
+    shape, dtype and device batched, every product one ``bmm`` per group and each column's pairing one ``gather``; the others, and a
+    group of one, layer by layer. Each layer's moments are tensors of its own."""
+    out: list[tuple[Tensor, Tensor, int] | None] = [None] * len(previous)
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, (state, flags, rule) in enumerate(zip(previous, refresh, carry, strict=True)):
+        if state is not None and state.layouts() == (None, None) and any(flags):
+            key = (state.exp_avg.shape, state.exp_avg.dtype, state.exp_avg.device, flags, rule)
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        states = [previous[i] for i in members]
+        assert all(state is not None for state in states)
+        flags = refresh[members[0]]
+        m = torch.stack([state.exp_avg for state in states if state is not None])
+        v = paired = torch.stack([state.exp_avg_sq for state in states if state is not None])
+        if flags[1]:
+            old_g = torch.stack([state.evecs_g for state in states if state is not None])
+            p_g = torch.bmm(old_g.mT, torch.stack([bases[i][1] for i in members]))
+            weights_g = p_g.square()
+            m, v = torch.bmm(p_g.mT, m), torch.bmm(weights_g.mT, v)
+            paired = paired.gather(1, weights_g.argmax(dim=1).unsqueeze(2).expand(-1, -1, paired.shape[2]))
+        if flags[0]:
+            old_a = torch.stack([state.evecs_a for state in states if state is not None])
+            p_a = torch.bmm(old_a.mT, torch.stack([bases[i][0] for i in members]))
+            weights_a = p_a.square()
+            m, v = torch.bmm(m, p_a), torch.bmm(v, weights_a)
+            paired = paired.gather(2, weights_a.argmax(dim=1).unsqueeze(1).expand(-1, paired.shape[1], -1))
+        if carry[members[0]] == "keep":
+            v = torch.maximum(paired, v)
+        for k, i in enumerate(members):
+            state = previous[i]
+            assert state is not None
+            out[i] = (m[k].clone(), v[k].clone(), state.steps)
+    return [
+        done if done is not None else carried_moments(state, basis[0], basis[1], rule, width, flags)
+        for done, state, basis, rule, width, flags in zip(out, previous, bases, carry, widths, refresh, strict=True)
+    ]
+
+
 def basis_work(d_a: int, d_g: int, refresh: str, blocks: tuple[int | None, int | None] = (None, None)) -> float:
     """Multiply-adds of a layer's basis at an update: eigendecompositions, or the warm-started refresh
     (:data:`~hylo.numerics.POWER_COST` per d³) for ``refresh="power"``; Σ sᵢ³ of a blocked side's blocks."""

@@ -48,7 +48,7 @@ from hylo.solvers.bundled.adam_rule import (
     adapted,
     basis_kind,
     basis_work,
-    carried_moments,
+    carried_moments_many,
     joined_side,
     previous_basis,
     side_factor,
@@ -442,27 +442,28 @@ class KFACAdamFamily(SolverFamily[KFACAdamInputs]):
         return eigen_template(prepared.factor_a, prepared.factor_g, prepared.widths())
 
     def assemble(self, prepared: KFACAdamInputs, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
-        """The state in the new basis, the moments carried into it (:func:`carried_moments`)."""
-        s = solution
-        options = prepared.options
-        d_a, d_g = prepared.widths()
-        m, v, steps = carried_moments(
-            prepared.previous, s["evecs_a"], s["evecs_g"], options.moment_carry, (d_g, d_a), prepared.refresh
+        """The state in the new basis, the moments carried into it (:meth:`assemble_all`)."""
+        return self.assemble_all([prepared], [solution], context)[0]
+
+    def assemble_all(
+        self, prepared: Sequence[KFACAdamInputs], solutions: Sequence[Mapping[str, Tensor]], context: UpdateContext
+    ) -> list[LayerState]:
+        """Each state in its new basis, the moments carried into it batched across layers of one shape
+        (:func:`carried_moments_many`)."""
+        moments = carried_moments_many(
+            [p.previous for p in prepared],
+            [(s["evecs_a"], s["evecs_g"]) for s in solutions],
+            [p.options.moment_carry for p in prepared],
+            [p.widths()[::-1] for p in prepared],
+            [p.refresh for p in prepared],
         )
-        return KFACAdamState(
-            prepared.factor_a,
-            prepared.factor_g,
-            s["evals_a"],
-            s["evecs_a"],
-            s["evals_g"],
-            s["evecs_g"],
-            m,
-            v,
-            steps,
-            context.damping,
-            AdamRule.of(options),
-            staleness.held_after(prepared),
-        )
+        # fmt: off
+        return [
+            KFACAdamState(p.factor_a, p.factor_g, s["evals_a"], s["evecs_a"], s["evals_g"], s["evecs_g"], m, v, steps,
+                          context.damping, AdamRule.of(p.options), staleness.held_after(p))
+            for p, s, (m, v, steps) in zip(prepared, solutions, moments, strict=True)
+        ]
+        # fmt: on
 
     def update_notes(self, prepared: KFACAdamInputs) -> Mapping[str, object] | None:
         """Under ``refresh_tolerance``, at a layer's update that measured a held basis: per side whether it
