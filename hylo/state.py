@@ -11,7 +11,7 @@ from torch import nn
 from hylo.config import HyLoConfig
 from hylo.layers.blocks import layer_blocks
 from hylo.layers.capture import LayerCapture
-from hylo.layers.math import LayerMath
+from hylo.layers.math import FACTOR_DTYPES, LayerMath
 from hylo.layers.walk import Registration
 from hylo.policy import check_kfac_budget, kfac_refusal
 from hylo.records import LayerInfo
@@ -75,6 +75,7 @@ def registered_layers(found: Registration, config: HyLoConfig) -> list[Registere
     layers = [RegisteredLayer(f.name, f.math, f.capture, config.initial_solver(f.name)) for f in found.layers]
     for layer in layers:  # the statistic forms blocked factors (docs/solvers.md, "Blocked factors")
         layer.math.factor_blocks = layer_blocks(layer.math, config.kfac.factor_block, config.kfac.split_gate_up)
+        layer.math.factor_dtype = FACTOR_DTYPES.get(config.kfac.factor_dtype or "")  # the statistics' products
     try:
         check_kfac_budget([layer.shape() for layer in layers], config)
     except ValueError:

@@ -203,6 +203,10 @@ def call_factors(math: LayerMath, x: Tensor, grad_out: Tensor, scale: float) -> 
     if _factors_from_rows(math):
         rows = math.lowrank_rows(x, grad_out, scale)
         assert isinstance(rows, FactoredRows)
-        return blocked_factor(rows.a, layout_a, rows=True), blocked_factor(rows.g, layout_g, rows=True)
+        low = math.factor_dtype or rows.a.dtype  # the products' dtype (docs/solvers.md, "Low-precision statistics")
+        return (
+            blocked_factor(rows.a.to(low), layout_a, rows=True).to(rows.a.dtype),
+            blocked_factor(rows.g.to(low), layout_g, rows=True).to(rows.g.dtype),
+        )
     factor_a, factor_g = math.kfac_factors(x, grad_out, scale)
     return blocked_factor(factor_a, layout_a, rows=False), blocked_factor(factor_g, layout_g, rows=False)

@@ -223,9 +223,13 @@ class ConvMath(LayerMath):
         factor_g = torch.zeros(self.d_g, self.d_g, dtype=dtype, device=x.device)
         for samples, out_rows, block in self._blocks(x, (ho, wo)):
             patches = self._unfold(block).reshape(-1, columns)
-            factor_a[:columns, :columns].addmm_(patches.mT, patches)
             g = grad_out[samples, :, out_rows].to(dtype).transpose(0, 1).reshape(self.d_g, -1) * scale
-            factor_g.addmm_(g, g.mT)
+            if self.factor_dtype is None:
+                factor_a[:columns, :columns].addmm_(patches.mT, patches)
+                factor_g.addmm_(g, g.mT)
+            else:  # the products in factor_dtype (docs/solvers.md, "Low-precision statistics")
+                factor_a[:columns, :columns] += self.gram(patches)
+                factor_g += self.gram(g.mT)
             if self.bias is not None:
                 sums = patches.sum(dim=0)
                 factor_a[:columns, columns] += sums

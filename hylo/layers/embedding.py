@@ -101,7 +101,7 @@ class EmbeddingMath(LayerMath):
                 f"{self.d_a} rows of the table: the call was not a lookup of its first argument"
             )
         g = self._g(grad_out, scale)
-        return torch.diag(counts), g.mT @ g
+        return torch.diag(counts), self.gram(g)
 
     def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
         """The tokens ≡ ``offset`` (mod ``stride``) in the flat index order and their output gradients (strided

@@ -43,7 +43,7 @@ class LinearMath(LayerMath):
     def kfac_factors(self, x: Tensor, grad_out: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Σ a aᵀ and Σ g gᵀ over rows (A, G are their means)."""
         a, g = self._rows(x, grad_out, scale)
-        return a.mT @ a, g.mT @ g
+        return self.gram(a), self.gram(g)
 
     def sampled_call(self, x: Tensor, grad_out: Tensor, stride: int, offset: int) -> tuple[Tensor, Tensor] | None:
         """The rows (leading positions, across all sequences of the batch) ≡ ``offset`` (mod ``stride``): strided

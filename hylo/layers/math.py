@@ -28,8 +28,19 @@ from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.rows import SampleRows
 from hylo.layers.sharded import grad_shard, is_sharded, local, unsupported_layout
 from hylo.numerics import working_dtype
+from hylo.rules import Rule
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+
+#: KFACConfig's ``factor_dtype``: the dtypes the products of the K-FAC statistics may run in, its doc and rule.
+FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FACTOR_DTYPE_DOC = (
+    "the dtype of the products that form each call's K-FAC statistics Σ a aᵀ and Σ g gᵀ (rows cast to it, sums "
+    "returned in the working dtype, where the running factors and their decompositions stay), as kfac-pytorch's "
+    "factor_dtype: 'bfloat16' runs them on bf16 units (a GPU's tensor cores, a CPU's AVX512-BF16 or AMX) at a "
+    'rounding of about 2⁻⁹ of each entry (docs/solvers.md, "Low-precision statistics"); None: the working dtype'
+)
+FACTOR_DTYPE_RULE = Rule(lambda x: x is None or x in FACTOR_DTYPES, f"None or one of {tuple(FACTOR_DTYPES)}")
 
 #: The :class:`LayerMath` methods whose errors name the layer (:func:`named_error`), in every subclass too.
 NAMED_METHODS = (
@@ -206,6 +217,16 @@ class LayerMath(ABC):
     #: The maximum block sizes of the layer's K-FAC factors, A's and G's (None: whole), which the statistic reads
     #: when it forms them (:func:`~hylo.layers.blocks.layer_blocks`; docs/solvers.md, "Blocked factors").
     factor_blocks: tuple[int | None, int | None] = (None, None)
+    #: The dtype the products of the layer's K-FAC statistics run in (``factor_dtype``; None: the working dtype):
+    #: :meth:`gram` (docs/solvers.md, "Low-precision statistics").
+    factor_dtype: torch.dtype | None = None
+
+    def gram(self, rows: Tensor) -> Tensor:
+        """Σ r rᵀ over ``rows`` (n, d), in the rows' dtype; the product in :attr:`factor_dtype` where it is another."""
+        if self.factor_dtype is None or self.factor_dtype == rows.dtype:
+            return rows.mT @ rows
+        low = rows.to(self.factor_dtype)
+        return (low.mT @ low).to(rows.dtype)
 
     @abstractmethod
     def lowrank_rows(self, x: Tensor, grad_out: Tensor, scale: float) -> SampleRows:

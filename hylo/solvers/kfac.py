@@ -23,6 +23,7 @@ from hylo.layers.batch import LayerShape
 from hylo.layers.blocks import BlockLayout, side_numbers
 from hylo.layers.conv import DEFAULT_KFC_EXPONENT
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.math import FACTOR_DTYPE_DOC, FACTOR_DTYPE_RULE
 from hylo.layers.sampling import FACTOR_SAMPLE_DOC, FACTOR_SAMPLE_RULE, FACTOR_SAMPLER_DOC, FACTOR_SAMPLER_RULE
 from hylo.layers.statistics import FACTORS
 from hylo.numerics import eigh_many, spd_inverse_many
@@ -94,6 +95,7 @@ class KFACConfig(Section):
         schedule=True,
     )
     factor_sample: float = option(1.0, doc=FACTOR_SAMPLE_DOC, rule=FACTOR_SAMPLE_RULE)
+    factor_dtype: str | None = option(None, doc=FACTOR_DTYPE_DOC, rule=FACTOR_DTYPE_RULE, fixed=True)
     factor_sampler: str = option("strided", doc=FACTOR_SAMPLER_DOC, rule=FACTOR_SAMPLER_RULE)
     kfac_method: str = option(
         "eigen",

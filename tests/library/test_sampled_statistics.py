@@ -151,7 +151,7 @@ def _attention_case() -> tuple[nn.Module, Callable[[nn.Module], dict[str, tuple[
 CASES = {"linear": _linear_case, "conv2d": _conv_case, "embedding": _embedding_case, "attention": _attention_case}
 
 
-def _sampled_step(
+def factors_after_an_update(
     case: str, solver: str = "kfac", **options: Any
 ) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, tuple[Tensor, Tensor]]]:
     """One update step of ``case``'s layer under ``options``: hylo's factors and the exact reference, by the
@@ -174,7 +174,7 @@ def test_sampled_factors_average_to_the_exact_factors_over_the_offsets(case: str
     for name in names:  # each layer draws its own offset: seeds that draw each of the k for this one
         draws: list[tuple[Tensor, Tensor]] = []
         for offset in range(K):
-            got, exact = _sampled_step(case, factor_sample=1 / K, seed=_seed_for(offset, name))
+            got, exact = factors_after_an_update(case, factor_sample=1 / K, seed=_seed_for(offset, name))
             key = next(key for key in exact if name.endswith(key))
             draws.append(got[key])
         want_a, want_g = exact[key]
@@ -185,7 +185,7 @@ def test_sampled_factors_average_to_the_exact_factors_over_the_offsets(case: str
         assert rel_err(draws[0][1], want_g) > 1e-3, f"{case} {name}: one draw's G is exact: nothing was sampled"
 
 
-def _packed_blocks(full: Tensor, block: int) -> Tensor:
+def packed_blocks(full: Tensor, block: int) -> Tensor:
     """The diagonal blocks of ``full`` (balanced sizes: the first d mod k one wider), flattened in order and joined:
     a blocked side as hylo holds it (docs/solvers.md, "Blocked factors"), written out independently of hylo."""
     d = full.shape[0]
@@ -202,9 +202,11 @@ def test_sampled_blocked_factors_average_to_the_exact_blocks() -> None:
     name = HyLoPreconditioner(copy.deepcopy(module), solver="kfac").layer_info()[0].name
     draws = []
     for offset in range(K):
-        got, exact = _sampled_step("linear", factor_sample=1 / K, factor_block=3, seed=_seed_for(offset, name))
+        got, exact = factors_after_an_update(
+            "linear", factor_sample=1 / K, factor_block=3, seed=_seed_for(offset, name)
+        )
         draws.append(next(iter(got.values())))
-    want_a, want_g = (_packed_blocks(f, 3) for f in next(iter(exact.values())))
+    want_a, want_g = (packed_blocks(f, 3) for f in next(iter(exact.values())))
     assert rel_err(torch.stack([d[0] for d in draws]).mean(0), want_a) < MEAN_RTOL
     assert rel_err(torch.stack([d[1] for d in draws]).mean(0), want_g) < MEAN_RTOL
     assert rel_err(draws[0][1], want_g) > 1e-3
@@ -213,7 +215,7 @@ def test_sampled_blocked_factors_average_to_the_exact_blocks() -> None:
 @pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "hybrid"])
 def test_the_sample_is_every_kth_row_from_the_drawn_offset(solver: str) -> None:
     """Every family that keeps K-FAC factors forms them from the rows ≡ o (mod k) of the (B·T) tokens, sums ×k."""
-    got, _ = _sampled_step("linear", solver, factor_sample=0.5, seed=3)
+    got, _ = factors_after_an_update("linear", solver, factor_sample=0.5, seed=3)
     torch.manual_seed(0)  # the linear case's layer and data, replayed
     layer = nn.Linear(6, 5, dtype=DT)
     x = torch.randn(4, 8, 6, dtype=DT)
@@ -234,8 +236,8 @@ def test_the_sample_is_every_kth_row_from_the_drawn_offset(solver: str) -> None:
 def test_fraction_one_and_small_calls_keep_every_row_bit_for_bit() -> None:
     """factor_sample=1 is the default's path; a call with no more rows than the layer's width keeps all its rows
     under any fraction: the factors are the exact path's, bit for bit."""
-    exact, reference = _sampled_step("linear")
-    one, _ = _sampled_step("linear", factor_sample=1.0)
+    exact, reference = factors_after_an_update("linear")
+    one, _ = factors_after_an_update("linear", factor_sample=1.0)
     assert_same_tensors(one, exact)
     assert_rel_close(exact[""][0], reference[""][0], 1e-12)
     torch.manual_seed(0)
