@@ -147,12 +147,14 @@ def run_pair(
     loss: Any = lm_loss,
     rtol: float = 1e-10,
     split_gate_up: bool = False,
+    **more: Any,
 ) -> list[tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
-    """``steps`` steps of hylo on both models (SGD, lr 0.05; ``split_gate_up`` for the fused one): per step the
-    fused raw gradients (the twin's to ``rtol``), its preconditioned ones and the twin's preconditioned ones."""
+    """``steps`` steps of hylo on both models (SGD, lr 0.05; ``split_gate_up`` for the fused one; ``more`` options
+    for both): per step the fused raw gradients (the twin's to ``rtol``), its preconditioned ones and the twin's
+    preconditioned ones."""
     pres = [
-        hylo.HyLoPreconditioner(fused, **options(solver, split_gate_up)),
-        hylo.HyLoPreconditioner(twin, **options(solver)),
+        hylo.HyLoPreconditioner(fused, **options(solver, split_gate_up), **more),
+        hylo.HyLoPreconditioner(twin, **options(solver), **more),
     ]
     assert [x.name for x in pres[0].layer_info()] == joined_names([x.name for x in pres[1].layer_info()])
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, twin)]
@@ -189,13 +191,19 @@ def test_every_solver_gives_fused_experts_the_gradients_of_the_linear_twin(famil
 
 
 @pytest.mark.parametrize("family", BUILDERS)
-@pytest.mark.parametrize("solver", ["kfac", "kfac_adam"])
-def test_split_gate_up_is_kfac_on_an_expert_written_with_separate_gate_and_up_linears(family: str, solver: str) -> None:
+@pytest.mark.parametrize(
+    ("solver", "more"), [("kfac", {}), ("kfac_adam", {}), ("kfac_adam", {"basis_refresh": "power"})]
+)
+def test_split_gate_up_is_kfac_on_an_expert_written_with_separate_gate_and_up_linears(
+    family: str, solver: str, more: dict[str, Any]
+) -> None:
     """The default ``split_gate_up``: a fused expert's gate_up preconditioned as K-FAC preconditions the model whose
-    experts hold their gate and up projections as two ``nn.Linear`` layers (Mixtral's unfused w1 and w3)."""
+    experts hold their gate and up projections as two ``nn.Linear`` layers (Mixtral's unfused w1 and w3), over
+    two updates (the second, with the optimizer form's warm-started refresh, refreshing each half from its own
+    basis) and a step between them."""
     fused = tiny(family)
     twin = linear_twin(fused, halves=True)
-    for step, (_, got, expected) in enumerate(run_pair(fused, twin, solver, 3, split_gate_up=True)):
+    for step, (_, got, expected) in enumerate(run_pair(fused, twin, solver, 3, split_gate_up=True, **more)):
         assert got.keys() == expected.keys()
         for name, value in got.items():
             torch.testing.assert_close(value, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} at step {step}")
