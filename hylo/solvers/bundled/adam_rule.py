@@ -225,18 +225,37 @@ def carried_moments(
         return zeros, zeros.clone(), 0
     if previous.layouts() != (None, None):  # block by block: P and its square are block-diagonal too
         return (*blocked_moments(previous, evecs_a, evecs_g, carry, refresh), previous.steps)
-    m, v, paired = previous.exp_avg, previous.exp_avg_sq, previous.exp_avg_sq
+    prev = previous
+    m, v = dense_carry(
+        (prev.exp_avg, prev.exp_avg_sq), (prev.evecs_a, prev.evecs_g), (evecs_a, evecs_g), carry, refresh
+    )
+    return m, v, previous.steps
+
+
+def dense_carry(
+    moments: tuple[Tensor, Tensor],
+    olds: tuple[Tensor, Tensor],
+    news: tuple[Tensor, Tensor],
+    carry: str,
+    refresh: tuple[bool, bool],
+) -> tuple[Tensor, Tensor]:
+    """:func:`carried_moments`'s dense path on one layer's tensors, or on stacks of layers of one shape (a leading
+    batch dimension): ``moments`` (m, v) (…, d_g, d_a) carried from the ``olds`` bases (Q_a, Q_g) into the ``news``,
+    each product one (batched) matmul, each column's pairing one ``gather``."""
+    (m, v), paired = moments, moments[1]
     if refresh[1]:
-        p_g = previous.evecs_g.mT @ evecs_g
+        p_g = olds[1].mT @ news[1]
         weights_g = p_g.square()
-        m, v, paired = p_g.mT @ m, weights_g.mT @ v, paired.index_select(0, weights_g.argmax(dim=0))
+        m, v = p_g.mT @ m, weights_g.mT @ v
+        paired = paired.gather(-2, weights_g.argmax(dim=-2).unsqueeze(-1).expand_as(paired))
     if refresh[0]:
-        p_a = previous.evecs_a.mT @ evecs_a
+        p_a = olds[0].mT @ news[0]
         weights_a = p_a.square()
-        m, v, paired = m @ p_a, v @ weights_a, paired.index_select(1, weights_a.argmax(dim=0))
+        m, v = m @ p_a, v @ weights_a
+        paired = paired.gather(-1, weights_a.argmax(dim=-2).unsqueeze(-2).expand_as(paired))
     if carry == "keep" and any(refresh):
         v = torch.maximum(paired, v)
-    return m, v, previous.steps
+    return m, v
 
 
 def carried_moments_many(
@@ -248,39 +267,25 @@ def carried_moments_many(
 ) -> list[tuple[Tensor, Tensor, int]]:
     """:func:`carried_moments` of many layers (their previous states, new (Q_a, Q_g) ``bases``, ``carry`` rules,
     (d_g, d_a) ``widths`` and ``refresh`` flags): the dense layers whose moments, bases, rules and flags agree in
-    shape, dtype and device batched, every product one ``bmm`` per group and each column's pairing one ``gather``; the others, and a
-    group of one, layer by layer. Each layer's moments are tensors of its own."""
+    shape, dtype and device batched (:func:`dense_carry` on their stacks); the others, and a group of one, layer by
+    layer. Each layer's moments are tensors of its own."""
     out: list[tuple[Tensor, Tensor, int] | None] = [None] * len(previous)
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, (state, flags, rule) in enumerate(zip(previous, refresh, carry, strict=True)):
         if state is not None and state.layouts() == (None, None) and any(flags):
             key = (state.exp_avg.shape, state.exp_avg.dtype, state.exp_avg.device, flags, rule)
             groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        if len(members) == 1:
-            continue
-        states = [previous[i] for i in members]
-        assert all(state is not None for state in states)
-        flags = refresh[members[0]]
-        m = torch.stack([state.exp_avg for state in states if state is not None])
-        v = paired = torch.stack([state.exp_avg_sq for state in states if state is not None])
-        if flags[1]:
-            old_g = torch.stack([state.evecs_g for state in states if state is not None])
-            p_g = torch.bmm(old_g.mT, torch.stack([bases[i][1] for i in members]))
-            weights_g = p_g.square()
-            m, v = torch.bmm(p_g.mT, m), torch.bmm(weights_g.mT, v)
-            paired = paired.gather(1, weights_g.argmax(dim=1).unsqueeze(2).expand(-1, -1, paired.shape[2]))
-        if flags[0]:
-            old_a = torch.stack([state.evecs_a for state in states if state is not None])
-            p_a = torch.bmm(old_a.mT, torch.stack([bases[i][0] for i in members]))
-            weights_a = p_a.square()
-            m, v = torch.bmm(m, p_a), torch.bmm(v, weights_a)
-            paired = paired.gather(2, weights_a.argmax(dim=1).unsqueeze(1).expand(-1, paired.shape[1], -1))
-        if carry[members[0]] == "keep":
-            v = torch.maximum(paired, v)
-        for k, i in enumerate(members):
-            state = previous[i]
-            assert state is not None
+    for members in (members for members in groups.values() if len(members) > 1):  # a group of one: layer by layer
+        states = [state for i in members if (state := previous[i]) is not None]
+        news = [bases[i] for i in members]
+        m, v = dense_carry(
+            (torch.stack([s.exp_avg for s in states]), torch.stack([s.exp_avg_sq for s in states])),
+            (torch.stack([s.evecs_a for s in states]), torch.stack([s.evecs_g for s in states])),
+            (torch.stack([q_a for q_a, _ in news]), torch.stack([q_g for _, q_g in news])),
+            carry[members[0]],
+            refresh[members[0]],
+        )
+        for k, (i, state) in enumerate(zip(members, states, strict=True)):
             out[i] = (m[k].clone(), v[k].clone(), state.steps)
     return [
         done if done is not None else carried_moments(state, basis[0], basis[1], rule, width, flags)
