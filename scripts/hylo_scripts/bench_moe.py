@@ -491,15 +491,16 @@ def race(
     lrs: dict[str, float],
     notes: Notes,
     options: Mapping[str, Any] | None = None,
+    order_seed: int = 0,
 ) -> list[RaceRun]:
     """Every method that can run here, from the same weights on the same batches of the stdlib corpus (hylo with
-    ``options``)."""
+    ``options``), the training windows drawn in an order of seed ``order_seed``."""
     root = stdlib_root()
     corpus = read_corpus(root, stdlib_files(root), MAX_BYTES)
     train = TokenWindows(corpus.train, size.seq)
     validation = TokenWindows(corpus.validation, size.seq).spread(windows)
     held = batch_of(validation, range(len(validation)))
-    order = torch.randint(len(train), (steps, size.batch), generator=torch.Generator().manual_seed(0))
+    order = torch.randint(len(train), (steps, size.batch), generator=torch.Generator().manual_seed(order_seed))
     base = size.model()
     runs = []
     for method in methods:
@@ -545,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--steps", type=int, default=300, help="training steps of each race run")
+    parser.add_argument("--order-seed", type=int, default=0, help="the seed of the race's order of windows")
     parser.add_argument("--eval-every", type=int, default=50, help="race steps between evaluations")
     parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows of the race's loss")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="the race's methods")
@@ -609,7 +611,17 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             )
     if "race" in args.parts:
-        runs = race(size, args.methods, args.steps, args.eval_every, args.eval_windows, lrs, notes, dict(args.set))
+        runs = race(
+            size,
+            args.methods,
+            args.steps,
+            args.eval_every,
+            args.eval_windows,
+            lrs,
+            notes,
+            dict(args.set),
+            args.order_seed,
+        )
         print(
             f"\nrace: {size.line()}; {args.steps} steps on the stdlib's source, held-out loss (nats per byte) over "
             f"{args.eval_windows} windows\n"

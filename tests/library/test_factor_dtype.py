@@ -53,3 +53,33 @@ def test_blocked_factors_formed_in_bfloat16_are_the_exact_blocks_to_its_rounding
 def test_an_unknown_factor_dtype_is_refused_at_construction(value: object) -> None:
     with pytest.raises(ValueError, match="factor_dtype"):
         HyLoPreconditioner(nn.Linear(3, 2), solver="kfac", factor_dtype=value)
+
+
+def test_a_float64_layer_beside_a_float32_one_keeps_its_own_working_dtype() -> None:
+    """Each layer's rows go to bfloat16 for the products and its sums come back to its own working dtype: the
+    float64 layer's factors in float64, the float32 layer's in float32, each the exact factors of its own true
+    inputs and output gradients to bfloat16's rounding."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(5, 4), nn.Linear(4, 3, dtype=torch.float64)
+    x, target = torch.randn(6, 5), torch.randn(6, 3, dtype=torch.float64)
+    model = nn.Sequential(first, second)
+    pre = HyLoPreconditioner(model, solver="kfac", update_freq=1, damping=0.1, factor_dtype="bfloat16")
+    hidden = first(x)
+    hidden.retain_grad()
+    out = second(torch.tanh(hidden).double())
+    out.retain_grad()
+    torch.nn.functional.mse_loss(out, target).backward()
+    pre.step()
+    largest, smallest = BOUNDS["bfloat16"]
+    for info, inputs, grad in (
+        (pre.layer_info()[0], x, hidden.grad),
+        (pre.layer_info()[1], torch.tanh(hidden).double(), out.grad),
+    ):
+        assert grad is not None and info.state is not None
+        a = torch.cat([inputs.detach().double(), torch.ones(6, 1, dtype=torch.float64)], dim=1)
+        g = 6 * grad.double()
+        state = info.state.tensors
+        assert state["factor_a"].dtype == state["factor_g"].dtype == info.math.dtype
+        assert smallest < rel_err(state["factor_a"].double(), a.mT @ a / 6) < largest, info.name
+        assert smallest < rel_err(state["factor_g"].double(), g.mT @ g / 6) < largest, info.name
+    assert [info.math.dtype for info in pre.layer_info()] == [torch.float32, torch.float64]
