@@ -20,6 +20,7 @@ from torch import nn
 from hylo.adapted import AdaptedSplit
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
+from hylo.layers.walk import NoLayerError
 from hylo.optimizer_state import Part, check_groups, check_numbering, check_part, stepped_parameters
 from hylo.pipeline import liveness
 from hylo.preconditioner import HyLoPreconditioner
@@ -152,10 +153,9 @@ class HyLoOptimizer(torch.optim.Optimizer):
         chosen = start.replace(**given)
         adapted = _adapted_split(chosen)
         with liveness.deferred():  # supersede a live preconditioner only once every check below has passed
-            pre = HyLoPreconditioner(model, config=chosen, communicator=communicator, grad_scaler=grad_scaler)
+            pre = _preconditioner(model, base, chosen, communicator, grad_scaler)
             split, names = _checked(model, base, pre, adapted)
-        #: The preconditioner whose ``step()`` runs first in :meth:`step`.
-        self.preconditioner = pre
+        self._pre = pre
         self._split = split
         self._names = names
         #: Whether the first update is still to come (when hylo's parameters not preconditioned are handed back).
@@ -166,6 +166,22 @@ class HyLoOptimizer(torch.optim.Optimizer):
         self.defaults = base.defaults
         self._link()
         self._ready = True
+
+    @property
+    def preconditioner(self) -> HyLoPreconditioner:
+        """The preconditioner whose ``step()`` runs first in :meth:`step`; ``ValueError`` when the model has no layer
+        hylo can precondition (:attr:`preconditions` is False: the wrapped optimizer trains it alone)."""
+        if self._pre is None:
+            raise ValueError(
+                "HyLoOptimizer preconditions nothing: the model has no layer hylo can precondition (see the warning "
+                "given at construction); the wrapped optimizer trains it alone"
+            )
+        return self._pre
+
+    @property
+    def preconditions(self) -> bool:
+        """Whether hylo preconditions any layer of the model; False when the wrapped optimizer trains it alone."""
+        return self._pre is not None
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -190,7 +206,8 @@ class HyLoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.preconditioner.step()
+        if self._pre is not None:
+            self._pre.step()
         if self._first_update:
             self._hand_back_unsolved()
         for optimizer in self._optimizers:
@@ -249,7 +266,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
                 {**group, "params": [offset + int(i) for i in group["params"]]} for group in part["param_groups"]
             ]
             offset += sum(len(group["params"]) for group in part["param_groups"])
-        merged["hylo"] = self.preconditioner.state_dict()
+        merged["hylo"] = None if self._pre is None else self._pre.state_dict()
         if self._split is not None:
             merged["returned"] = list(self._split.returned)
         return merged
@@ -261,7 +278,8 @@ class HyLoOptimizer(torch.optim.Optimizer):
         returned = self._returned(state_dict)
         parts = self._parts(state_dict, returned)
         self._check_parts(state_dict, parts, returned)
-        self.preconditioner.load_state_dict(state_dict["hylo"], where=WHERE)
+        if self._pre is not None:
+            self._pre.load_state_dict(state_dict["hylo"], where=WHERE)
         if self._split is not None:
             self._split.hand_back(returned)
             self._first_update = False
@@ -273,7 +291,7 @@ class HyLoOptimizer(torch.optim.Optimizer):
         """Each optimizer's part against that optimizer, as it will be once ``returned`` are handed back."""
         hylo_part = state_dict["hylo"]
         steps = hylo_part.get("steps") if isinstance(hylo_part, Mapping) else None
-        stepped = stepped_parameters(hylo_part, self.preconditioner.layer_info())
+        stepped = stepped_parameters(hylo_part, self._pre.layer_info()) if self._pre is not None else set()
         if self._split is not None:  # as at construction: the split's step descends
             _refuse_maximize(state_dict["param_groups"], WHERE)
         first_group = first_index = 0
@@ -304,6 +322,12 @@ class HyLoOptimizer(torch.optim.Optimizer):
         """The saved hand-backs (:mod:`hylo.adapted`), checked; ``ValueError`` where they do not fit this optimizer."""
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"HyLoOptimizer.load_state_dict: expected a mapping, got {type(state_dict).__name__}")
+        if "hylo" in state_dict and (state_dict["hylo"] is None) != (self._pre is None):
+            raise ValueError(
+                f"{WHERE}: the state was saved by a HyLoOptimizer that preconditions "
+                f"{'nothing' if state_dict['hylo'] is None else 'layers'}, this one preconditions "
+                f"{'nothing' if self._pre is None else 'layers'}"
+            )
         if self._split is None:
             if state_dict.get("returned"):
                 raise ValueError(
@@ -341,14 +365,38 @@ class HyLoOptimizer(torch.optim.Optimizer):
         return parts
 
 
+def _preconditioner(
+    model: nn.Module,
+    base: torch.optim.Optimizer,
+    config: HyLoConfig,
+    communicator: Communicator | None,
+    grad_scaler: torch.amp.GradScaler | None,
+) -> HyLoPreconditioner | None:
+    """hylo's preconditioner of ``model``, or None, with a warning, when the model has no layer it can precondition:
+    the wrapped optimizer would train it, so the optimizer form does too, alone (docs/usage.md, "The optimizer
+    form")."""
+    try:
+        return HyLoPreconditioner(model, config=config, communicator=communicator, grad_scaler=grad_scaler)
+    except NoLayerError as error:
+        warnings.warn(
+            f"HyLoOptimizer: {error}; {type(base).__name__} trains {type(model).__name__} alone, as it would without "
+            "hylo",
+            stacklevel=4,
+        )
+        return None
+
+
 def _checked(
-    model: nn.Module, base: torch.optim.Optimizer, pre: HyLoPreconditioner, adapted: bool
+    model: nn.Module, base: torch.optim.Optimizer, pre: HyLoPreconditioner | None, adapted: bool
 ) -> tuple[AdaptedSplit | None, dict[int, str]]:
     """The whole-step split (or None) and the model's parameter names by id, once ``base`` holds every parameter hylo
-    preconditions and, under a whole-step solver, maximizes nothing; else ``ValueError``, ``pre`` removed."""
+    preconditions and, under a whole-step solver, maximizes nothing; else ``ValueError``, ``pre`` removed. Without a
+    preconditioner: no split."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    if pre is None:
+        return None, names
     try:
         held = {id(p) for group in base.param_groups for p in group["params"]}
-        names = {id(p): name for name, p in model.named_parameters()}
         missing = [names.get(id(p), "?") for p in pre.parameters() if id(p) not in held]
         if missing:
             raise ValueError(

@@ -28,9 +28,8 @@ from hylo.layers.batch import LayerBatch
 from hylo.layers.capture import KeptCalls
 from hylo.layers.coverage import Coverage
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.registry import supported_types
 from hylo.layers.statistics import CapturedCall, capture_call
-from hylo.layers.walk import register_layers
+from hylo.layers.walk import NoLayerError, register_layers
 from hylo.memory import MemoryUsage
 from hylo.pipeline import checkpoint, liveness, sharding
 from hylo.pipeline.apply import write_back
@@ -123,9 +122,7 @@ class HyLoPreconditioner:
             layer.capture.reducer = self._reducer(index)
         found.warn_unsupported()
         if not self._layers:
-            raise ValueError(
-                f"model has no layer hylo can precondition ({', '.join(supported_types())}; Conv2d with groups=1)"
-            )
+            raise NoLayerError()
         self._policy = SolverPolicy([layer.name for layer in self._layers])
         self._planner = Planner(self._layers, self._policy, self.comm.world_size, self._config)
         try:  # FSDP2-sharded layers: checked here, before any step (docs/distributed.md, "FSDP2")

@@ -92,6 +92,9 @@ def stored(module: nn.Module, attr: str) -> Tensor:
 def layout_problem(module: nn.Module, layout: ExpertsLayout = TRANSFORMERS_LAYOUT) -> str | None:
     """Why ``module`` is not fused experts of ``layout`` that hylo can precondition, or None when it is."""
     kind = type(module).__name__
+    for attr, supported, other in _DECLARED:
+        if getattr(module, attr, supported) != supported:
+            return f"{kind} declares {attr}={not supported} ({other}), a layout hylo's fused experts do not model"
     gate_up, down = _parameter(module, layout.gate_up), _parameter(module, layout.down)
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return f"{kind} holds no 3-D {layout.gate_up} and {layout.down} parameters (fused experts)"
@@ -101,9 +104,6 @@ def layout_problem(module: nn.Module, layout: ExpertsLayout = TRANSFORMERS_LAYOU
             f"{kind}: {layout.gate_up} {tuple(gate_up.shape)} and {layout.down} {tuple(down.shape)} are not "
             "[E, 2I, H] and [E, H, I]"
         )
-    for attr, supported, other in _DECLARED:
-        if getattr(module, attr, supported) != supported:
-            return f"{kind} declares {attr}={not supported} ({other}), a layout hylo's fused experts do not model"
     if getattr(module, "_apply_gate", None) is None and not callable(getattr(module, "act_fn", None)):
         return f"{kind} has neither _apply_gate nor act_fn: hylo cannot recompute its gate"
     return None
@@ -326,14 +326,20 @@ class ExpertsTap:
 
 
 class RouterMath(LinearMath):
-    """A router: a Linear (``weight`` (E, H), no bias) of the hidden states whose module returns (logits, weights,
-    index); its output s is the logits, whose gradient sums every path from them (the routing weights, an auxiliary
-    loss)."""
+    """A router: a Linear (``weight`` (E, H), a bias or none) of the hidden states whose module returns its logits
+    with the routing (``(logits, weights, index)``; the logits at ``logits_at``); its output s is the logits, whose
+    gradient sums every path from them (the routing weights, an auxiliary loss)."""
+
+    def __init__(self, module: nn.Module, logits_at: int = 0) -> None:
+        self.logits_at = logits_at
+        super().__init__(module)
 
     def layer_output(self, output: Any) -> Tensor | None:
-        """The logits: the first element of the module's output."""
-        first = output[0] if isinstance(output, tuple) and output else None
-        return first if isinstance(first, Tensor) else None
+        """The logits: the element ``logits_at`` of the module's output, or the output itself when it is a tensor."""
+        if isinstance(output, Tensor):
+            return output
+        found = output[self.logits_at] if isinstance(output, tuple) and len(output) > self.logits_at else None
+        return found if isinstance(found, Tensor) else None
 
 
 def fused_experts(module: nn.Module, config: HyLoConfig) -> ExpertsLayers | None:
@@ -347,7 +353,12 @@ def experts_refused(module: nn.Module) -> str:
     return layout_problem(module) or f"{type(module).__name__}: not fused experts"
 
 
-def router(module: nn.Module, config: HyLoConfig) -> RouterMath | None:
-    """The factory of transformers' routers: a Linear whose module returns (logits, weights, index)."""
-    weight = _parameter(module, "weight")
-    return RouterMath(module) if weight is not None and weight.dim() == 2 else None
+def router(logits_at: int = 0) -> Callable[[nn.Module, HyLoConfig], RouterMath | None]:
+    """The factory of transformers' routers whose module returns the logits at ``logits_at``: a Linear of the hidden
+    states (a 2-D ``weight``)."""
+
+    def factory(module: nn.Module, config: HyLoConfig) -> RouterMath | None:
+        weight = _parameter(module, "weight")
+        return RouterMath(module, logits_at) if weight is not None and weight.dim() == 2 else None
+
+    return factory

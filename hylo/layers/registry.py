@@ -34,6 +34,7 @@ from hylo.layers.experts import experts_refused, fused_experts, router
 from hylo.layers.fused import FusedLayers
 from hylo.layers.linear import LinearMath, TransposedLinearMath
 from hylo.layers.math import LayerMath
+from hylo.layers.transformers_types import CONV1D, LINEARS, LOGITS_AT, MIXTURES, modeling_module
 
 if TYPE_CHECKING:
     from hylo.config import HyLoConfig
@@ -135,14 +136,21 @@ def _registered_base(module_class: type[nn.Module], base: type[nn.Module]) -> La
 #: Layer types of other packages: (module, class name, math, why a refused instance is left alone). Each is
 #: registered through :func:`register_layer_type` when a model is walked after its module was imported (a model
 #: holding one has imported it) and the class is not registered yet, so a user's registration of the class, made
-#: before or after, wins (docs/extending.md, "Layers of other packages"). transformers' fused experts and their
-#: routers are docs/moe.md's.
+#: before or after, wins (docs/extending.md, "Layers of other packages"). The classes are
+#: :mod:`hylo.layers.transformers_types`'s; the fused experts and their routers are docs/moe.md's.
 OTHER_PACKAGES: tuple[tuple[str, str, MathFactory, UnsupportedReason | None], ...] = (
-    ("transformers.pytorch_utils", "Conv1D", lambda module, config: TransposedLinearMath(module), None),
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralExperts", fused_experts, experts_refused),
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", router, None),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts", fused_experts, experts_refused),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter", router, None),
+    (*CONV1D, lambda module, config: TransposedLinearMath(module), None),
+    *((module, name, lambda module, config: LinearMath(module), None) for module, name in LINEARS),
+    *(
+        (modeling_module(package), name, fused_experts, experts_refused)
+        for package, experts, _ in MIXTURES
+        for name in experts
+    ),
+    *(
+        (modeling_module(package), name, router(LOGITS_AT.get(name, 0)), None)
+        for package, _, routers in MIXTURES
+        for name in routers
+    ),
 )
 
 
@@ -216,9 +224,13 @@ def layer_math(module: nn.Module, config: HyLoConfig) -> LayerMath | FusedLayers
 
 
 def supported_types() -> list[str]:
-    """The registered module classes by name, and ``MultiheadAttention`` (for messages)."""
+    """The registered module classes by name, ``MultiheadAttention``, and how many classes of other packages are
+    registered (:data:`OTHER_PACKAGES`, counted rather than named: for messages)."""
     _register_other_packages()
-    return [cls.__name__ for cls in _LAYER_TYPES] + ["MultiheadAttention"]
+    others = {(module, name) for module, name, *_ in OTHER_PACKAGES}
+    named = [cls.__name__ for cls in _LAYER_TYPES if (cls.__module__, cls.__name__) not in others]
+    counted = len(_LAYER_TYPES) - len(named)
+    return [*named, "MultiheadAttention"] + ([f"{counted} classes of other packages"] if counted else [])
 
 
 #: The convolutions of the built-in types: nn.Conv1d, nn.Conv2d and their transposes (groups = 1).

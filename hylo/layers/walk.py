@@ -27,11 +27,23 @@ from hylo.layers.compiled import unwrap_compiled
 from hylo.layers.coverage import SKIPPED, Coverage, measure
 from hylo.layers.fused import FusedLayers, Tap
 from hylo.layers.math import LayerMath, named_error
-from hylo.layers.registry import layer_math, layer_type_of, own_forward, unsupported_reason
+from hylo.layers.registry import layer_math, layer_type_of, own_forward, supported_types, unsupported_reason
 from hylo.layers.ties import Holder, find_holders, own_attr, tied_reason
 
 if TYPE_CHECKING:
     from hylo.config import HyLoConfig
+
+
+class NoLayerError(ValueError):
+    """A model with no layer hylo can precondition: the ``ValueError`` a preconditioner raises at construction, and
+    that ``HyLoOptimizer`` turns into a warning, leaving the model to the optimizer it wraps (docs/usage.md, "The
+    optimizer form")."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"model has no layer hylo can precondition ({', '.join(supported_types())}; convolutions with groups=1): "
+            "see the warning for what it leaves alone and why"
+        )
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ HEADS = 4
 LAYERS = 2
 #: Mamba's width (its state size is the full-size model's 16; see the module's docstring).
 MAMBA_WIDTH = 128
+#: Falcon's width and blocks: with a vocabulary of 256 its tied table holds 4.5% of the matrix elements, Falcon-7B's 4.3%.
+FALCON_WIDTH = 128
+FALCON_LAYERS = 4
 
 #: The reason hylo's coverage counts a matrix held by two modules under (tied embeddings and LM heads).
 TIED = "tied"
@@ -281,6 +284,18 @@ def mamba() -> nn.Module:
     return model
 
 
+def falcon() -> nn.Module:
+    """Falcon as Falcon-7B: ``FalconLinear`` projections (an ``nn.Linear`` subclass with a ``forward`` of its own),
+    multi-query attention, attention and MLP in parallel, embeddings tied to the LM head."""
+    tf = _transformers()
+    config = tf.FalconConfig(
+        vocab_size=LLAMA_VOCAB, hidden_size=FALCON_WIDTH, num_hidden_layers=FALCON_LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model: nn.Module = tf.FalconForCausalLM(config)
+    return model
+
+
 def lora_llama() -> nn.Module:
     """LoRA (``peft``, rank :data:`LORA_RANK`, no dropout) on every projection of the tiny Llama: the base model
     frozen, each adapter's A and B an ``nn.Linear`` (B starts at zero, as ``peft`` initialises it)."""
@@ -393,6 +408,14 @@ def mamba_130m() -> nn.Module:
 
 
 @_on_meta
+def falcon_7b() -> nn.Module:
+    """Falcon-7B (``FalconConfig``'s defaults)."""
+    tf = _transformers()
+    model: nn.Module = tf.FalconForCausalLM(tf.FalconConfig())
+    return model
+
+
+@_on_meta
 def lora_llama_7b() -> nn.Module:
     """LoRA of rank 8 on every projection of Llama-2-7B's shapes."""
     import peft
@@ -423,6 +446,7 @@ FAMILIES: dict[str, Family] = {
         Family("OPT", opt, functools.partial(lm_batch, vocab=OPT_VOCAB), opt_125m, "OPT-125m"),
         Family("ViT", vit, functools.partial(image_batch, image=IMAGE, classes=CLASSES), vit_base, "ViT-base"),
         Family("Mamba", mamba, functools.partial(lm_batch, vocab=MAMBA_VOCAB), mamba_130m, "Mamba-130m"),
+        Family("Falcon", falcon, functools.partial(lm_batch, vocab=LLAMA_VOCAB), falcon_7b, "Falcon-7B"),
         Family(
             "LoRA on Llama",
             lora_llama,

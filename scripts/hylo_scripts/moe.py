@@ -70,6 +70,59 @@ def qwen2_moe(
     return model.train()
 
 
+#: Mixture-of-experts families of transformers 5.24 beyond Mixtral and Qwen2-MoE, tiny, by name: (config class, model
+#: class, the family's own options). Each has :data:`EXPERTS` experts per block, :data:`TOP_K` per token
+#: (Llama 4: 1), each :data:`EXPERT_WIDTH` wide; docs/moe.md, "Models".
+MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "moe_intermediate_size": EXPERT_WIDTH, "num_experts": EXPERTS, "head_dim": WIDTH // HEADS,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "OLMoE": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": EXPERT_WIDTH, "num_experts": EXPERTS}),
+    "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "intermediate_size": 2 * EXPERT_WIDTH, "moe_intermediate_size": EXPERT_WIDTH, "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 16,
+        "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": WIDTH // HEADS}),
+    "Granite-MoE": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS}),
+    "PhiMoE": ("PhimoeConfig", "PhimoeForCausalLM", {"intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS}),
+    "Jamba": ("JambaConfig", "JambaForCausalLM", {
+        "intermediate_size": EXPERT_WIDTH, "num_experts": EXPERTS, "attn_layer_period": 2, "attn_layer_offset": 1,
+        "expert_layer_period": 1, "expert_layer_offset": 0, "mamba_d_state": 4, "mamba_dt_rank": 4,
+        "use_mamba_kernels": False}),
+    "GPT-OSS": ("GptOssConfig", "GptOssForCausalLM", {
+        "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "head_dim": WIDTH // HEADS,
+        "sliding_window": SEQ // 2}),
+    "Llama 4": ("Llama4TextConfig", "Llama4ForCausalLM", {
+        "intermediate_size": EXPERT_WIDTH, "intermediate_size_mlp": 2 * EXPERT_WIDTH, "num_local_experts": EXPERTS,
+        "num_experts_per_tok": 1, "head_dim": WIDTH // HEADS, "interleave_moe_layer_step": 1}),
+    "DBRX": ("DbrxConfig", "DbrxForCausalLM", {
+        "d_model": WIDTH, "n_heads": HEADS, "n_layers": LAYERS, "max_seq_len": SEQ,
+        "ffn_config": {"ffn_hidden_size": EXPERT_WIDTH, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
+        "attn_config": {"kv_n_heads": HEADS, "rope_theta": 10_000.0}}),
+}  # fmt: skip
+
+
+def moe_family(name: str, implementation: str | None = None) -> nn.Module:
+    """The tiny model of :data:`MOE_FAMILIES`' family ``name`` (untied embeddings, float32, train mode), its experts
+    run by transformers' ``implementation`` (None: its default)."""
+    config_class, model_class, own = MOE_FAMILIES[name]
+    tf = _transformers()
+    config = getattr(tf, config_class)(**{
+        "vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS, "num_experts_per_tok": TOP_K, "max_position_embeddings": SEQ,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "experts_implementation": implementation, **own,
+    })  # fmt: skip
+    model: nn.Module = getattr(tf, model_class)(config)
+    return model.train()
+
+
+def glu(act: Callable[[Tensor], Tensor], pre: Tensor) -> Tensor:
+    """``act(gate) * up`` of gate_up's output ``pre`` (its first half the gate, its second the up)."""
+    gate, up = pre.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 class GateUp(nn.Module):
     """An expert's gate and up projections as two ``nn.Linear`` layers (Mixtral's unfused ``w1`` and ``w3``), applied
     as the fused ``gate_up`` is: the gate's outputs, then the up's."""
@@ -97,7 +150,10 @@ class LinearExperts(nn.Module):
         assert isinstance(gate_up_weight, Tensor) and isinstance(down_weight, Tensor)
         experts, double, hidden = gate_up_weight.shape
         self.num_experts = int(experts)
-        self.act_fn: Callable[[Tensor], Tensor] = fused.act_fn  # type: ignore[assignment]
+        #: The fused module's gate on gate_up's output: its ``_apply_gate`` (transformers' experts modules have one,
+        #: some with a clamp of their own), else ``act_fn(gate) * up``.
+        own: Callable[[Tensor], Tensor] | None = getattr(fused, "_apply_gate", None)
+        self.apply_gate = own or functools.partial(glu, fused.act_fn)  # type: ignore[arg-type]
         self.names = (gate_up, down)
         dtype, device = gate_up_weight.dtype, gate_up_weight.device
         first: Callable[[], nn.Module] = (
@@ -135,8 +191,8 @@ class LinearExperts(nn.Module):
             slot, token = torch.where(routed == e)
             if token.numel() == 0:
                 continue
-            gate, up = self.projection(0, e)(hidden_states[token]).chunk(2, dim=-1)
-            out = self.projection(1, e)(self.act_fn(gate) * up) * top_k_weights[token, slot, None]
+            hidden = self.apply_gate(self.projection(0, e)(hidden_states[token]))
+            out = self.projection(1, e)(hidden) * top_k_weights[token, slot, None]
             final.index_add_(0, token, out.to(final.dtype))
         return final
 

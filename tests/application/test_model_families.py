@@ -1,7 +1,7 @@
-"""Model families (docs/models.md): tiny models of eleven ``transformers`` families, each run through hylo.
+"""Model families (docs/models.md): tiny models of twelve ``transformers`` families, each run through hylo.
 
 For every family of :mod:`hylo_scripts.model_families` (GPT-2, Llama, Qwen2 with grouped-query attention,
-Mistral, T5, BART, Whisper, OPT, ViT, Mamba, LoRA on Llama), built from its config:
+Mistral, T5, BART, Whisper, OPT, ViT, Mamba, Falcon, LoRA on Llama), built from its config:
 
 - **Registration.** hylo registers exactly the supported layers the model trains (every ``nn.Linear``,
   ``nn.Embedding``, ungrouped ``nn.Conv1d``/``nn.Conv2d`` and Hugging Face ``Conv1D`` whose weight is trainable and
@@ -49,7 +49,8 @@ from tests.kit.reference import conv_reference, dense_kfac
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 pytest.importorskip("peft", reason="needs peft")
 
-from transformers.pytorch_utils import Conv1D  # noqa: E402  (after the skip)
+from transformers.models.falcon.modeling_falcon import FalconLinear  # noqa: E402  (after the skip)
+from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from hylo_scripts import bench_models  # noqa: E402
 from hylo_scripts.model_families import EXCLUDED as BENCH_EXCLUDED  # noqa: E402
@@ -72,6 +73,7 @@ DOCUMENTED: dict[str, set[str]] = {
     "ViT": {"ViTEmbeddings"},
     "Mamba": {"tied", "MambaMixer", "Conv1d"},
     "LoRA on Llama": set(),
+    "Falcon": {"tied"},
 }
 #: The documented exclusions: left alone for a reason that is no layer's shortcoming (a tied weight's gradient sums
 #: two uses; a position table is not a lookup of its argument), so coverage is judged without them.
@@ -119,6 +121,7 @@ PROBES: dict[str, tuple[str, ...]] = {
     "OPT": ("model.decoder.layers.0.self_attn.q_proj", "model.decoder.layers.0.fc1"),
     "ViT": ("vit.embeddings.patch_embeddings.projection", "vit.layers.0.attention.q_proj", "vit.layers.0.mlp.fc1"),
     "Mamba": ("backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.x_proj", "backbone.layers.1.mixer.out_proj"),
+    "Falcon": ("transformer.h.0.self_attention.query_key_value", "transformer.h.1.mlp.dense_4h_to_h"),
     "LoRA on Llama": (
         f"{_LORA}.self_attn.q_proj.lora_A.default",
         f"{_LORA}.self_attn.q_proj.lora_B.default",
@@ -137,7 +140,9 @@ DENSE_LIMIT = 1600
 NAMES = sorted(FAMILIES)
 #: peft calls a method transformers 5 deprecates; not this file's subject.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
-SUPPORTED = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, Conv1D)
+#: The supported classes: the built-in ones, transformers' ``Conv1D`` and ``FalconLinear`` (a subclass whose own forward
+#: is the Linear map, registered by class: docs/extending.md, "Layers of other packages").
+SUPPORTED = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, Conv1D, FalconLinear)
 
 
 @contextmanager

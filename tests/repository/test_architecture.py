@@ -118,6 +118,7 @@ TESTS = ROOT.parent / "tests"
 APPLICATION_IN_LIBRARY = {
     "test_fsdp.py": "hylo_scripts.models: the decoder LM whose sharded embedding and attention are held to one process",
     "test_moe.py": "hylo_scripts.moe: the Mixtral and Qwen2-MoE builders and their nn.Linear-per-expert twin",
+    "test_moe_families.py": "hylo_scripts.moe: the other MoE families' builders and the nn.Linear-per-expert twin",
     "test_optimizer_form.py": "hylo_scripts.bench_ops: the op counter the step-cost pins read",
     "test_step_cost.py": "hylo_scripts.bench_ops: the op counts the benchmark reports, pinned",
 }
@@ -232,7 +233,15 @@ SCRIPT_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "the trainers, benchmarks, demo and figures",
         tuple(
             f"hylo_scripts.{name}"
-            for name in ("train", "train_lm", "train_segmentation", "demo_mnist", "make_figures", "bench_*")
+            for name in (
+                "train",
+                "train_lm",
+                "train_segmentation",
+                "demo_mnist",
+                "make_figures",
+                "model_grid",
+                "bench_*",
+            )
         ),
     ),
 )
