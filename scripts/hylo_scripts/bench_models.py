@@ -4,6 +4,10 @@
 Example:
     python scripts/bench_models.py
     python scripts/bench_models.py --families GPT-2 Mamba --steps 20
+    python scripts/bench_models.py --vision
+
+``--vision`` runs the vision families of :mod:`hylo_scripts.vision_families` instead (docs/models.md, "Vision
+families"): those of torchvision only where it imports, the reason it does not printed otherwise.
 
 For every family of :mod:`hylo_scripts.model_families` (tiny models built from their ``transformers`` configs),
 the first table gives the layers hylo registers; its coverage (``pre.coverage()``: the share of the trainable
@@ -30,7 +34,11 @@ import torch
 from torch import nn
 
 import hylo
-from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family, loss_of
+from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family
+from hylo_scripts.vision_families import TORCHVISION, VISION_FAMILIES, torchvision_missing
+
+#: Every family by name: the language, speech and ViT families, then the vision ones.
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **VISION_FAMILIES}
 
 
 def excluding(coverage: hylo.Coverage) -> float:
@@ -60,14 +68,14 @@ def matrices(model: nn.Module) -> dict[str, nn.Parameter]:
 def held_out_loss(model: nn.Module, family: Family) -> float:
     """The mean loss over the held-out batches (:data:`HELD_OUT`), without gradients (hylo captures nothing)."""
     with torch.no_grad():
-        return sum(float(loss_of(model, family.batch(step))) for step in HELD_OUT) / len(HELD_OUT)
+        return sum(float(family.loss(model, family.batch(step))) for step in HELD_OUT) / len(HELD_OUT)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, family: Family, steps: int) -> None:
     """``steps`` steps on the family's batches 0, 1, …"""
     for step in range(steps):
         optimizer.zero_grad()
-        loss_of(model, family.batch(step)).backward()
+        family.loss(model, family.batch(step)).backward()
         optimizer.step()
 
 
@@ -178,7 +186,8 @@ def _coverage(model: nn.Module) -> hylo.Coverage:
 def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -> None:
     """Print the two tables and the warnings."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(ALL_FAMILIES), metavar="FAMILY")
+    parser.add_argument("--vision", action="store_true", help="the vision families (torchvision's where it imports)")
     parser.add_argument("--steps", type=int, default=100, help="training steps of each run")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (both runs)")
     parser.add_argument("--threads", type=int, default=2)
@@ -189,12 +198,18 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # peft calls a deprecated transformers method
     logging.getLogger("peft").setLevel(logging.ERROR)
-    families = [FAMILIES[name] for name in args.families]
+    names = list(VISION_FAMILIES) if args.vision else args.families
+    missing = torchvision_missing() if TORCHVISION & set(names) else None
+    if missing is not None and args.vision:
+        names = [name for name in names if name not in TORCHVISION]
+    families = [ALL_FAMILIES[name] for name in names]
     rows = [measure(family, args.steps, args.lr) for family in families]
     out(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; {args.steps} "
         f"steps at lr {args.lr:g}; losses: mean over {len(HELD_OUT)} held-out batches"
     )
+    if missing is not None and args.vision:
+        out(f"torchvision does not import here ({missing}): its families were not run")
     out("")
     out(table(rows))
     out("")

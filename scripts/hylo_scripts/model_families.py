@@ -58,6 +58,13 @@ HELD_OUT = tuple(range(1_000_000, 1_000_004))
 Batch = dict[str, Tensor]
 
 
+def loss_of(model: nn.Module, batch: Batch) -> Tensor:
+    """The model's own loss on ``batch``: every family here takes ``labels`` and returns ``.loss``, the mean
+    cross-entropy over the labelled tokens (over the images for ViT)."""
+    loss: Tensor = model(**batch).loss
+    return loss
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: how to build its tiny model and its full-size one, and its batches."""
@@ -73,18 +80,14 @@ class Family:
     full: Callable[[], nn.Module]
     #: The full-size model's name ("GPT-2 small").
     full_name: str
+    #: The loss of the model on a batch: the model's own (:func:`loss_of`) unless the family's model returns
+    #: logits alone (torchvision's classifiers, ``hylo_scripts.vision_families``).
+    loss: Callable[[nn.Module, Batch], Tensor] = loss_of
 
     def model(self, seed: int = 0) -> nn.Module:
         """The tiny model, its weights drawn from ``seed``."""
         torch.manual_seed(seed)
         return self.build().train()
-
-
-def loss_of(model: nn.Module, batch: Batch) -> Tensor:
-    """The model's own loss on ``batch``: every family here takes ``labels`` and returns ``.loss``, the mean
-    cross-entropy over the labelled tokens (over the images for ViT)."""
-    loss: Tensor = model(**batch).loss
-    return loss
 
 
 # ------------------------------------------------------------------------------------------------- batches
@@ -308,18 +311,18 @@ def lora_llama() -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------- full size
-def _on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+def on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     """``build`` run with the meta device as the default: parameters with shapes and no memory."""
 
     @functools.wraps(build)
-    def on_meta() -> nn.Module:
+    def built_on_meta() -> nn.Module:
         with torch.device("meta"):
             return build()
 
-    return on_meta
+    return built_on_meta
 
 
-@_on_meta
+@on_meta
 def gpt2_small() -> nn.Module:
     """GPT-2 small (``GPT2Config``'s defaults)."""
     tf = _transformers()
@@ -327,7 +330,7 @@ def gpt2_small() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def llama_7b() -> nn.Module:
     """Llama-2-7B's shapes (``LlamaConfig``'s defaults)."""
     tf = _transformers()
@@ -335,7 +338,7 @@ def llama_7b() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def qwen2_half() -> nn.Module:
     """Qwen2-0.5B."""
     tf = _transformers()
@@ -347,7 +350,7 @@ def qwen2_half() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def mistral_7b() -> nn.Module:
     """Mistral-7B (``MistralConfig``'s defaults)."""
     tf = _transformers()
@@ -355,7 +358,7 @@ def mistral_7b() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def t5_small() -> nn.Module:
     """T5-small (``T5Config``'s defaults)."""
     tf = _transformers()
@@ -363,7 +366,7 @@ def t5_small() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def bart_base() -> nn.Module:
     """BART-base."""
     tf = _transformers()
@@ -375,7 +378,7 @@ def bart_base() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def whisper_tiny() -> nn.Module:
     """Whisper-tiny (``WhisperConfig``'s defaults)."""
     tf = _transformers()
@@ -383,7 +386,7 @@ def whisper_tiny() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def opt_125m() -> nn.Module:
     """OPT-125m (``OPTConfig``'s defaults)."""
     tf = _transformers()
@@ -391,7 +394,7 @@ def opt_125m() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def vit_base() -> nn.Module:
     """ViT-base (``ViTConfig``'s defaults)."""
     tf = _transformers()
@@ -399,7 +402,7 @@ def vit_base() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def mamba_130m() -> nn.Module:
     """Mamba-130m (``MambaConfig``'s defaults with its 24 blocks and 50,280 tokens)."""
     tf = _transformers()
@@ -407,7 +410,7 @@ def mamba_130m() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def falcon_7b() -> nn.Module:
     """Falcon-7B (``FalconConfig``'s defaults)."""
     tf = _transformers()
@@ -415,7 +418,7 @@ def falcon_7b() -> nn.Module:
     return model
 
 
-@_on_meta
+@on_meta
 def lora_llama_7b() -> nn.Module:
     """LoRA of rank 8 on every projection of Llama-2-7B's shapes."""
     import peft

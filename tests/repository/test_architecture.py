@@ -218,6 +218,7 @@ SCRIPT_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 ".schedules",
                 ".segmentation",
                 ".timing",
+                ".vision_families",
             )
         ),
     ),
