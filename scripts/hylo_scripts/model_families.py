@@ -262,16 +262,18 @@ def opt() -> nn.Module:
     return model
 
 
+#: The tiny ViT's config options, which DeiT's shares (:mod:`hylo_scripts.vision_families`).
+VIT_OPTIONS: dict[str, Any] = dict(
+    hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * WIDTH,
+    image_size=IMAGE, patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)  # fmt: skip
+
+
 def vit() -> nn.Module:
     """ViT: a ``Conv2d`` patch embedding (stride = kernel), the class token and position embeddings as bare
     parameters of ``ViTEmbeddings``, a Linear classifier."""
     tf = _transformers()
-    config = tf.ViTConfig(
-        hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * WIDTH,
-        image_size=IMAGE, patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    model: nn.Module = tf.ViTForImageClassification(config)
+    model: nn.Module = tf.ViTForImageClassification(tf.ViTConfig(**VIT_OPTIONS))
     return model
 
 
@@ -322,20 +324,26 @@ def on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return built_on_meta
 
 
-@on_meta
-def gpt2_small() -> nn.Module:
-    """GPT-2 small (``GPT2Config``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.GPT2LMHeadModel(tf.GPT2Config())
-    return model
+def at_defaults(model: str, config: str, **options: Any) -> Callable[[], nn.Module]:
+    """The full-size builder of ``transformers``' ``model`` class from its ``config`` class's defaults (and
+    ``options``), on the meta device."""
+
+    @on_meta
+    def build() -> nn.Module:
+        tf = _transformers()
+        built: nn.Module = getattr(tf, model)(getattr(tf, config)(**options))
+        return built
+
+    build.__doc__ = f"{model} at {config}'s defaults{f' and {options}' if options else ''}, on the meta device."
+    return build
 
 
-@on_meta
-def llama_7b() -> nn.Module:
-    """Llama-2-7B's shapes (``LlamaConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.LlamaForCausalLM(tf.LlamaConfig())
-    return model
+#: GPT-2 small (``GPT2Config``'s defaults).
+gpt2_small = at_defaults("GPT2LMHeadModel", "GPT2Config")
+
+
+#: Llama-2-7B's shapes (``LlamaConfig``'s defaults).
+llama_7b = at_defaults("LlamaForCausalLM", "LlamaConfig")
 
 
 @on_meta
@@ -350,20 +358,12 @@ def qwen2_half() -> nn.Module:
     return model
 
 
-@on_meta
-def mistral_7b() -> nn.Module:
-    """Mistral-7B (``MistralConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.MistralForCausalLM(tf.MistralConfig())
-    return model
+#: Mistral-7B (``MistralConfig``'s defaults).
+mistral_7b = at_defaults("MistralForCausalLM", "MistralConfig")
 
 
-@on_meta
-def t5_small() -> nn.Module:
-    """T5-small (``T5Config``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.T5ForConditionalGeneration(tf.T5Config(decoder_start_token_id=0))
-    return model
+#: T5-small (``T5Config``'s defaults).
+t5_small = at_defaults("T5ForConditionalGeneration", "T5Config", decoder_start_token_id=0)
 
 
 @on_meta
@@ -378,44 +378,24 @@ def bart_base() -> nn.Module:
     return model
 
 
-@on_meta
-def whisper_tiny() -> nn.Module:
-    """Whisper-tiny (``WhisperConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.WhisperForConditionalGeneration(tf.WhisperConfig())
-    return model
+#: Whisper-tiny (``WhisperConfig``'s defaults).
+whisper_tiny = at_defaults("WhisperForConditionalGeneration", "WhisperConfig")
 
 
-@on_meta
-def opt_125m() -> nn.Module:
-    """OPT-125m (``OPTConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.OPTForCausalLM(tf.OPTConfig())
-    return model
+#: OPT-125m (``OPTConfig``'s defaults).
+opt_125m = at_defaults("OPTForCausalLM", "OPTConfig")
 
 
-@on_meta
-def vit_base() -> nn.Module:
-    """ViT-base (``ViTConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.ViTForImageClassification(tf.ViTConfig())
-    return model
+#: ViT-base (``ViTConfig``'s defaults).
+vit_base = at_defaults("ViTForImageClassification", "ViTConfig")
 
 
-@on_meta
-def mamba_130m() -> nn.Module:
-    """Mamba-130m (``MambaConfig``'s defaults with its 24 blocks and 50,280 tokens)."""
-    tf = _transformers()
-    model: nn.Module = tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=24, vocab_size=50280))
-    return model
+#: Mamba-130m (``MambaConfig``'s defaults with its 24 blocks and 50,280 tokens).
+mamba_130m = at_defaults("MambaForCausalLM", "MambaConfig", num_hidden_layers=24, vocab_size=50280)
 
 
-@on_meta
-def falcon_7b() -> nn.Module:
-    """Falcon-7B (``FalconConfig``'s defaults)."""
-    tf = _transformers()
-    model: nn.Module = tf.FalconForCausalLM(tf.FalconConfig())
-    return model
+#: Falcon-7B (``FalconConfig``'s defaults).
+falcon_7b = at_defaults("FalconForCausalLM", "FalconConfig")
 
 
 @on_meta

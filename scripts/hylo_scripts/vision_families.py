@@ -32,7 +32,20 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hylo_scripts.model_families import CLASSES, HEADS, IMAGE, LAYERS, PATCH, WIDTH, Batch, Family, image_batch, on_meta
+from hylo_scripts.model_families import (
+    CLASSES,
+    HEADS,
+    IMAGE,
+    LAYERS,
+    PATCH,
+    VIT_OPTIONS,
+    WIDTH,
+    Batch,
+    Family,
+    at_defaults,
+    image_batch,
+    on_meta,
+)
 
 #: Swin's patch and window (the tiny model's images: :data:`IMAGE`), and ConvNeXt's stem patch.
 SWIN_PATCH = 2
@@ -79,12 +92,7 @@ def deit() -> nn.Module:
     embeddings are bare parameters of ``DeiTEmbeddings``. ``DeiTForImageClassification`` classifies from the class
     token (the distillation head is the ``WithTeacher`` variant's, for inference)."""
     tf = _transformers()
-    config = tf.DeiTConfig(
-        hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * WIDTH,
-        image_size=IMAGE, patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    model: nn.Module = tf.DeiTForImageClassification(config)
+    model: nn.Module = tf.DeiTForImageClassification(tf.DeiTConfig(**VIT_OPTIONS))
     return model
 
 
@@ -126,37 +134,22 @@ def clip_vision() -> nn.Module:
     return model
 
 
-@on_meta
-def deit_small() -> nn.Module:
-    """DeiT-small (patch 16, 224 × 224, 384 wide, 6 heads, 12 blocks)."""
-    tf = _transformers()
-    config = tf.DeiTConfig(hidden_size=384, num_attention_heads=6, intermediate_size=1536)
-    model: nn.Module = tf.DeiTForImageClassification(config)
-    return model
+#: DeiT-small (patch 16, 224 × 224, 384 wide, 6 heads, 12 blocks).
+deit_small = at_defaults(
+    "DeiTForImageClassification", "DeiTConfig", hidden_size=384, num_attention_heads=6, intermediate_size=1536
+)
 
 
-@on_meta
-def swin_tiny() -> nn.Module:
-    """Swin-tiny (``SwinConfig``'s defaults: 96 wide, depths 2, 2, 6, 2, window 7)."""
-    tf = _transformers()
-    model: nn.Module = tf.SwinForImageClassification(tf.SwinConfig())
-    return model
+#: Swin-tiny (``SwinConfig``'s defaults: 96 wide, depths 2, 2, 6, 2, window 7).
+swin_tiny = at_defaults("SwinForImageClassification", "SwinConfig")
 
 
-@on_meta
-def convnext_tiny() -> nn.Module:
-    """ConvNeXt-tiny (``ConvNextConfig``'s defaults: widths 96–768, depths 3, 3, 9, 3)."""
-    tf = _transformers()
-    model: nn.Module = tf.ConvNextForImageClassification(tf.ConvNextConfig())
-    return model
+#: ConvNeXt-tiny (``ConvNextConfig``'s defaults: widths 96–768, depths 3, 3, 9, 3).
+convnext_tiny = at_defaults("ConvNextForImageClassification", "ConvNextConfig")
 
 
-@on_meta
-def clip_vit_b32() -> nn.Module:
-    """CLIP ViT-B/32's vision tower (``CLIPVisionConfig``'s defaults) with the classifier."""
-    tf = _transformers()
-    model: nn.Module = tf.CLIPForImageClassification(tf.CLIPConfig())
-    return model
+#: CLIP ViT-B/32's vision tower (``CLIPVisionConfig``'s defaults) with the classifier.
+clip_vit_b32 = at_defaults("CLIPForImageClassification", "CLIPConfig")
 
 
 # ------------------------------------------------------------------------------------------------- torchvision
