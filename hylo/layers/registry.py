@@ -154,6 +154,10 @@ OTHER_PACKAGES: tuple[tuple[str, str, MathFactory, UnsupportedReason | None], ..
 )
 
 
+#: The (module, class name) pairs of :data:`OTHER_PACKAGES`.
+_OTHER_CLASSES = frozenset((module, name) for module, name, *_ in OTHER_PACKAGES)
+
+
 def _register_other_packages() -> None:
     """Register the :data:`OTHER_PACKAGES` types whose module is imported and whose class is not registered."""
     for module_name, class_name, math, unsupported in OTHER_PACKAGES:
@@ -227,8 +231,7 @@ def supported_types() -> list[str]:
     """The registered module classes by name, ``MultiheadAttention``, and how many classes of other packages are
     registered (:data:`OTHER_PACKAGES`, counted rather than named: for messages)."""
     _register_other_packages()
-    others = {(module, name) for module, name, *_ in OTHER_PACKAGES}
-    named = [cls.__name__ for cls in _LAYER_TYPES if (cls.__module__, cls.__name__) not in others]
+    named = [cls.__name__ for cls in _LAYER_TYPES if (cls.__module__, cls.__name__) not in _OTHER_CLASSES]
     counted = len(_LAYER_TYPES) - len(named)
     return [*named, "MultiheadAttention"] + ([f"{counted} classes of other packages"] if counted else [])
 

@@ -27,6 +27,7 @@ import hylo
 from hylo.layers.experts import ExpertsLayers, ExpertsLayout
 from hylo_scripts.moe import LinearExperts, linear_twin, mixtral, qwen2_moe
 from tests.kit.checks import DT
+from tests.kit.experts import expert_grads, joined_names
 from tests.kit.harness import run_distributed
 from tests.kit.internals import apply_plan
 from tests.kit.reference import dense_natural_gradient
@@ -61,23 +62,6 @@ def options(solver: str, split_gate_up: bool = False) -> dict[str, Any]:
     return {"solver": solver, "update_freq": 2, "damping": 0.05, "rank_ratio": 0.5, "seed": 3, **extra} | {
         "split_gate_up": split_gate_up
     }
-
-
-def expert_grads(model: nn.Module) -> dict[str, Tensor]:
-    """Every expert's projection gradient by hylo's layer name (fused: a slice of the 3-D ``.grad``; twin: its
-    Linear's, a halves twin's gate and up joined as the fused gate_up's), and every other matrix gradient by
-    parameter name."""
-    found: dict[str, Tensor] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if p.dim() == 3:
-            found.update({f"{name}.{e}": p.grad[e].clone() for e in range(p.shape[0])})
-        else:
-            found[name.removesuffix(".weight")] = p.grad.clone()
-    for name in [name for name in found if name.endswith(".gate") and f"{name[:-5]}.up" in found]:
-        found[name[:-5]] = torch.cat([found.pop(name), found.pop(f"{name[:-5]}.up")])
-    return found
 
 
 # ------------------------------------------------------------------------------------------------ registration
@@ -132,11 +116,6 @@ def test_an_unrecognised_3d_parameter_and_an_unmodelled_layout_are_left_alone_wi
 
 
 # ------------------------------------------------------------------------------------------ the twin, every solver
-def joined_names(names: list[str]) -> list[str]:
-    """Layer names with a halves twin's ``<gate_up>.<e>.gate`` and ``.up`` as the fused ``<gate_up>.<e>``."""
-    halves = {name[:-3] for name in names if name.endswith(".up") and f"{name[:-3]}.gate" in names}
-    joined = [n[:-5] if n.endswith(".gate") and n[:-5] in halves else n for n in names]
-    return [n for n in joined if not (n.endswith(".up") and n[:-3] in halves)]
 
 
 def run_pair(

@@ -35,6 +35,7 @@ from hylo.layers.experts import RouterMath, layout_problem
 from hylo.layers.registry import layer_math
 from hylo.layers.transformers_types import LOGITS_AT, MIXTURES, modeling_module
 from hylo_scripts.moe import MOE_FAMILIES, LinearExperts, linear_twin, moe_family
+from tests.kit.experts import expert_grads
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -129,15 +130,7 @@ def preconditioned(block: Block, steps: int = 3) -> list[dict[str, Tensor]]:
         opt.zero_grad()
         (0.5 * (block(x) - target).pow(2).sum(-1).mean()).backward()
         pre.step()
-        grads: dict[str, Tensor] = {}
-        for name, p in block.named_parameters():
-            if p.dim() == 3:
-                grads.update({f"{name}.{e}": p.grad[e].clone() for e in range(p.shape[0])})
-            elif p.grad is not None:
-                grads[name.removesuffix(".weight")] = p.grad.clone()
-        for name in [n for n in grads if n.endswith(".gate") and f"{n[:-5]}.up" in grads]:
-            grads[name[:-5]] = torch.cat([grads.pop(name), grads.pop(f"{name[:-5]}.up")])
-        seen.append(grads)
+        seen.append(expert_grads(block))
         opt.step()
     pre.remove()
     return seen
@@ -228,17 +221,7 @@ def test_whole_qwen3_moe_and_olmoe_models_are_their_linear_twins(family: str) ->
         model.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         pre.step()
-        grads: dict[str, Tensor] = {}
-        for name, p in model.named_parameters():
-            if p.dim() == 3:
-                grads.update({f"{name}.{e}": p.grad[e] for e in range(p.shape[0])})
-            elif p.grad is not None:
-                grads[name] = p.grad
-        for name in [n for n in grads if n.endswith(".gate.weight") and n.replace(".gate.", ".up.") in grads]:
-            grads[name.removesuffix(".gate.weight")] = torch.cat(
-                [grads.pop(name), grads.pop(name.replace(".gate.", ".up."))]
-            )
-        results.append({name.removesuffix(".weight"): value for name, value in grads.items()})
+        results.append(expert_grads(model))
     assert results[0].keys() == results[1].keys()
     for name, value in results[0].items():
         torch.testing.assert_close(value, results[1][name], rtol=1e-10, atol=1e-12, msg=name)
