@@ -7,7 +7,8 @@ momentum at their group's ``lr`` and ``weight_decay`` (decoupled, as AdamW's). A
 no rows at the first update (its weight used without its module's forward, as Mamba's ``dt_proj``) holds no state, and hylo leaves its gradient
 raw: SGD at an Adam-scale learning rate would barely move it, so at that step its parameters go back to the group
 of the wrapped optimizer they came from, which steps them from then on. The wrapped optimizer keeps every group it
-had (a group left empty stays, so that group indices and an LR scheduler's lists stay aligned).
+had (a group left empty stays, so that group indices and an LR scheduler's lists stay aligned). With grafting the SGD
+is :class:`~hylo.graft.GraftedSGD`, each step at the length of AdamW's (docs/usage.md, "Grafting").
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.graft import ADAM_KEYS, GraftedSGD
+
 
 class AdaptedSplit:
-    """``adapted`` taken out of ``base``'s groups into :attr:`sgd`; :meth:`hand_back` returns some to ``base``."""
+    """``adapted`` taken out of ``base``'s groups into :attr:`sgd` (a :class:`~hylo.graft.GraftedSGD` with
+    ``graft``: ``ValueError`` where a group holds no ``betas`` and ``eps``); :meth:`hand_back` returns some to
+    ``base``."""
 
-    def __init__(self, base: torch.optim.Optimizer, adapted: Iterable[nn.Parameter]) -> None:
+    def __init__(self, base: torch.optim.Optimizer, adapted: Iterable[nn.Parameter], graft: bool = False) -> None:
         self.base = base
         self.adapted = list(adapted)
         index = {id(p): i for i, p in enumerate(self.adapted)}
@@ -37,8 +42,20 @@ class AdaptedSplit:
             for p in mine:
                 self.homes[index[id(p)]] = (g, len(moved))
             moved.append({"params": mine, "lr": group["lr"], "weight_decay": group.get("weight_decay", 0.0)})
+            if graft:
+                missing = [key for key in ADAM_KEYS if key not in group]
+                if missing:
+                    raise ValueError(
+                        f"HyLoOptimizer: graft=True takes AdamW's moments from the wrapped optimizer's groups; group {g} "
+                        f"of {type(base).__name__} holds no {missing}"
+                    )
+                moved[-1] |= {key: group[key] for key in ADAM_KEYS}
         foreach = base.defaults.get("foreach")  # the wrapped optimizer's kernels: one per list, or one per tensor
-        self.sgd = torch.optim.SGD(moved, lr=moved[0]["lr"], momentum=0.0, foreach=foreach)
+        #: The grafted SGD where ``graft``, else None (:attr:`sgd` is then plain SGD).
+        self.grafted = GraftedSGD(moved) if graft else None
+        self.sgd: torch.optim.Optimizer = self.grafted or torch.optim.SGD(
+            moved, lr=moved[0]["lr"], momentum=0.0, foreach=foreach
+        )
         #: Indices (in :attr:`adapted`) of the parameters handed back to ``base``, in the order they were.
         self.returned: list[int] = []
 
@@ -86,4 +103,11 @@ class AdaptedSplit:
             sgd_group = self.sgd.param_groups[s]
             sgd_group["params"] = [q for q in sgd_group["params"] if q is not p]
             self.base.param_groups[g]["params"].append(p)
+            if self.grafted is not None:
+                self.grafted.forget(p)
             self.returned.append(i)
+
+    def observe(self) -> None:
+        """Before hylo rewrites the gradients: the grafted SGD reads the raw ones (nothing without grafting)."""
+        if self.grafted is not None:
+            self.grafted.observe()

@@ -119,6 +119,8 @@ class HyLoOptimizer(torch.optim.Optimizer):
             lr=3e-4)``), which gets the model's trainable parameters.
         config: a :class:`HyLoConfig` taken as it is (no defaults are added to it; keyword options override it).
         communicator, grad_scaler: as for :class:`HyLoPreconditioner`.
+        graft: under a whole-step solver, step each of hylo's parameters at the length of AdamW's step on its raw
+            gradient (:mod:`hylo.graft`; docs/usage.md, "Grafting"); ``ValueError`` under any other solver.
         **options: hylo's options, over the defaults for the optimizer's kind (:func:`default_options`).
 
     When hylo's solver returns the whole step (:func:`hylo.solvers.whole_step`: Adam in K-FAC's eigenbasis) the
@@ -139,9 +141,12 @@ class HyLoOptimizer(torch.optim.Optimizer):
         config: HyLoConfig | None = None,
         communicator: Communicator | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        graft: bool = False,
         **options: Any,
     ) -> None:
         base = _built(model, optimizer)
+        if not isinstance(graft, bool):
+            raise ValueError(f"graft must be a bool, got {graft!r}")
         given = (
             dict(options)
             if config is not None
@@ -152,9 +157,14 @@ class HyLoOptimizer(torch.optim.Optimizer):
             given["lr"] = self._group_lr  # kl_clip bounds the step at the optimizer's learning rate
         chosen = start.replace(**given)
         adapted = _adapted_split(chosen)
+        if graft and not adapted:
+            raise ValueError(
+                f"graft=True sets the length of a whole-step solver's step (hylo.solvers.whole_step); solver {chosen.solver!r} "
+                f"returns a gradient that {type(base).__name__} scales itself"
+            )
         with liveness.deferred():  # supersede a live preconditioner only once every check below has passed
             pre = _preconditioner(model, base, chosen, communicator, grad_scaler)
-            split, names = _checked(model, base, pre, adapted)
+            split, names = _checked(model, base, pre, adapted, graft)
         self._pre = pre
         self._split = split
         self._names = names
@@ -206,6 +216,8 @@ class HyLoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._split is not None:
+            self._split.observe()  # grafting reads the raw gradients
         if self._pre is not None:
             self._pre.step()
         if self._first_update:
@@ -387,7 +399,7 @@ def _preconditioner(
 
 
 def _checked(
-    model: nn.Module, base: torch.optim.Optimizer, pre: HyLoPreconditioner | None, adapted: bool
+    model: nn.Module, base: torch.optim.Optimizer, pre: HyLoPreconditioner | None, adapted: bool, graft: bool
 ) -> tuple[AdaptedSplit | None, dict[int, str]]:
     """The whole-step split (or None) and the model's parameter names by id, once ``base`` holds every parameter hylo
     preconditions and, under a whole-step solver, maximizes nothing; else ``ValueError``, ``pre`` removed. Without a
@@ -405,7 +417,7 @@ def _checked(
             )
         if adapted:
             _refuse_maximize(base.param_groups, "HyLoOptimizer")
-        return (AdaptedSplit(base, pre.parameters()) if adapted else None), names
+        return (AdaptedSplit(base, pre.parameters(), graft) if adapted else None), names
     except BaseException:
         pre.remove()
         raise

@@ -8,6 +8,8 @@ Example:
     python scripts/bench_models.py --grid grid.csv                 # real data, every lr and seed
     python scripts/bench_models.py --grid grid.csv --quick         # one family, lr and seed, 5 steps
     python scripts/bench_models.py --tables grid-*.csv             # the grid's tables from its rows
+    python scripts/bench_models.py --grid grafted.csv --graft      # the same with the form grafted
+    python scripts/bench_models.py --tables grafted.csv --against grid.csv   # grafted against the plain form
 
 ``--vision`` runs the vision families of :mod:`hylo_scripts.vision_families` instead (docs/models.md, "Vision
 families"): those of torchvision only where it imports, the reason it does not printed otherwise.
@@ -203,11 +205,15 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
     parser.add_argument("--lrs", type=float, nargs="+", default=list(model_grid.LRS), help="the grid's lrs")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(model_grid.SEEDS), help="the grid's seeds")
     parser.add_argument("--quick", action="store_true", help="the grid on GPT-2 at lr 3e-3, seed 0, 5 steps")
+    parser.add_argument("--graft", action="store_true", help="the grid's form with graft=True (docs/usage.md)")
+    parser.add_argument("--against", type=Path, nargs="+", metavar="CSV", help="with --tables: the plain grid's rows")
     parser.add_argument("--tables", type=Path, nargs="+", metavar="CSV", help="print the grid's tables of these rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.tables:
-        out(model_grid.tables(model_grid.read_rows(args.tables)))
+        grid_rows = model_grid.read_rows(args.tables)
+        against = args.against and model_grid.read_rows(args.against)
+        out(model_grid.grafting_tables(against, grid_rows) if against else model_grid.tables(grid_rows))
         return
     import transformers
 
@@ -227,6 +233,7 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
             [0] if quick else args.seeds,
             5 if quick else args.steps or model_grid.STEPS,
             args.grid,
+            args.graft,
         )
         out(model_grid.tables(model_grid.read_rows([args.grid])))
         return

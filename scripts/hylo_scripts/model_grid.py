@@ -152,8 +152,11 @@ def held_out_loss(model: nn.Module, family: Family, data: RealData) -> float:
         return statistics.fmean(float(family.loss(model, batch)) for batch in data.held_out)
 
 
-def run(family: Family, data: RealData, lr: float, seed: int, steps: int) -> list[dict[str, object]]:
-    """AdamW and the optimizer form from the family's seed-``seed`` weights, steps interleaved: their rows."""
+def run(
+    family: Family, data: RealData, lr: float, seed: int, steps: int, graft: bool = False
+) -> list[dict[str, object]]:
+    """AdamW and the optimizer form (with ``graft``: grafted, docs/usage.md "Grafting") from the family's
+    seed-``seed`` weights, steps interleaved: their rows."""
     base = family.model(seed)
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     adamw = functools.partial(torch.optim.AdamW, lr=lr)
@@ -161,7 +164,7 @@ def run(family: Family, data: RealData, lr: float, seed: int, steps: int) -> lis
         warnings.simplefilter("ignore")  # what hylo leaves alone: docs/models.md's tables
         optimizers = [
             adamw([p for p in models[0].parameters() if p.requires_grad]),
-            hylo.HyLoOptimizer(models[1], adamw),
+            hylo.HyLoOptimizer(models[1], adamw, graft=graft),
         ]
     seconds = [0.0, 0.0]
     rows: list[dict[str, object]] = []
@@ -187,8 +190,11 @@ def run(family: Family, data: RealData, lr: float, seed: int, steps: int) -> lis
     return rows
 
 
-def measure(families: Iterable[Family], lrs: Sequence[float], seeds: Sequence[int], steps: int, out: Path) -> None:
-    """Run the grid, appending each run's rows to the CSV ``out`` as it finishes (with a header when new)."""
+def measure(
+    families: Iterable[Family], lrs: Sequence[float], seeds: Sequence[int], steps: int, out: Path, graft: bool = False
+) -> None:
+    """Run the grid (the form grafted with ``graft``), appending each run's rows to the CSV ``out`` as it finishes
+    (with a header when new)."""
     new = not out.exists()
     with out.open("a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
@@ -200,7 +206,7 @@ def measure(families: Iterable[Family], lrs: Sequence[float], seeds: Sequence[in
                 continue
             for lr in lrs:
                 for seed in seeds:
-                    writer.writerows(run(family, data, lr, seed, steps))
+                    writer.writerows(run(family, data, lr, seed, steps, graft))
                     handle.flush()
 
 
@@ -270,6 +276,44 @@ def tables(rows: Sequence[dict[str, str]]) -> str:
             f"| {best_h.form - best_a.adamw:+.3f} | {best_a.form:.3f} | {best_a.form_at_time:.3f} |"
         )
     return "\n".join(lines)
+
+
+def grafting_tables(plain: Sequence[dict[str, str]], grafted: Sequence[dict[str, str]]) -> str:
+    """The grafted form against the plain one (docs/models.md, "Grafting on real data"), from the rows of a grid
+    run without grafting and one with: per family and lr, the medians of AdamW (the grafted run's; the runs share
+    its rows), the form and the grafted form at equal steps; per family, each method's best lr and its loss."""
+    ungrafted = {(c.family, c.lr): c for c in cells(plain)}
+    both = [(ungrafted[(c.family, c.lr)], c) for c in cells(grafted) if (c.family, c.lr) in ungrafted]
+    lines = [
+        "| family | lr | AdamW | HyLoOptimizer | grafted | grafted − AdamW | grafted − HyLoOptimizer |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    lines += [
+        f"| {g.family} | {g.lr:g} | {g.adamw:.3f} | {p.form:.3f} | {g.form:.3f} | {g.form - g.adamw:+.3f} "
+        f"| {g.form - p.form:+.3f} |"
+        for p, g in both
+    ]
+    lines += ["", "| family | AdamW's best lr | HyLoOptimizer's best lr | grafted's best lr |", "|---|--:|--:|--:|"]
+    for family in dict.fromkeys(g.family for _, g in both):
+        mine = [(p, g) for p, g in both if g.family == family]
+        best = [min(mine, key=loss) for loss in (_adamw, _plain, _grafted)]
+        lines.append(
+            f"| {family} | {best[0][1].lr:g} ({best[0][1].adamw:.3f}) | {best[1][0].lr:g} ({best[1][0].form:.3f}) "
+            f"| {best[2][1].lr:g} ({best[2][1].form:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def _adamw(pair: tuple[Cell, Cell]) -> float:
+    return pair[1].adamw
+
+
+def _plain(pair: tuple[Cell, Cell]) -> float:
+    return pair[0].form
+
+
+def _grafted(pair: tuple[Cell, Cell]) -> float:
+    return pair[1].form
 
 
 def read_rows(paths: Iterable[Path]) -> list[dict[str, str]]:

@@ -60,6 +60,14 @@ def test_the_quick_grid_runs_both_methods_from_the_same_weights(tmp_path: Path) 
     assert float(end["AdamW"]["held_out"]) != float(end["HyLoOptimizer"]["held_out"])
     assert lines[0].startswith("| family | lr | start | AdamW | HyLoOptimizer |")
     assert any(line.startswith("| GPT-2 | 0.003 |") for line in lines[0].splitlines())
+    grafted = tmp_path / "grafted.csv"  # --graft: the same AdamW rows, another form; --against sets them side by side
+    bench_models.main(["--grid", str(grafted), "--quick", "--graft", "--threads", "1"], out=lines.append)
+    with grafted.open() as handle:
+        again = {(row["method"], row["step"]): row["held_out"] for row in csv.DictReader(handle)}
+    assert again[("AdamW", "5")] == end["AdamW"]["held_out"] != again[("HyLoOptimizer", "5")]
+    assert again[("HyLoOptimizer", "5")] != end["HyLoOptimizer"]["held_out"]
+    bench_models.main(["--tables", str(grafted), "--against", str(out)], out=lines.append)
+    assert lines[-1].splitlines()[2].startswith(f"| GPT-2 | 0.003 | {float(end['AdamW']['held_out']):.3f} |")
 
 
 def rows_of(runs: dict[tuple[float, int, str], list[tuple[int, float, float]]]) -> list[dict[str, str]]:
@@ -85,3 +93,18 @@ def test_the_tables_compare_medians_at_equal_steps_and_at_equal_time_and_pick_th
     assert cells[1e-2].form_at_time == cells[1e-2].form == pytest.approx(2.1)  # faster: its last step
     text = model_grid.tables(rows_of(runs))
     assert "| F | 0.001 | 3.100 | 0.01 | 2.100 | -1.000 | 2.600 | 3.600 |" in text
+
+
+def test_the_grafting_tables_set_the_grafted_form_beside_the_plain_one_and_pick_each_best_lr() -> None:
+    """``--tables GRAFTED --against PLAIN``: per cell the medians of AdamW, the plain form and the grafted form; per
+    family each method's best lr with its loss."""
+    plain, grafted = {}, {}
+    for seed, shift in enumerate((0.0, 0.1, 0.3)):
+        for lr, adamw, form, graft in ((1e-3, 3.0, 3.2, 2.9), (1e-2, 3.5, 2.5, 2.7)):
+            for runs, mine in ((plain, form), (grafted, graft)):
+                runs[(lr, seed, "AdamW")] = [(0, 0.0, 5.0), (20, 2.0, adamw + shift)]
+                runs[(lr, seed, "HyLoOptimizer")] = [(0, 0.0, 5.0), (20, 3.0, mine + shift)]
+    text = model_grid.grafting_tables(rows_of(plain), rows_of(grafted))
+    assert "| F | 0.001 | 3.100 | 3.300 | 3.000 | -0.100 | -0.300 |" in text
+    assert "| F | 0.01 | 3.600 | 2.600 | 2.800 | -0.800 | +0.200 |" in text
+    assert "| F | 0.001 (3.100) | 0.01 (2.600) | 0.01 (2.800) |" in text

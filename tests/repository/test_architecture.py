@@ -117,6 +117,7 @@ TESTS = ROOT.parent / "tests"
 #: The library's tests that use a piece of the application, with the piece and why (docs/contributing.md, "Tests").
 APPLICATION_IN_LIBRARY = {
     "test_fsdp.py": "hylo_scripts.models: the decoder LM whose sharded embedding and attention are held to one process",
+    "test_graft.py": "hylo_scripts.bench_ops: the op counter grafting's constant cost is counted with",
     "test_moe.py": "hylo_scripts.moe: the Mixtral and Qwen2-MoE builders and their nn.Linear-per-expert twin",
     "test_moe_families.py": "hylo_scripts.moe: the other MoE families' builders and the nn.Linear-per-expert twin",
     "test_optimizer_form.py": "hylo_scripts.bench_ops: the op counter the step-cost pins read",
@@ -175,6 +176,7 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "hylo.records",
             "hylo.integrity",
             "hylo.adapted",
+            "hylo.graft",
             "hylo.numerics",
             "hylo.payload",
         ),
