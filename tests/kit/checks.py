@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -137,3 +138,12 @@ def counting_host_syncs(
         for name in names:
             patched.setattr(torch.Tensor, name, counting(name))
         yield calls
+
+
+def through_torch_save(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``, as the stacks' checkpoints go."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded

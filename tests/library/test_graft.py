@@ -7,7 +7,6 @@ raw gradients; the direction to hylo's own result, read from the gradients after
 from __future__ import annotations
 
 import functools
-import io
 import warnings
 from typing import Any, cast
 
@@ -19,6 +18,7 @@ from torch import nn
 import hylo
 from hylo.graft import GraftedSGD
 from hylo_scripts.bench_ops import count
+from tests.kit.checks import through_torch_save
 from tests.kit.models import batch, mlp
 
 LR, DECAY, STEPS = 1e-2, 0.1, 6
@@ -106,14 +106,6 @@ def test_it_differs_from_the_ungrafted_form_only_in_length_at_the_first_step() -
     assert len(ratios) == 4 and all(abs(r - 1.0) > 1e-3 for r in ratios)
 
 
-def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
-
-
 def test_a_resumed_grafted_run_equals_the_uninterrupted_one() -> None:
     """The grafted SGD's moments (AdamW's keys) travel in ``state_dict``: a run saved after 3 steps and resumed by
     new objects ends bit for bit where the uninterrupted run does."""
@@ -122,7 +114,7 @@ def test_a_resumed_grafted_run_equals_the_uninterrupted_one() -> None:
     first = net()
     opt = grafted(first)
     train(first, opt, range(3))
-    saved = _roundtrip({"model": first.state_dict(), "opt": opt.state_dict()})
+    saved = through_torch_save({"model": first.state_dict(), "opt": opt.state_dict()})
     assert {"step", "exp_avg", "exp_avg_sq"} == set(saved["opt"]["state"][2])  # the first grafted parameter
     resumed = net(seed=1)
     resumed.load_state_dict(saved["model"])
@@ -190,12 +182,13 @@ def test_a_parameter_handed_back_leaves_its_moments_behind() -> None:
     assert set(opt.optimizers[0].state) == set(model.a.parameters())
     resumed = Bypassed()
     again = hylo.HyLoOptimizer(resumed, functools.partial(torch.optim.AdamW, lr=LR), graft=True)
-    again.load_state_dict(_roundtrip(opt.state_dict()))
+    again.load_state_dict(through_torch_save(opt.state_dict()))
     assert set(again.optimizers[1].state) == set(resumed.b.parameters())
 
 
 def test_grafting_costs_the_same_operations_for_4_or_16_equal_layers() -> None:
-    """Grafting runs over lists: its operations between updates do not grow with the layers (counted, not timed)."""
+    """Grafting runs over lists: the 25 operations it adds to a step between updates do not grow with the layers
+    (counted, not timed)."""
     added = []
     for layers in (4, 16):
         totals = []
@@ -209,4 +202,4 @@ def test_grafting_costs_the_same_operations_for_4_or_16_equal_layers() -> None:
             loss_at(model, 2).backward()
             totals.append(sum(count(opt.step).counts.values()))
         added.append(totals[0] - totals[1])
-    assert added[0] == added[1] > 0
+    assert added == [25, 25]  # docs/usage.md, "Grafting": 93 → 118 operations a step for 4 and for 16 layers

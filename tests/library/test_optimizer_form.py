@@ -7,7 +7,6 @@ preconditioner's ``step()`` between backward and the optimizer's), bit for bit o
 from __future__ import annotations
 
 import functools
-import io
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from torch import nn
 import hylo
 from hylo.optimizer import NATURAL_UNDER_ADAPTIVE_DEFAULTS, PLAIN_DEFAULTS, adaptive_defaults, default_options
 from hylo_scripts.bench_ops import count
+from tests.kit.checks import through_torch_save
 from tests.kit.models import batch, mlp
 
 STEPS = 6
@@ -141,15 +141,6 @@ def test_param_groups_are_the_wrapped_optimizers_and_a_scheduler_scales_them() -
     assert callable(lr) and lr(0) == sgd.param_groups[0]["lr"]
 
 
-def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``, as the stacks' checkpoints go."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -171,7 +162,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(
     opt = hylo.HyLoOptimizer(first, make, update_freq=2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     train(first, opt, range(3), scheduler)
-    saved = _roundtrip({"model": first.state_dict(), "opt": opt.state_dict(), "sched": scheduler.state_dict()})
+    saved = through_torch_save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": scheduler.state_dict()})
     assert {"state", "param_groups", "hylo"} <= set(saved["opt"])
 
     resumed = net(seed=1)
@@ -331,7 +322,7 @@ def test_a_layer_without_rows_goes_back_to_the_wrapped_optimizer() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train(first, opt, range(3))
-    saved = _roundtrip({"model": first.state_dict(), "opt": opt.state_dict()})
+    saved = through_torch_save({"model": first.state_dict(), "opt": opt.state_dict()})
     assert saved["opt"]["returned"] == [0, 1]
     resumed = Bypassed()
     resumed.load_state_dict(saved["model"])
@@ -518,7 +509,7 @@ def test_an_added_group_is_trained_by_the_wrapped_optimizer_and_resumes(split: b
     first = Grown()
     opt = hylo.HyLoOptimizer(first, make, **options)
     run(first, opt, range(4))
-    saved = _roundtrip({"model": first.state_dict(), "opt": opt.state_dict()})
+    saved = through_torch_save({"model": first.state_dict(), "opt": opt.state_dict()})
     resumed = Grown()
     resumed.load_state_dict(saved["model"])
     opt = hylo.HyLoOptimizer(resumed, make, **options)
