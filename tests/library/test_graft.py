@@ -19,7 +19,9 @@ import hylo
 from hylo.graft import GraftedSGD
 from hylo_scripts.bench_ops import count
 from tests.kit.checks import through_torch_save
+from tests.kit.harness import run_distributed
 from tests.kit.models import batch, mlp
+from tests.library.test_fsdp import full, make_data, make_model, options, shard
 
 LR, DECAY, STEPS = 1e-2, 0.1, 6
 
@@ -203,3 +205,28 @@ def test_grafting_costs_the_same_operations_for_4_or_16_equal_layers() -> None:
             totals.append(sum(count(opt.step).counts.values()))
         added.append(totals[0] - totals[1])
     assert added == [25, 25]  # docs/usage.md, "Grafting": 93 → 118 operations a step for 4 and for 16 layers
+
+
+def _fsdp2_run(rank: int, world_size: int, xs: torch.Tensor, ys: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The grafted form on test_fsdp's model, each layer ``fully_shard``-ed over ``world_size`` ranks (none on
+    one), rank p on its slice of each batch: the final whole parameters."""
+    model = make_model(xs.dtype)
+    sharded = shard(model, "layers") if world_size > 1 else model
+    opt = hylo.HyLoOptimizer(sharded, functools.partial(torch.optim.AdamW, lr=LR), graft=True, **options("kfac_adam"))
+    size = xs.shape[1] // world_size
+    local = slice(rank * size, (rank + 1) * size)
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad()
+        F.cross_entropy(sharded(x[local]), y[local]).backward()
+        opt.step()
+    return {name: full(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def test_under_fsdp2_two_ranks_graft_as_one_process() -> None:
+    """docs/distributed.md, "FSDP2": with sharded parameters each length is the norm over the whole parameter, so
+    2 ranks end where one process does (float64, to 1e-10)."""
+    xs, ys = make_data(4, 8, torch.float64)
+    reference = _fsdp2_run(0, 1, xs, ys)
+    for result in run_distributed(_fsdp2_run, 2, xs, ys, timeout=120):
+        for name, want in reference.items():
+            torch.testing.assert_close(result[name], want, rtol=1e-10, atol=1e-12, msg=name)
