@@ -25,8 +25,8 @@ class GraftedSGD(torch.optim.Optimizer):
 
     :meth:`observe` reads the raw gradients (before hylo rewrites them) into AdamW's moments and records the norm of
     AdamW's step; :meth:`step` scales each parameter's gradient (hylo's result) to that norm and takes the step
-    ``p ← (1 − lr·weight_decay)·p − lr·scaled``. A step with no observation first observes the gradient it is given
-    (its own direction at AdamW's length). A zero gradient stays zero. Each group needs ``lr``, ``betas``, ``eps``
+    ``p ← (1 − lr·weight_decay)·p − lr·scaled``. A step with no observation since the last first observes the
+    gradients it is given (their own direction at AdamW's length). A zero gradient stays zero. Each group needs ``lr``, ``betas``, ``eps``
     and ``weight_decay``; the state of a parameter is AdamW's: ``step``, ``exp_avg``, ``exp_avg_sq``. Every
     operation runs over a group's list of tensors (``torch._foreach_*``): its cost does not grow with the layers."""
 
@@ -86,9 +86,7 @@ class GraftedSGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Scale each gradient to its recorded length (observing first where nothing was recorded) and step."""
-        if any(
-            id(p) not in self._targets for group in self.param_groups for p in group["params"] if p.grad is not None
-        ):
+        if not self._targets:
             self.observe()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]

@@ -296,24 +296,14 @@ def grafting_tables(plain: Sequence[dict[str, str]], grafted: Sequence[dict[str,
     lines += ["", "| family | AdamW's best lr | HyLoOptimizer's best lr | grafted's best lr |", "|---|--:|--:|--:|"]
     for family in dict.fromkeys(g.family for _, g in both):
         mine = [(p, g) for p, g in both if g.family == family]
-        best = [min(mine, key=loss) for loss in (_adamw, _plain, _grafted)]
+        adamw = min(mine, key=lambda pair: pair[1].adamw)[1]
+        plain_best = min(mine, key=lambda pair: pair[0].form)[0]
+        grafted_best = min(mine, key=lambda pair: pair[1].form)[1]
         lines.append(
-            f"| {family} | {best[0][1].lr:g} ({best[0][1].adamw:.3f}) | {best[1][0].lr:g} ({best[1][0].form:.3f}) "
-            f"| {best[2][1].lr:g} ({best[2][1].form:.3f}) |"
+            f"| {family} | {adamw.lr:g} ({adamw.adamw:.3f}) | {plain_best.lr:g} ({plain_best.form:.3f}) "
+            f"| {grafted_best.lr:g} ({grafted_best.form:.3f}) |"
         )
     return "\n".join(lines)
-
-
-def _adamw(pair: tuple[Cell, Cell]) -> float:
-    return pair[1].adamw
-
-
-def _plain(pair: tuple[Cell, Cell]) -> float:
-    return pair[0].form
-
-
-def _grafted(pair: tuple[Cell, Cell]) -> float:
-    return pair[1].form
 
 
 def read_rows(paths: Iterable[Path]) -> list[dict[str, str]]:

@@ -20,8 +20,9 @@ from hylo.graft import GraftedSGD
 from hylo_scripts.bench_ops import count
 from tests.kit.checks import through_torch_save
 from tests.kit.harness import run_distributed
-from tests.kit.models import batch, mlp
+from tests.kit.models import mlp
 from tests.library.test_fsdp import full, make_data, make_model, options, shard
+from tests.library.test_optimizer_form import loss_at, train
 
 LR, DECAY, STEPS = 1e-2, 0.1, 6
 
@@ -35,21 +36,9 @@ def net(seed: int = 0, layers: int = 1) -> nn.Sequential:
     return nn.Sequential(fc1, nn.LayerNorm(6, dtype=fc1.weight.dtype), act, *middle, fc2)
 
 
-def loss_at(model: nn.Module, step: int) -> torch.Tensor:
-    x, y = batch(step, 16)
-    return F.cross_entropy(model(x), y)
-
-
 def grafted(model: nn.Module, **options: Any) -> hylo.HyLoOptimizer:
     adamw = functools.partial(torch.optim.AdamW, lr=LR, weight_decay=DECAY, foreach=True)
     return hylo.HyLoOptimizer(model, adamw, graft=True, update_freq=2, **options)
-
-
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        optimizer.zero_grad()
-        loss_at(model, step).backward()
-        optimizer.step()
 
 
 def test_each_step_is_hylos_direction_at_adamws_length() -> None:
