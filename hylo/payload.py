@@ -15,6 +15,9 @@ from torch import Tensor
 PayloadKey = tuple[str, str]
 #: Key prefix of traffic that belongs to no layer (row counts, weights, flags, policy decisions).
 CONTROL = "<control>"
+#: Key prefix of the preconditioned gradients ``strategy="gradient"`` shares at every step (one buffer per dtype for
+#: all layers: docs/distributed.md, "Strategies").
+RESULTS = "<results>"
 
 
 class Payload(dict[PayloadKey, Tensor]):

@@ -190,7 +190,7 @@ class DistributedConfig(Section):
     strategy: Strategy = option(
         "inverse",
         doc="'inverse': owners broadcast solved states (no traffic between updates); 'gradient': owners keep "
-        "their states and broadcast preconditioned gradients every step (less memory per rank)",
+        "their states and share preconditioned gradients every step (less memory per rank)",
         fixed=True,
     )
     bucket_cap_mb: float = option(

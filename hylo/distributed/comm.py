@@ -115,6 +115,16 @@ class Communicator(ABC):
     def broadcast(self, payload: Payload, src: int) -> Payload:
         """Every rank receives ``src``'s tensors (other ranks pass tensors of the same shapes)."""
 
+    def all_gather(self, payload: Payload) -> Pending:
+        """Every rank's tensors stacked in rank order, each (P, *shape) (every rank passes the same keys and
+        shapes). By default one :meth:`broadcast` from each rank; a communicator with an all-gather overrides it."""
+        gathered: dict[PayloadKey, list[Tensor]] = {key: [] for key in payload}
+        for src in range(self.world_size):
+            for key, tensor in self.broadcast(payload, src).items():
+                gathered[key].append(tensor)
+        stacked = Payload({key: torch.stack(tensors) for key, tensors in gathered.items()})
+        return Pending([], lambda: stacked)
+
     @abstractmethod
     def all_true(self, flags: Tensor) -> Tensor:
         """Element-wise logical AND of a boolean tensor over ranks."""
@@ -145,6 +155,10 @@ class LocalCommunicator(Communicator):
     def broadcast(self, payload: Payload, src: int) -> Payload:
         """Identity."""
         return Payload(payload)
+
+    def all_gather(self, payload: Payload) -> Pending:
+        """Each tensor with a leading dimension of 1."""
+        return Pending([], lambda: Payload({key: tensor.unsqueeze(0) for key, tensor in payload.items()}))
 
     def all_true(self, flags: Tensor) -> Tensor:
         """Identity."""
@@ -339,6 +353,32 @@ class BucketedCommunicator(Communicator):
             return out
 
         return Pending(works, finish, "all-reduce", self.rank, self.world_size)
+
+    def all_gather(self, payload: Payload) -> Pending:
+        """Async all-gathers, one per bucket, each into one (P, bucket) buffer (no copy on ``wait()``)."""
+        if not payload:
+            return Pending([], Payload)
+        keys, tensors = list(payload), list(payload.values())
+        self._count_payload(payload)
+        works, gathered = [], []
+        for bucket in self.buckets(tensors):
+            flat = _flatten([tensors[i] for i in bucket]).contiguous()
+            out = flat.new_empty((self.world_size, flat.numel()))
+            with self._guard("all-gather"):
+                works.append(self.backend.all_gather(list(out.unbind(0)), flat))
+            gathered.append((bucket, out))
+
+        def finish() -> Payload:
+            result = Payload(payload)
+            for bucket, out in gathered:
+                offset = 0
+                for i in bucket:
+                    size = tensors[i].numel()
+                    result[keys[i]] = out[:, offset : offset + size].view(self.world_size, *tensors[i].shape)
+                    offset += size
+            return result
+
+        return Pending(works, finish, "all-gather", self.rank, self.world_size)
 
     def broadcast(self, payload: Payload, src: int) -> Payload:
         """Bucketed broadcasts from ``src``, all in flight at once."""

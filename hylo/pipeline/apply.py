@@ -68,8 +68,9 @@ class ApplyPlan:
     one: Tensor
     #: [1, 2]: the powers of each layer's scale s that divide its check's two sums (⟨∇W, sV̂⟩, ‖sV̂‖²).
     powers: Tensor
-    #: Positions in plan order of each ready layer (the inverse of ``order``).
+    #: Positions in plan order of each ready layer (the inverse of ``order``), and as a device tensor.
     position: list[int]
+    placed: Tensor
 
 
 def _layout(grad: GradMatrix) -> tuple[Any, ...]:
@@ -140,7 +141,8 @@ def build_plan(
     floor = None
     if any(b is None for b in bounds):
         floor = torch.tensor([UNBOUNDED_FLOOR if b is None else 0.0 for b in bounds], dtype=torch.float64).to(device)
-    return ApplyPlan(key, groups, index, bound, damping, slack, unbounded, floor, zero, one, powers, position)
+    placed = torch.tensor(position, dtype=torch.long).to(device)
+    return ApplyPlan(key, groups, index, bound, damping, slack, unbounded, floor, zero, one, powers, position, placed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +171,7 @@ class GroupedApply:
         if plan is None:
             return []
         limits = [plan.bound, plan.damping, plan.slack, plan.order, plan.unbounded, plan.floor, plan.powers, plan.zero]
-        limits.append(plan.one)
+        limits += [plan.one, plan.placed]
         return [t for group in plan.groups for t in group.kernel.tensors()] + [t for t in limits if t is not None]
 
     def plan_for(
@@ -198,6 +200,22 @@ class GroupedApply:
         that advance.
         ``indices``: each ready layer's index among the registered layers; ``norms``: every registered layer's
         ‖∇W‖ (float64). Raises what a kernel raises (the caller names the layer by running the per-layer path)."""
+        done = self.checked(ready, states, indices, norms)
+        plan = done.plan
+        if clip is not None:
+            torch._foreach_mul_(done.stacks, kl_scale(done.terms, done.norms, done.ok, *clip))
+        flags = torch.where(done.ok, plan.zero, plan.one)
+        return done.in_ready_order(), Checked(plan.order, flags, done.terms), done.successors
+
+    def checked(
+        self,
+        ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
+        states: Sequence[LayerState],
+        indices: Sequence[int],
+        norms: Tensor,
+    ) -> GroupedResults:
+        """The ready layers applied per group and checked, the raw gradient where a result is not sound, before
+        ``kl_clip`` (:meth:`precondition`'s arguments)."""
         plan = self.plan_for(ready, states, indices, len(norms))
         stacks = _buffers(plan.groups, norms.device)
         weights: list[tuple[Tensor, Tensor]] = []
@@ -234,14 +252,26 @@ class GroupedApply:
             torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0], out=result)
             for group, (result, _), stack in zip(plan.groups, applied, stacks, strict=True)
         ]
-        if clip is not None:
-            torch._foreach_mul_(written, kl_scale(terms, norms, ok, *clip))
-        by_place = [w for stack in written for w in stack.unbind(0)]
-        return (
-            [by_place[place] for place in plan.position],
-            Checked(plan.order, torch.where(ok, plan.zero, plan.one), terms),
-            successors,
-        )
+        return GroupedResults(plan, written, ok, terms, norms, successors)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedResults:
+    """The checked results of a grouped step before ``kl_clip``, in plan order: each group's stacked results (the
+    raw gradient where not ``ok``), the verdict, the float64 terms [⟨∇W, V̂⟩, ‖V̂‖²] and ‖∇W‖ of each layer, and
+    the successors of the states that advance."""
+
+    plan: ApplyPlan
+    stacks: list[Tensor]
+    ok: Tensor
+    terms: Tensor
+    norms: Tensor
+    successors: dict[str, LayerState]
+
+    def in_ready_order(self) -> list[Tensor]:
+        """Each ready layer's result (a view of its group's stack), in the order of the ready list."""
+        by_place = [w for stack in self.stacks for w in stack.unbind(0)]
+        return [by_place[place] for place in self.plan.position]
 
 
 def _buffers(groups: Sequence[Group], device: torch.device) -> list[Tensor]:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from hylo.distributed import Communicator, Pending, assign_owners
-from hylo.layers.gradmatrix import GradMatrix, checked_results
+from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
 from hylo.numerics import finite_each
@@ -229,47 +229,6 @@ class UpdateStage:
             if successor is not state:
                 successors[name] = successor
             watch.lap("precondition", name)
-        return results, successors
-
-    def apply_owned(
-        self,
-        items: Sequence[tuple[str, HeldState, int, GradMatrix]],
-        norms: dict[str, Tensor],
-        watch: Clock,
-    ) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
-        """``strategy="gradient"`` with P > 1: V̂ of every (layer, state, owner, ∇W) item, each applied by its
-        owner, checked there against its ‖∇W‖ in ``norms`` (float64) and broadcast, so that every rank applies the
-        same result (docs/reliability.md, "Fallbacks"); a state that advances is applied on every rank (each
-        holds it). The successors of those states, not yet stored.
-
-        Every rank must pass the same layers in the same order (the preconditioner agrees on them).
-        """
-        held = [(name, state, grad) for name, state, _, grad in items if isinstance(state, LayerState)]
-        results, successors = self.apply_layers(held, watch)
-        if held:  # a rank that holds no state for a layer checks finiteness only, after the broadcast
-            grads = [grad for _, _, grad in held]
-            written, _, _ = checked_results(
-                grads,
-                [results[name] for name, _, _ in held],
-                [norms[name] for name, _, _ in held],
-                [state.bound for _, state, _ in held],
-                None,
-            )
-            results.update((name, v) for (name, _, _), v in zip(held, written, strict=True))
-        for src in range(self.comm.world_size):  # (every rank computed an advancing state's result itself)
-            owned = [(name, grad) for name, _, owner, grad in items if owner == src and name not in successors]
-            payload = Payload(
-                {
-                    (name, "grad"): results[name].to(grad.dtype)
-                    if name in results
-                    else torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-                    for name, grad in owned
-                }
-            )
-            received = self.comm.broadcast(payload, src)
-            results.update((name, received[(name, "grad")]) for name, _ in owned)
-            names = [name for name, _ in owned]
-            watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
         return results, successors
 
 

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hylo
@@ -35,6 +37,7 @@ from hylo_scripts.bench_overhead import KAISA, workload
 from hylo_scripts.devices import describe
 from hylo_scripts.models import model_names
 from hylo_scripts.peers import kaisa_preconditioner
+from hylo_scripts.process import distributed, rank_and_world
 
 #: ``--model``'s name for a stack of ``--layers`` equal Linear(64, 64) layers (the shape of the cost in layers).
 STACK = "stack"
@@ -45,6 +48,14 @@ def stack(layers: int, batch: int) -> tuple[torch.nn.Module, torch.Tensor, torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
     return model, torch.randn(batch, 64), torch.randint(0, 64, (batch,)), False
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """What ``--shard`` shards before the model: the entries of its ``ModuleList``s (a transformer's blocks), else
+    every layer with parameters."""
+    blocks = [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
+    leaves = [m for m in model.modules() if m is not model and not list(m.children()) and list(m.parameters())]
+    return blocks or leaves
 
 
 class OpCounter(TorchDispatchMode):
@@ -94,16 +105,24 @@ def step_counts(
     options: Mapping[str, Any] | None = None,
     warmup: int = 2,
     device: torch.device | None = None,
+    shard: bool = False,
 ) -> tuple[OpCounter, OpCounter, OpCounter]:
     """(forward+backward, update step, step between updates) operation counts of ``solver`` (or :data:`KAISA`) on
     the workload of :func:`hylo_scripts.bench_overhead.workload` on ``device`` (default CPU), after ``warmup``
-    iterations."""
+    iterations. In a process group of P > 1 ranks (every rank fed the same batch) the model is wrapped in DDP, or
+    with ``shard`` each block (:func:`_blocks`) and then the model is ``fully_shard``-ed (FSDP2)."""
     if model_name == STACK:
         model, x, y, lm = stack((model_options or {}).get("layers", 4), batch)
     else:
         model, x, y, lm = workload(model_name, batch, image, classes, model_options)
     device = device or torch.device("cpu")
     model, x, y = model.to(device), x.to(device), y.to(device)
+    if shard:
+        for module in _blocks(model):
+            fully_shard(module)
+        fully_shard(model)
+    elif rank_and_world()[1] > 1:
+        model = DistributedDataParallel(model)
 
     def loss() -> None:
         out = model(x)
@@ -159,14 +178,28 @@ def main() -> None:
     )
     parser.add_argument("--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo options")
     parser.add_argument("--by-op", action="store_true", help="list each step's operations by name")
+    parser.add_argument(
+        "--shard", action="store_true", help="under torchrun: fully_shard each layer and the model (FSDP2), not DDP"
+    )
     add_device(parser, "cpu or cuda[:N] (default: cuda if any); the counts are the same on either")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="hylo leaves")
     torch.set_num_threads(1)
     sizes = {k: getattr(args, k) for k in ("layers", "width", "heads") if getattr(args, k) is not None}
-    print(f"device: {describe(args.device)}")
-    print(f"model {args.model}, batch {args.batch_size}, update_freq {args.update_freq}; aten operations per step")
-    print(f"{'solver':<12} {'between':>8} {'update':>8} {'fwd+bwd':>8}")
+    with distributed("gloo" if args.device.type == "cpu" else "auto") as device:
+        if rank_and_world()[1] > 1:  # under torchrun: this rank's device
+            args.device = device if args.device.type != "cpu" else args.device
+        _report(args, sizes)
+
+
+def _report(args: argparse.Namespace, sizes: Mapping[str, int]) -> None:
+    """Count and print every solver's steps (rank 0 prints, under torchrun: its own counts)."""
+    rank, world = rank_and_world()
+    say = print if rank == 0 else (lambda *_, **__: None)
+    say(f"device: {describe(args.device)}")
+    ranks = "" if world == 1 else f"; rank 0 of {world} ({'FSDP2' if args.shard else 'DDP'})"
+    say(f"model {args.model}, batch {args.batch_size}, update_freq {args.update_freq}; aten operations per step{ranks}")
+    say(f"{'solver':<12} {'between':>8} {'update':>8} {'fwd+bwd':>8}")
     for solver in args.solvers:
         try:
             fwd_bwd, update, between = step_counts(
@@ -180,10 +213,11 @@ def main() -> None:
                 options=dict(args.set),
                 warmup=args.warmup,
                 device=args.device,
+                shard=args.shard,
             )
         except ImportError as err:
-            print(f"{solver:<12} not installed: {err}")
+            say(f"{solver:<12} not installed: {err}")
             continue
-        print(f"{solver:<12} {between.total:>8} {update.total:>8} {fwd_bwd.total:>8}", flush=True)
+        say(f"{solver:<12} {between.total:>8} {update.total:>8} {fwd_bwd.total:>8}", flush=True)
         if args.by_op:
-            print("    " + ", ".join(f"{name} {n}" for name, n in between.counts.most_common()))
+            say("    " + ", ".join(f"{name} {n}" for name, n in between.counts.most_common()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 import hylo
-from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator
+from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator, Pending
 from hylo.payload import CONTROL, Payload, PayloadKey
 from tests.kit.cluster import Collective, InjectedFailure, ReduceOp, ThreadCluster
 
@@ -282,6 +282,52 @@ def test_broadcast_from_every_source(world_size: int) -> None:
             assert_same_payload(result, payloads[src])
 
 
+class _BroadcastOnly(Communicator):
+    """A communicator that keeps :meth:`Communicator.all_gather`'s default (one broadcast per rank)."""
+
+    def __init__(self, inner: BucketedCommunicator) -> None:
+        super().__init__()
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+
+    def all_gather_rows(self, payload: Payload) -> Pending:
+        return self.inner.all_gather_rows(payload)
+
+    def all_reduce_mean(self, payload: Payload, weights: Mapping[PayloadKey, float]) -> Pending:
+        return self.inner.all_reduce_mean(payload, weights)
+
+    def all_reduce(self, payload: Payload, op: ReduceOp = "sum") -> Pending:
+        return self.inner.all_reduce(payload, op)
+
+    def broadcast(self, payload: Payload, src: int) -> Payload:
+        return self.inner.broadcast(payload, src)
+
+    def all_true(self, flags: Tensor) -> Tensor:
+        return self.inner.all_true(flags)
+
+    def any_true(self, flags: Tensor) -> Tensor:
+        return self.inner.any_true(flags)
+
+
+@pytest.mark.parametrize("kind", ["bucketed", "small buckets", "default"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_gather_stacks_every_ranks_tensors(world_size: int, kind: str) -> None:
+    """Every rank receives each key as (P, *shape), row p rank p's tensor bit for bit (mixed dtypes, keys in
+    order): the bucketed all-gather (one bucket per dtype, or a bucket per tensor) and the default of a
+    communicator without one (a broadcast from each rank). One rank: each tensor with a leading 1."""
+    payloads = [mixed_payload(rank, [3] * len(SPECS), seed=4) for rank in range(world_size)]
+
+    def body(rank: int, comm: BucketedCommunicator) -> Payload:
+        used: Communicator = _BroadcastOnly(comm) if kind == "default" else comm
+        return used.all_gather(payloads[rank]).wait()
+
+    cap = 1e-6 if kind == "small buckets" else HUGE_CAP_MB
+    for received in run(ThreadCluster(world_size, timeout=TIMEOUT), body, bucket_cap_mb=cap):
+        assert_same_payload(received, {key: torch.stack([p[key] for p in payloads]) for key in payloads[0]})
+    assert_same_payload(
+        LocalCommunicator().all_gather(payloads[0]).wait(), {k: t.unsqueeze(0) for k, t in payloads[0].items()}
+    )
+
+
 def test_empty_payloads_issue_no_collective() -> None:
     """An empty payload gives an empty payload, on every collective, without touching the backend."""
 
@@ -290,6 +336,7 @@ def test_empty_payloads_issue_no_collective() -> None:
             comm.all_gather_rows(Payload()).wait(),
             comm.all_reduce_mean(Payload(), {}).wait(),
             comm.broadcast(Payload(), 1),
+            comm.all_gather(Payload()).wait(),
         ]
 
     cluster = ThreadCluster(2, timeout=TIMEOUT)

@@ -35,6 +35,7 @@ from hylo.solvers import FAMILIES, LayerState, LoopKernel, SolverFamily
 from hylo.solvers.bundled.kfac_adam import KFACAdamState
 from hylo.solvers.kfac import KFACInverseState, KFACState
 from hylo.solvers.smw import LowRankState
+from tests.kit.harness import run_distributed
 from tests.kit.internals import apply_plan, replace_state
 from tests.library.test_fuzz_resume import SOLVERS as RESUME_SOLVERS
 
@@ -156,13 +157,13 @@ class Fork:
     pre: HyLoPreconditioner
 
 
-def forks(case: Case, dtype: torch.dtype) -> tuple[Fork, Fork]:
-    """The grouped run and the reference, on equal copies of the model."""
+def forks(case: Case, dtype: torch.dtype, extra: dict[str, Any]) -> tuple[Fork, Fork]:
+    """The grouped run and the reference, on equal copies of the model (``extra``: more hylo options)."""
     model = model_of(case, dtype)
     out = []
     for grouped in (True, False):
         copy_ = copy.deepcopy(model)
-        pre = HyLoPreconditioner(copy_, grouped=grouped, **options_of(case))
+        pre = HyLoPreconditioner(copy_, grouped=grouped, **options_of(case), **extra)
         # a step of at most ~0.1 ‖∇W‖: the run stays where float64 keeps 1e-12 (its kernels' ‖K‖/λ moderate)
         optimizer = torch.optim.SGD(copy_.parameters(), lr=0.1 * case.damping, momentum=0.9)
         out.append(Fork(copy_, optimizer, pre))
@@ -212,9 +213,10 @@ def synced(grouped: Fork, reference: Fork) -> None:
     grouped.pre.load_state_dict(copy.deepcopy(reference.pre.state_dict()))
 
 
-def run_case(case: Case, dtype: torch.dtype, tolerance: float) -> None:
-    """The property on one case (see the module docstring)."""
-    grouped, reference = forks(case, dtype)
+def run_case(case: Case, dtype: torch.dtype, tolerance: float, **extra: Any) -> None:
+    """The property on one case (see the module docstring); ``extra``: more hylo options. Under
+    ``strategy="gradient"`` with P > 1 the fault goes into the state on the rank that holds it."""
+    grouped, reference = forks(case, dtype, extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(case.update_freq * 4):
@@ -222,7 +224,8 @@ def run_case(case: Case, dtype: torch.dtype, tolerance: float) -> None:
                 synced(grouped, reference)
                 if case.fault != "none" and step == case.update_freq * 3:  # the same fault in both, one layer
                     for fork in (grouped, reference):
-                        replace_state(fork.pre, -2, lambda state: faulted(state, case.fault))
+                        if not fork.pre.layer_info()[-2].state.remote:
+                            replace_state(fork.pre, -2, lambda state: faulted(state, case.fault))
             g_grads, _ = train(case, grouped, step, dtype)
             r_grads, scales = train(case, reference, step, dtype)
             assert_near(g_grads, r_grads, tolerance, f"step {step} gradient", scales)
@@ -252,6 +255,26 @@ def test_grouped_equals_per_layer_bf16(solver: str) -> None:
     """bf16 parameters and gradients (float32 working dtype): equal to bf16's resolution."""
     case = dataclasses.replace(draw(random.Random(f"bf16-{solver}"), solver), fault="none")
     run_case(case, torch.bfloat16, 2e-2)
+
+
+#: The cases run on 2 ranks with ``strategy="gradient"`` (the ``Owners`` placement): per solver, its first case
+#: with a fault.
+OWNER_CASES = [
+    next(case for case in CASES if case.solver == solver and case.fault != "none")
+    for solver in ("kfac-refresh", "kfac-inverse", "sngd", "kis-auto", "kfac_adam", "mixed")
+]
+
+
+def _owners_case(rank: int, world_size: int, case: Case) -> None:
+    torch.set_num_threads(1)
+    run_case(case, torch.float64, 1e-12, strategy="gradient")
+
+
+@pytest.mark.parametrize("case", OWNER_CASES, ids=lambda c: f"{c.solver}-{c.front}-{c.bias}-{c.fault}-{c.seed}")
+def test_grouped_equals_per_layer_with_owners(case: Case) -> None:
+    """2 ranks, ``strategy="gradient"`` (each layer applied and checked by its owner, the results shared): the
+    property on every rank, in float64 to 1e-12."""
+    run_distributed(_owners_case, 2, case, timeout=120)
 
 
 def test_faults_fire() -> None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 import hylo
 from hylo.distributed import BucketedCommunicator, Communicator, LocalCommunicator, assign_owners
+from hylo.payload import RESULTS
 from hylo.solvers.kfac import KFACState
 from hylo.solvers.smw import LowRankState
 from tests.kit.cluster import Collective, ThreadCluster, average_gradients, split_rows
@@ -396,15 +397,20 @@ def test_update_bytes_per_layer_match_the_formula(
 ) -> None:
     """bytes_by_tag[layer] summed over ranks after step 0 (one update) == the payload formula.
 
-    Under "gradient" the owner broadcasts no solution but, at the step, the d_g×d_a preconditioned gradient.
+    Under "gradient" the owner broadcasts no solution but, at the step, every rank sends its owned layers' d_g×d_a
+    preconditioned gradients under ``<results>``, packed into one buffer padded to the largest rank's share.
     """
     runs = cluster_run(world_size, solver, strategy, rank_ratio)
     for name in LAYERS:
         d_a, d_g = DIMS[name]
         contributions, solution = update_bytes(solver, d_a, d_g, world_size, BATCH // world_size, rank_ratio)
-        expected = contributions + (solution if strategy == "inverse" else d_a * d_g * 8)
+        expected = contributions + (solution if strategy == "inverse" else 0)
         total = sum(run.first_step_bytes.get(name, 0) for run in runs)
         assert total == expected, f"{name}: {total} bytes, expected {expected}"
+    owners = runs[0].owners[0]
+    shares = [sum(DIMS[n][0] * DIMS[n][1] * 8 for n in LAYERS if owners[n] == rank) for rank in range(world_size)]
+    results = [run.first_step_bytes.get(RESULTS, 0) for run in runs]
+    assert results == ([max(shares)] * world_size if strategy == "gradient" else [0] * world_size), (results, shares)
 
 
 # --------------------------------------------------------------------------- failures

@@ -3,7 +3,8 @@
 Counted, not timed: the aten operations ``step()`` dispatches (:class:`hylo_scripts.bench_ops.OpCounter`) on a
 step between curvature updates. A stack of 16 equal Linear layers issues at most 16 operations more than a stack
 of 4 (one group either way), where the per-layer path (``grouped=False``) issues dozens more per layer; the plan
-is built once per update and reused by the steps between.
+is built once per update and reused by the steps between. The same holds on every rank of 2 gloo ranks under DDP's
+default strategy and under ``strategy="gradient"`` (docs/design.md, "Placements").
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from torch import nn
 
 from hylo import HyLoPreconditioner
 from hylo_scripts.bench_ops import OpCounter, count, stack, step_counts
+from tests.kit.harness import run_distributed
 from tests.kit.internals import apply_plan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -53,6 +56,32 @@ def test_sixteen_layers_cost_four_layers_plus_a_constant(solver: str) -> None:
     assert plan is not None and len(plan.groups) == 1
     per_layer, _ = between_updates(MANY, solver, grouped=False)
     assert per_layer.total >= 5 * sixteen.total, (per_layer.total, sixteen.total)
+
+
+def _between_on_rank(rank: int, world_size: int, layers: int, solver: str, options: dict[str, str]) -> int:
+    """Operations of this rank's step between updates on a stack of ``layers`` (under DDP, the same batch on every
+    rank), as ``torchrun --nproc-per-node 2 scripts/bench_ops.py --model stack`` counts them."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, between = step_counts("stack", solver, 32, 10, None, model_options={"layers": layers}, options=options)
+    return between.total
+
+
+#: The placements at P > 1 (docs/design.md, "Placements"): DDP's default strategy (``Local``) and
+#: ``strategy="gradient"`` (``Owners``).
+PLACEMENTS = {"inverse": {}, "gradient": {"strategy": "gradient"}}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "sngd"])
+def test_two_ranks_sixteen_layers_cost_four_layers_plus_a_constant(placement: str, solver: str) -> None:
+    """2 gloo ranks: on every rank 16 equal layers cost at most 16 operations more than 4, whichever rank owns
+    which layer."""
+    options = PLACEMENTS[placement]
+    four = run_distributed(_between_on_rank, 2, FEW, solver, options, timeout=120)
+    sixteen = run_distributed(_between_on_rank, 2, MANY, solver, options, timeout=120)
+    assert all(many <= few + MARGIN for few, many in zip(four, sixteen, strict=True)), (four, sixteen)
 
 
 def test_the_plan_is_reused_between_updates_and_rebuilt_after_one() -> None:
