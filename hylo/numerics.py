@@ -8,7 +8,7 @@ regardless of the number of layers. A group is split into batches of at most
 batched solve's workspace grows with it (docs/design.md, "Memory").
 
 It also holds the check of every applied result on its terms (:func:`sound`, :func:`sound_results`; each layer's
-terms are :func:`hylo.layers.gradmatrix.result_terms`) and the ``kl_clip`` scale built on them (:func:`kl_clipped`),
+terms are :func:`hylo.layers.gradmatrix.result_terms`) and the ``kl_clip`` scale built on them (:func:`kl_scale`),
 the same on one rank, under "gradient" and under FSDP2 (docs/reliability.md, "Fallbacks").
 """
 
@@ -436,11 +436,3 @@ def kl_scale(terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
     false)."""
     vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr * lr  # a tensor product: inf, never an error
     return torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)
-
-
-def kl_clipped(
-    results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float
-) -> list[Tensor]:
-    """``results`` scaled by :func:`kl_scale`."""
-    scale = kl_scale(terms, norms, ok, kl_clip, lr)
-    return [v * scale.to(v.dtype) for v in results]

@@ -7,7 +7,8 @@ back a payload with the same keys. No caller indexes tensors by position.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -21,7 +22,24 @@ RESULTS = "<results>"
 
 
 class Payload(dict[PayloadKey, Tensor]):
-    """Tensors keyed by ``(layer, field)``; iteration follows insertion order."""
+    """Tensors keyed by ``(layer, field)``; iteration follows insertion order.
+
+    ``shared``: keys whose tensor holds equal parts of several layers' data (a group's stacked partial products),
+    with those layers: the bytes a collective sends for such a key are counted to each of them in equal parts
+    (``Communicator.bytes_by_tag``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared: dict[PayloadKey, tuple[str, ...]] = {}
+
+    def add_shared(self, key: PayloadKey, tensor: Tensor, layers: Sequence[str]) -> None:
+        """Insert ``tensor`` at ``key``, its bytes counted to ``layers`` in equal parts."""
+        self[key] = tensor
+        self.shared[key] = tuple(layers)
+
+    def owners(self, key: PayloadKey) -> tuple[str, ...]:
+        """The layers ``key``'s bytes are counted to."""
+        return self.shared.get(key, (key[0],))
 
     def add(self, layer: str, fields: Mapping[str, Tensor]) -> None:
         """Insert every ``field → tensor`` of ``layer``."""

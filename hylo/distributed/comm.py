@@ -95,9 +95,15 @@ class Communicator(ABC):
         self.bytes_sent += nbytes
         self.bytes_by_tag[tag] += nbytes
 
-    def _count_payload(self, payload: Mapping[PayloadKey, Tensor]) -> None:
-        for (layer, _), tensor in payload.items():
-            self._count(layer, _nbytes(tensor))
+    def _count_payload(self, payload: Mapping[PayloadKey, Tensor], like: Payload | None = None) -> None:
+        """Count each tensor's bytes to its key's layer, or in equal parts to the layers ``like`` (the payload it
+        was made from, by default ``payload`` itself) shares it among (:attr:`Payload.shared`)."""
+        source = like if like is not None else payload
+        for key, tensor in payload.items():
+            layers = source.owners(key) if isinstance(source, Payload) else (key[0],)
+            nbytes = _nbytes(tensor)
+            for i, layer in enumerate(layers):  # equal parts, the remainder to the first
+                self._count(layer, nbytes // len(layers) + (nbytes % len(layers) if i == 0 else 0))
 
     @abstractmethod
     def all_gather_rows(self, payload: Payload) -> Pending:
@@ -281,13 +287,13 @@ class BucketedCommunicator(Communicator):
         self._count(CONTROL, _nbytes(counts))
         with self._guard("all-gather of row counts"):
             self.backend.all_gather(all_counts, counts).wait()
-        per_rank = torch.stack(all_counts).cpu()  # (P, tensors): the one host sync of a gather
-        max_rows = per_rank.max(dim=0).values.tolist()
+        per_rank = torch.stack(all_counts).tolist()  # (P, tensors): the one host sync of a gather
+        max_rows = [max(rows[i] for rows in per_rank) for i in range(len(tensors))]
         padded = []
         for i, t in enumerate(tensors):
-            pad = int(max_rows[i]) - t.shape[0]
+            pad = max_rows[i] - t.shape[0]
             padded.append(torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t)
-        self._count_payload(dict(zip(keys, padded, strict=True)))
+        self._count_payload(dict(zip(keys, padded, strict=True)), payload)
         works, received = [], []
         for bucket in self.buckets(padded):
             flat = _flatten([padded[i] for i in bucket]).contiguous()
@@ -301,7 +307,7 @@ class BucketedCommunicator(Communicator):
             for bucket, gathered in received:
                 pieces = [_unflatten(buf, [padded[i].shape for i in bucket]) for buf in gathered]
                 for j, i in enumerate(bucket):
-                    out[keys[i]] = torch.cat([pieces[p][j][: int(per_rank[p, i])] for p in range(self.world_size)])
+                    out[keys[i]] = torch.cat([pieces[p][j][: per_rank[p][i]] for p in range(self.world_size)])
             return out
 
         return Pending(works, finish, "all-gather of rows", self.rank, self.world_size)
@@ -312,7 +318,7 @@ class BucketedCommunicator(Communicator):
             return Pending([], Payload)
         keys = list(payload)
         scaled = [payload[key] * float(weights[key]) for key in keys]
-        self._count_payload(dict(zip(keys, scaled, strict=True)))
+        self._count_payload(dict(zip(keys, scaled, strict=True)), payload)
         works, reduced = [], []
         for bucket in self.buckets(scaled):
             w = scaled[bucket[0]].new_tensor([float(weights[keys[i]]) for i in bucket])

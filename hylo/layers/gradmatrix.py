@@ -12,13 +12,13 @@ The layer-by-layer check of a preconditioned result V̂ against its ∇W reads i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from hylo.numerics import kl_clipped, result_scale, sound_results
+from hylo.numerics import result_scale, sound_results
 
 
 @dataclass(frozen=True)
@@ -199,20 +199,13 @@ def checked_results(
     results: Sequence[Tensor],
     norms: Sequence[Tensor],
     dampings: Sequence[float | None],
-    clip: tuple[float, float] | None,
-    combine: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
-    """The layer-by-layer check (docs/reliability.md, "Fallbacks"): each layer's :func:`result_terms` (summed over
-    ranks by ``combine``, where each holds rows of ∇W), :func:`~hylo.numerics.sound_results`, the raw gradient
-    where a result is not sound and ``kl_clip`` (``clip`` = (kl_clip, lr)) over them all; the results, 1 per layer
-    that fell back and the terms (float64 [⟨∇W, V̂⟩, ‖V̂‖²] per layer).
+    """The layer-by-layer check (docs/reliability.md, "Fallbacks"): each layer's :func:`result_terms`,
+    :func:`~hylo.numerics.sound_results` and the raw gradient where a result is not sound; the results (before
+    ``kl_clip``), 1 per layer that fell back and the terms (float64 [⟨∇W, V̂⟩, ‖V̂‖²] per layer).
     The grouped step (:mod:`hylo.pipeline.apply`) runs the same check over stacked layers."""
     terms = torch.stack([result_terms(*item) for item in zip(grads, results, norms, dampings, strict=True)])
-    if combine is not None:
-        terms = combine(terms)
     norm_values = torch.stack(list(norms))
     ok = sound_results(terms, norm_values, dampings, [grad.weight.dtype for grad in grads])
     written = [grad.fill_where_not(ok[i], v) for i, (grad, v) in enumerate(zip(grads, results, strict=True))]
-    if clip is not None:
-        written = kl_clipped(written, terms, norm_values, ok, *clip)
     return written, (~ok).long(), terms

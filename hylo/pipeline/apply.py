@@ -4,29 +4,31 @@ The math is written per layer (each state's :meth:`~hylo.solvers.base.LayerState
 group. An :class:`ApplyPlan` is built from the held states when they change (an update, a refresh, a load:
 the states' :meth:`~hylo.solvers.base.LayerState.plan_parts` say so) and used by every step until then: the
 preconditioned layers grouped by (family, the family's :meth:`~hylo.solvers.base.SolverFamily.group_key`,
-∇W's shape and bias, working dtype, device), each group's states stacked once by the family's
-:meth:`~hylo.solvers.base.SolverFamily.group_kernel`, and the check's per-layer limits made device tensors
-once. A step then costs O(groups) operations, not O(layers): every group's gradients stacked by two
-``torch._foreach_copy_`` for the whole step, one batched apply per group, one batched product of the check's
-two sums per group, one vector decision for all layers (:func:`~hylo.numerics.sound`), one ``where`` per
-group for the raw-gradient fallback, one ``torch._foreach_mul_`` for ``kl_clip``, and the results written
-back by two ``torch._foreach_copy_`` (:func:`write_back`). No host synchronisation.
+∇W's shape and bias, working dtype, device, and under FSDP2 the part of ∇W each rank holds), each group's
+states stacked once by the family's :meth:`~hylo.solvers.base.SolverFamily.group_kernel`, and the check's
+per-layer limits made device tensors once. A step then costs O(groups) operations, not O(layers): every
+group's gradients stacked by two ``torch._foreach_copy_`` for the whole step, one batched apply per group (under
+FSDP2 split around the ranks' exchange: the placement's ``run``), one batched product of the check's two sums
+per group, one vector decision for all layers (:func:`~hylo.numerics.sound`), one ``where`` per group for the
+raw-gradient fallback; the placement then applies ``kl_clip`` by one ``torch._foreach_mul_``, and the results
+are written back by two ``torch._foreach_copy_`` (:func:`write_back`). No host synchronisation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hylo.layers.gradmatrix import GradMatrix
-from hylo.numerics import STACK_CAP_MB, UNBOUNDED_FLOOR, check_limits, kl_scale, sound, unit_scales
+from hylo.layers.gradmatrix import GradMatrix, GradShard
+from hylo.numerics import STACK_CAP_MB, UNBOUNDED_FLOOR, check_limits, sound, unit_scales
 from hylo.solvers import LayerState, family_named
-from hylo.solvers.base import GroupKernel, SolverFamily
+from hylo.solvers.base import SolverFamily
+from hylo.solvers.kernel import GroupKernel
 from hylo.state import RegisteredLayer
 
 
@@ -40,9 +42,12 @@ class Group:
     kernel: GroupKernel
     #: The working dtype the gradients are stacked in.
     dtype: torch.dtype
-    #: ∇W's (d_g, d_a) and the width of its weight part (d_a − 1 with a bias).
+    #: ∇W's (d_g, d_a) (this rank's rows or columns of it under FSDP2) and the width of its weight part (d_a − 1
+    #: with a bias).
     shape: tuple[int, int]
     d_w: int
+    #: The part of ∇W this rank holds under FSDP2, the same for every layer of the group (None: all of it).
+    shard: GradShard | None = None
 
 
 @dataclasses.dataclass
@@ -81,7 +86,10 @@ def plan_key(
     ready: Sequence[tuple[RegisteredLayer, GradMatrix]], states: Sequence[LayerState]
 ) -> list[tuple[Any, ...]]:
     """Per ready layer what a plan depends on (compared by identity for the states' parts)."""
-    return [(layer.name, _layout(grad), state.plan_parts()) for (layer, grad), state in zip(ready, states, strict=True)]
+    return [
+        (layer.name, (*_layout(grad), grad.shard), state.plan_parts())
+        for (layer, grad), state in zip(ready, states, strict=True)
+    ]
 
 
 def _same(key: list[tuple[Any, ...]], other: list[tuple[Any, ...]]) -> bool:
@@ -101,14 +109,20 @@ def build_plan(
     indices: Sequence[int],
     total: int,
     key: list[tuple[Any, ...]],
+    singles: bool = False,
+    shards: Sequence[Hashable] | None = None,
 ) -> ApplyPlan:
     """Group the ready layers and build each group's kernel; groups are cut at :data:`~hylo.numerics.STACK_CAP_MB`
-    of stacked gradients (twice that is stacked: ∇W and the check's scaled V̂)."""
+    of stacked gradients (twice that is stacked: ∇W and the check's scaled V̂; of the whole ∇W under FSDP2, so that
+    every rank cuts alike), or, with ``singles``, hold one layer each. ``shards``: per ready layer, what says
+    that its part of ∇W is another's on every rank (by default its own :class:`GradShard`), so that every rank
+    groups alike."""
     buckets: dict[tuple[Hashable, ...], list[int]] = {}
     families: dict[tuple[Hashable, ...], SolverFamily[Any]] = {}
     for i, ((layer, grad), state) in enumerate(zip(ready, states, strict=True)):
         family = family_named(state.family)
-        bucket: tuple[Hashable, ...] = (state.family, family.group_key(state), _layout(grad), layer.math.dtype)
+        shard = grad.shard if shards is None else shards[i]
+        bucket: tuple[Hashable, ...] = (state.family, family.group_key(state), _layout(grad), layer.math.dtype, shard)
         buckets.setdefault(bucket, []).append(i)
         families[bucket] = family
     groups: list[Group] = []
@@ -117,14 +131,16 @@ def build_plan(
         first, grad = ready[members[0]]
         dtype = first.math.dtype
         d_g, d_a = grad.shape
+        whole = d_g * d_a if grad.shard is None else grad.shard.total * (d_a if grad.shard.axis == 0 else d_g)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_chunk = max(1, int(STACK_CAP_MB * 2**20 // max(1, 2 * d_g * d_a * itemsize)))
+        per_chunk = 1 if singles else max(1, int(STACK_CAP_MB * 2**20 // max(1, 2 * whole * itemsize)))
         for begin in range(0, len(members), per_chunk):
             chunk = members[begin : begin + per_chunk]
             kernel = families[bucket].group_kernel([states[i] for i in chunk], dtype)
             start = len(order)
             order.extend(chunk)
-            groups.append(Group(chunk, start, len(order), kernel, dtype, (d_g, d_a), int(grad.weight.shape[1])))
+            shape, d_w = (d_g, d_a), int(grad.weight.shape[1])
+            groups.append(Group(chunk, start, len(order), kernel, dtype, shape, d_w, grad.shard))
     device = ready[0][1].device
     in_order = [states[i] for i in order]
     bounds = [state.bound for state in in_order]
@@ -158,12 +174,33 @@ class Checked:
     terms: Tensor
 
 
-class GroupedApply:
-    """The step between updates of the layers every rank holds whole (one process, or DDP with
-    ``strategy="inverse"``), per group; it keeps the plan between steps."""
+#: How a step runs its groups' kernels: (the groups, their stacked gradients, their states now) → each group's
+#: results and successors (:func:`apply_groups`; under FSDP2 the kernels' partial products exchanged first).
+KernelRun = Callable[
+    [Sequence[Group], Sequence[Tensor], Sequence[Sequence[LayerState]]], list[tuple[Tensor, list[LayerState]]]
+]
 
-    def __init__(self) -> None:
+
+class GroupedApply:
+    """The step between updates per group of the layers a rank applies; it keeps the plan between steps.
+
+    ``singles``: one layer a group (the kernels applied layer by layer); ``run``: how the groups' kernels run
+    (:func:`apply_groups`, or a placement's exchange around them); ``combine``: how the check's terms of this
+    rank's rows become every rank's (None: they are whole here); ``shards``: the ready layers' parts of ∇W as every
+    rank knows them (:func:`build_plan`), asked when a plan is built."""
+
+    def __init__(
+        self,
+        singles: bool = False,
+        run: KernelRun | None = None,
+        combine: Callable[[Tensor], Tensor] | None = None,
+        shards: Callable[[Sequence[GradMatrix]], list[Hashable]] | None = None,
+    ) -> None:
         self.plan: ApplyPlan | None = None
+        self.singles = singles
+        self.run = run or apply_groups
+        self.combine = combine
+        self.shards = shards
 
     def tensors(self) -> list[Tensor]:
         """The tensors the plan holds (its kernels' stacked copies and the check's limits)."""
@@ -184,28 +221,9 @@ class GroupedApply:
         """The current plan, rebuilt when the ready layers, their gradients' layout or their states changed."""
         key = plan_key(ready, states)
         if self.plan is None or not _same(self.plan.key, key):
-            self.plan = build_plan(ready, states, indices, total, key)
+            shards = None if self.shards is None else self.shards([grad for _, grad in ready])
+            self.plan = build_plan(ready, states, indices, total, key, self.singles, shards)
         return self.plan
-
-    def precondition(
-        self,
-        ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
-        states: Sequence[LayerState],
-        indices: Sequence[int],
-        norms: Tensor,
-        clip: tuple[float, float] | None,
-    ) -> tuple[list[Tensor], Checked, dict[str, LayerState]]:
-        """Every ready layer's V̂ (a view of its group's result, in the working dtype, kl_clip applied), the check
-        (indices: the registered layers' in plan order, None for all in order) and the successors of the states
-        that advance.
-        ``indices``: each ready layer's index among the registered layers; ``norms``: every registered layer's
-        ‖∇W‖ (float64). Raises what a kernel raises (the caller names the layer by running the per-layer path)."""
-        done = self.checked(ready, states, indices, norms)
-        plan = done.plan
-        if clip is not None:
-            torch._foreach_mul_(done.stacks, kl_scale(done.terms, done.norms, done.ok, *clip))
-        flags = torch.where(done.ok, plan.zero, plan.one)
-        return done.in_ready_order(), Checked(plan.order, flags, done.terms), done.successors
 
     def checked(
         self,
@@ -215,7 +233,9 @@ class GroupedApply:
         norms: Tensor,
     ) -> GroupedResults:
         """The ready layers applied per group and checked, the raw gradient where a result is not sound, before
-        ``kl_clip`` (:meth:`precondition`'s arguments)."""
+        ``kl_clip`` (the placement applies it to :attr:`GroupedResults.stacks`). ``indices``: each ready layer's
+        index among the registered layers; ``norms``: every registered layer's ‖∇W‖ (float64, over every rank's
+        rows). Raises what a kernel raises (the caller names the layer by running the layers one by one)."""
         plan = self.plan_for(ready, states, indices, len(norms))
         stacks = _buffers(plan.groups, norms.device)
         weights: list[tuple[Tensor, Tensor]] = []
@@ -234,7 +254,7 @@ class GroupedApply:
         spans = [(g.start, g.stop, g.dtype) for g in plan.groups]
         scales, scale64 = unit_scales(norms, plan.bound, spans, plan.floor)
         members = [[states[i] for i in group.members] for group in plan.groups]
-        applied = _apply_all(plan.groups, [stack[:, 0] for stack in stacks], members)
+        applied = self.run(plan.groups, [stack[:, 0] for stack in stacks], members)
         sums: list[Tensor] = []
         successors: dict[str, LayerState] = {}
         for group, stack, scale, before, (result, after) in zip(
@@ -247,6 +267,8 @@ class GroupedApply:
             flat = stack.flatten(2)  # [⟨U, ∇W⟩, ‖U‖²] of every layer of the group in one batched product
             sums.append(torch.bmm(flat[:, 1:], flat.mT).flatten(1))
         terms = torch.cat(sums).to(torch.float64) / scale64.unsqueeze(1).pow(plan.powers)
+        if self.combine is not None:
+            terms = self.combine(terms)
         ok = sound(terms, norms, plan.damping, plan.slack, plan.unbounded)
         written = [  # in place: a kernel's result is its own (GroupKernel.apply)
             torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0], out=result)
@@ -290,7 +312,7 @@ def _buffers(groups: Sequence[Group], device: torch.device) -> list[Tensor]:
     return stacks
 
 
-def _apply_all(
+def apply_groups(
     groups: Sequence[Group], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
 ) -> list[tuple[Tensor, list[LayerState]]]:
     """Every group's kernel applied, the groups of one kernel type in one :meth:`GroupKernel.apply_all`."""
@@ -319,7 +341,7 @@ def write_back(
         if result is None:
             continue
         parts = grads[layer.name]
-        if parts.shard is not None or not _hylo_writer(type(layer.math)) or not _writes_through(layer, parts):
+        if not _hylo_writer(type(layer.math)) or not _writes_through(layer, parts):
             layer.math.set_grad_matrix(result)
             continue
         d_w = parts.weight.shape[1]

@@ -8,11 +8,10 @@ gradient is made global here, with one collective each and only on this path:
 
 - :func:`check`: at construction, the layouts and options this supports, or a ``ValueError``;
 - :func:`global_norms`: the per-layer norms from the ranks' squared partial norms (one all-reduce);
-- :func:`precondition`: every state's :meth:`~hylo.solvers.base.LayerState.shard_partial` in one
-  fused all-reduce (sums, e.g. the low-rank projections) and one fused all-gather (rows, e.g.
-  K-FAC's ∇W Q_a), then each rank's rows of V̂;
-- :func:`agree_results`: the raw-gradient fallback (non-finite, or not a bounded descent direction)
-  and ``kl_clip``'s sum from one all-reduce of two numbers per layer, so that every rank decides alike.
+- :func:`global_safe_norms`: the same without overflow (one all-reduce by max, one by sum).
+
+The apply, its exchange and the agreement on each result's check are the ``Sharded`` placement's
+(:mod:`hylo.pipeline.placement.sharded`).
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ from torch import Tensor
 
 from hylo.config import HyLoConfig
 from hylo.distributed import Communicator
-from hylo.layers.gradmatrix import GradMatrix, checked_results
+from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded, local
 from hylo.payload import CONTROL, Payload
-from hylo.solvers import LayerState
-from hylo.solvers.base import Clock, Exchange
 from hylo.state import RegisteredLayer
 
 
@@ -103,54 +100,3 @@ def global_safe_norms(comm: Communicator, grads: Sequence[GradMatrix | None], de
     )
     scaled = comm.all_reduce(Payload({key: squares}), "sum").wait()[key].sqrt()
     return torch.where(torch.isfinite(largest), scaled * largest, largest)
-
-
-def precondition(
-    comm: Communicator, items: Sequence[tuple[str, LayerState, GradMatrix]], watch: Clock
-) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
-    """Each layer's rows of V̂ on this rank, every layer's partial results in one all-reduce and one
-    all-gather (each launched only if some layer needs it; the same on every rank: every rank holds
-    every state), and the successors of the states that advance (not yet stored)."""
-    payloads = {Exchange.SUM: Payload(), Exchange.ROWS: Payload()}
-    for name, state, grad in items:
-        exchange, partial = state.shard_partial(grad)
-        payloads[exchange][(name, "partial")] = partial
-    names = [name for name, _, _ in items]
-    watch.lap("precondition", names)
-    summed = comm.all_reduce(payloads[Exchange.SUM], "sum")
-    gathered = comm.all_gather_rows(payloads[Exchange.ROWS])
-    received = {**summed.wait(), **gathered.wait()}
-    sizes = [received[(name, "partial")].numel() * received[(name, "partial")].element_size() for name in names]
-    watch.lap("gather", names, sizes if watch.enabled else None)
-    results: dict[str, Tensor] = {}
-    successors: dict[str, LayerState] = {}
-    for name, state, grad in items:
-        results[name], successor = state.shard_advance(grad, received[(name, "partial")])
-        if successor is not state:
-            successors[name] = successor
-    return results, successors
-
-
-def agree_results(
-    comm: Communicator,
-    grads: Sequence[GradMatrix],
-    results: Sequence[Tensor],
-    norms: Sequence[Tensor],
-    dampings: Sequence[float | None],
-    clip: tuple[float, float] | None,
-) -> tuple[list[Tensor], Tensor, Tensor]:
-    """The results with the raw-gradient fallback and ``kl_clip`` (``clip`` = (kl_clip, lr)) decided over
-    every rank's rows, 1 per layer that fell back (docs/reliability.md, "Fallbacks") and the terms summed over
-    the ranks (:func:`~hylo.layers.gradmatrix.checked_results`).
-
-    One all-reduce of two numbers per layer, each rank's :func:`~hylo.layers.gradmatrix.result_terms` (⟨∇W, V̂⟩ and
-    ‖V̂‖² over its rows, every rank scaling by the same s from the global ‖∇W‖ ``norms``): every rank judges the
-    same sums (finite, descent, ‖V̂‖ ≤ ‖∇W‖/λ) with :func:`~hylo.numerics.sound_results`, so all decide alike,
-    and the fallback's ⟨∇W, ∇W⟩ is the norm's square (no second collective).
-    """
-    key = (CONTROL, "results")
-
-    def summed(local: Tensor) -> Tensor:
-        return comm.all_reduce(Payload({key: local}), "sum").wait()[key]
-
-    return checked_results(grads, results, norms, dampings, clip, summed)

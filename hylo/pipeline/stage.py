@@ -37,7 +37,8 @@ from hylo.numerics import finite_each
 from hylo.payload import Payload
 from hylo.sections import Strategy
 from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of, whole_step
-from hylo.solvers.base import Clock, Contribution, Exchange, SolverFamily, UpdateContext, UpdateJob
+from hylo.solvers.base import Clock, Contribution, SolverFamily, UpdateContext, UpdateJob
+from hylo.solvers.kernel import Exchange
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Solver families and their variants (docs/design.md, "Solver families").
 
-- :mod:`~hylo.solvers.base`: the family interface the update stage calls, the states it keeps and the group
-  kernels (a family's batched apply of equal layers between updates); :mod:`~hylo.solvers.layout`: the one
-  layout of a state's tensors;
+- :mod:`~hylo.solvers.base`: the family interface the update stage calls and the states it keeps;
+  :mod:`~hylo.solvers.kernel`: the group kernels (a family's batched apply of equal layers between updates,
+  and its split under FSDP2); :mod:`~hylo.solvers.layout`: the one layout of a state's tensors;
 - :mod:`~hylo.solvers.kfac`: the K-FAC family; :mod:`~hylo.solvers.lowrank`: the low-rank family
   and its variants (:class:`RowReduction`), with :mod:`~hylo.solvers.reduce` (KIS sampling, the
   KID skeleton) and :mod:`~hylo.solvers.smw` (the Sherman–Morrison–Woodbury solve);
@@ -16,14 +16,13 @@ from __future__ import annotations
 from hylo.solvers import bundled  # noqa: F401  (registers the bundled families)
 from hylo.solvers.base import (
     FamilyOptions,
-    GroupKernel,
     HeldState,
     LayerState,
-    LoopKernel,
     RemoteState,
     SolverFamily,
     UpdateContext,
 )
+from hylo.solvers.kernel import GroupKernel, LoopKernel
 from hylo.solvers.lowrank import RowReduction
 from hylo.solvers.registry import (
     FAMILIES,

@@ -21,7 +21,6 @@ payload needs.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -36,6 +35,7 @@ from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.statistics import CallStatistic
 from hylo.payload import Payload, PayloadKey
 from hylo.rules import Section
+from hylo.solvers.kernel import Exchange, GroupKernel, LoopKernel
 from hylo.solvers.layout import canonicalize
 
 
@@ -238,14 +238,6 @@ class CostEstimate:
         return self.build + self.solve + update_freq * self.apply + flops_per_byte * self.bytes
 
 
-class Exchange(enum.Enum):
-    """The collective a family's contribution needs."""
-
-    MEAN = "weighted mean over ranks (all-reduce)"
-    ROWS = "every rank's rows, concatenated in rank order (all-gather)"
-    SUM = "sum over ranks (all-reduce)"
-
-
 @dataclass
 class Contribution:
     """What a family's layers put into one collective at an update step."""
@@ -312,50 +304,6 @@ class UpdateContext:
     watch: Clock
     #: The families' options: ``context.options(MySection)`` is the configuration's section of that type.
     options: FamilyOptions = field(default_factory=FamilyOptions)
-
-
-def stacked(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """``tensors`` stacked in ``dtype`` for a group kernel: a view, no copy, of a group of one in its own dtype."""
-    if len(tensors) == 1:
-        return tensors[0].unsqueeze(0).to(dtype)
-    return torch.stack(list(tensors)).to(dtype)
-
-
-class GroupKernel(ABC):
-    """The batched apply of a group of states (docs/design.md, "The apply plan"): built once from the states
-    (their tensors stacked), then applied at every step until they change."""
-
-    def tensors(self) -> list[Tensor]:
-        """The tensors the kernel holds (its stacked copies; counted by ``memory_breakdown``)."""
-        return [value for value in vars(self).values() if isinstance(value, Tensor)]
-
-    @abstractmethod
-    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
-        """V̂ of every layer of the group from its stacked gradients ``grads`` (k, d_g, d_a), in the working dtype
-        the kernel was built in (bias last), as a new tensor the caller may overwrite, and each state's successor
-        (itself unless it :attr:`~LayerState.advances`); ``states``: the group's states now, in the order the
-        kernel was built with."""
-
-    @classmethod
-    def apply_all(
-        cls, kernels: Sequence[GroupKernel], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
-    ) -> list[tuple[Tensor, list[LayerState]]]:
-        """:meth:`apply` of every group whose kernel is of this type, in one call: by default group by group; a
-        kernel whose per-step work is elementwise (Adam's moments) runs it over every group's layers at once."""
-        return [kernel.apply(g, s) for kernel, g, s in zip(kernels, grads, states, strict=True)]
-
-
-class LoopKernel(GroupKernel):
-    """Each state's own :meth:`LayerState.advance`, layer by layer: what a family without a group kernel gets."""
-
-    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
-        """Every state advanced on its gradient, the results stacked."""
-        results, successors = [], []
-        for grad, state in zip(grads.unbind(0), states, strict=True):
-            result, successor = state.advance(grad)
-            results.append(result.to(grads.dtype))
-            successors.append(successor)
-        return torch.stack(results), successors
 
 
 PreparedT = TypeVar("PreparedT")

@@ -32,9 +32,7 @@ from hylo.rules import COUNT, DECAY, Hyper, IntHyper, Rule, Section, is_real, op
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
-    Exchange,
     FamilyOptions,
-    GroupKernel,
     HeldState,
     LayerState,
     RemoteState,
@@ -52,6 +50,7 @@ from hylo.solvers.blockdiag import (
     rotated_out,
     shifted,
 )
+from hylo.solvers.kernel import Exchange, GroupKernel
 from hylo.solvers.kfac_blocks import (
     block_width,
     cubes,
@@ -208,30 +207,6 @@ class KFACState(LayerState):
     def layouts(self) -> tuple[BlockLayout | None, BlockLayout | None]:
         """(G's, A's) block layouts (None: a dense side)."""
         return state_layouts(self.evecs_g, self.evecs_a, self.evals_g.shape[0], self.evals_a.shape[0])
-
-    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's part of ∇W Q_a: Q_gᵀ (∇W Q_a) mixes all rows, so a rank's rows of it are gathered; from a
-        rank's columns of ∇W, ∇W Q_a is a sum over ranks (d_g·d_a numbers either way)."""
-        shard = grad.shard
-        assert shard is not None
-        if self.blocked:
-            return super().shard_partial(grad)
-        work = grad.to(self.evecs_a.dtype)
-        if shard.axis == 0:
-            return Exchange.ROWS, work.times(self.evecs_a)
-        return Exchange.SUM, work.times(self.evecs_a[shard.start : shard.stop])
-
-    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows (or columns) of V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ from the whole ∇W Q_a."""
-        shard = grad.shard
-        assert shard is not None
-        if self.blocked:
-            return super().shard_finish(grad, received)
-        rotated = self.evecs_g.mT @ received
-        rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-        if shard.axis == 0:
-            return self.evecs_g[shard.start : shard.stop] @ rotated @ self.evecs_a.mT
-        return self.evecs_g @ rotated @ self.evecs_a[shard.start : shard.stop].mT
 
     def tensors(self) -> dict[str, Tensor]:
         """Factors and eigendecompositions by name."""

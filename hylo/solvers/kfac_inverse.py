@@ -12,7 +12,7 @@ from torch import Tensor
 
 from hylo.layers.blocks import BlockLayout
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.solvers.base import Exchange, LayerState, checked_tensors, positive_number
+from hylo.solvers.base import LayerState, checked_tensors, positive_number
 from hylo.solvers.blockdiag import diagonal, left, times
 from hylo.solvers.kfac_blocks import held_shapes, state_layouts
 
@@ -48,28 +48,6 @@ class KFACInverseState(LayerState):
     def blocked(self) -> bool:
         """Whether a side holds packed blocks (docs/solvers.md, "Blocked factors")."""
         return self.inverse_a.dim() == 1 or self.inverse_g.dim() == 1
-
-    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's term of V̂ = Σ_ranks G⁻¹[:, rows] ∇W[rows] A⁻¹ (or G⁻¹ ∇W[:, cols] A⁻¹[cols]), summed over
-        ranks (d_g·d_a numbers)."""
-        shard = grad.shard
-        assert shard is not None
-        if self.blocked:
-            return super().shard_partial(grad)
-        work = grad.to(self.inverse_a.dtype)
-        if shard.axis == 0:
-            return Exchange.SUM, self.inverse_g[:, shard.start : shard.stop] @ work.times(self.inverse_a)
-        return Exchange.SUM, self.inverse_g @ work.times(self.inverse_a[shard.start : shard.stop])
-
-    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows (or columns) of the summed V̂."""
-        shard = grad.shard
-        assert shard is not None
-        if self.blocked:
-            return super().shard_finish(grad, received)
-        if shard.axis == 0:
-            return received[shard.start : shard.stop]
-        return received[:, shard.start : shard.stop]
 
     def plan_parts(self) -> tuple[object, ...]:
         """The damped inverses and λ (a refresh, which replaces only the factors, keeps the group kernel)."""

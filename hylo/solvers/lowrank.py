@@ -36,15 +36,13 @@ from hylo.rules import COUNT, RATIO, Rule, Section, is_bool, option
 from hylo.solvers.base import (
     Contribution,
     CostEstimate,
-    Exchange,
     FamilyOptions,
-    GroupKernel,
     LayerState,
-    LoopKernel,
     SolverFamily,
     UpdateContext,
     UpdateJob,
 )
+from hylo.solvers.kernel import Exchange, GroupKernel, LoopKernel
 from hylo.solvers.reduce import dropped_mass, kid_skeleton, kis_select, priority_sample, sketched_rank
 from hylo.solvers.smw import FactoredKernel, LowRankState, LowRankUpdate, OneHotKernel, smw_inners
 

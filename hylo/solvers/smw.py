@@ -29,10 +29,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hylo.layers.gradmatrix import GradMatrix
+from hylo.layers.gradmatrix import GradMatrix, GradShard
 from hylo.layers.rows import EXACT_FLOAT32_INTEGERS, FactoredRows, OneHotRows, SampleRows, rows_from_fields
 from hylo.numerics import cholesky_many, spd_inverse_many
-from hylo.solvers.base import Exchange, GroupKernel, LayerState, checked_tensors, positive_number, stacked
+from hylo.solvers.base import LayerState, checked_tensors, positive_number
+from hylo.solvers.kernel import Exchange, GroupKernel, stacked
 
 
 @dataclass
@@ -175,6 +176,28 @@ class FactoredKernel(_SMWKernel):
         coefficients = self.coefficients(torch.bmm(self.g, grads).mul_(self.a).sum(dim=-1, keepdim=True), grads.dtype)
         return torch.baddbmm(grads, self.g.mT, self.a * coefficients, beta=self.inverse_damping), list(states)
 
+    def _sides(self, shard: GradShard) -> tuple[Tensor, Tensor]:
+        """g and a restricted to this rank's rows (or columns) of ∇W."""
+        if shard.axis == 0:
+            return self.g[:, :, shard.start : shard.stop], self.a
+        return self.g, self.a[:, :, shard.start : shard.stop]
+
+    def shard_partial(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState]
+    ) -> list[tuple[Exchange, Tensor]]:
+        """This rank's part of z_k = g_kᵀ ∇W a_k, a sum over ∇W's rows (or columns): m numbers per layer, summed
+        over ranks."""
+        g, a = self._sides(shard)
+        return [(Exchange.SUM, torch.bmm(g, grads).mul_(a).sum(dim=-1, keepdim=True))]
+
+    def shard_finish(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState], received: Sequence[Tensor]
+    ) -> tuple[Tensor, list[LayerState]]:
+        """This rank's rows (or columns) of ∇W/λ − Gᵀ diag(c) A/λ with c = M z from the summed z."""
+        g, a = self._sides(shard)
+        coefficients = self.coefficients(received[0], grads.dtype)
+        return torch.baddbmm(grads, g.mT, a * coefficients, beta=self.inverse_damping), list(states)
+
 
 class OneHotKernel(_SMWKernel):
     """A group of :class:`LowRankState` on one-hot rows (embeddings, docs/solvers.md, "Embeddings"): each row's
@@ -200,6 +223,41 @@ class OneHotKernel(_SMWKernel):
         coefficients = self.coefficients(projections, grads.dtype)
         out = grads * self.inverse_damping
         return out.scatter_add_(2, index, (self.g * coefficients).mT), list(states)
+
+    def _local(self, shard: GradShard, grads: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """g on this rank's rows of ∇W, each row's column among this rank's (expanded over ∇W's rows, 0 where it
+        lies on another rank's columns) and, on columns, where it lies on this rank's (None: on all)."""
+        if shard.axis == 0:
+            return self.g[:, :, shard.start : shard.stop], self.columns.expand(-1, grads.shape[1], -1), None
+        inside = (self.columns >= shard.start) & (self.columns < shard.stop)
+        local = torch.where(inside, self.columns - shard.start, 0)
+        return self.g, local.expand(-1, grads.shape[1], -1), inside
+
+    def shard_partial(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState]
+    ) -> list[tuple[Exchange, Tensor]]:
+        """This rank's part of each row's projection g_iᵀ ∇W e_{t_i}: its rows of g_i against its rows of ∇W's
+        column t_i, or on columns the whole g_i where t_i is among this rank's columns (m numbers per layer, summed
+        over ranks)."""
+        g, index, inside = self._local(shard, grads)
+        if grads.shape[2] == 0:  # no column here: nothing to project
+            return [(Exchange.SUM, g.new_zeros(g.shape[0], g.shape[1], 1))]
+        picked = torch.gather(grads, 2, index)
+        if inside is not None:
+            picked = picked * inside
+        return [(Exchange.SUM, (picked.mT * g).sum(dim=-1, keepdim=True))]
+
+    def shard_finish(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState], received: Sequence[Tensor]
+    ) -> tuple[Tensor, list[LayerState]]:
+        """This rank's rows (or columns) of ∇W/λ with c_i g_i/(−λD) added into column t_i, c from the summed
+        projections."""
+        g, index, inside = self._local(shard, grads)
+        out = grads * self.inverse_damping
+        if grads.shape[2] == 0:
+            return out, list(states)
+        added = (g * self.coefficients(received[0], grads.dtype)).mT
+        return out.scatter_add_(2, index, added if inside is None else added * inside), list(states)
 
 
 def smw_inners(updates: Sequence[LowRankUpdate], damping: float) -> list[Tensor]:

@@ -15,7 +15,8 @@ layer holds a state), then one update step and one step between updates are coun
 KAISA's (kfac-pytorch's ``KFACPreconditioner``, when installed) step between its updates. ``--model stack
 --layers N`` counts N equal Linear(64, 64) layers: how the cost grows with the layers. ``--by-op`` also prints
 the operations of each step between updates by name, most frequent first. ``--device cuda`` counts on a GPU: the
-same operations, each a kernel launch there.
+same operations, each a kernel launch there. Under ``torchrun`` every rank counts its own step on the same batch
+under DDP, or with ``--shard`` each block and the model ``fully_shard``-ed (FSDP2); rank 0 prints its counts.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hylo
 from hylo_scripts.argtypes import add_device, hylo_option
-from hylo_scripts.bench_overhead import KAISA, workload
+from hylo_scripts.bench_overhead import KAISA, placed, workload
 from hylo_scripts.devices import describe
 from hylo_scripts.models import model_names
 from hylo_scripts.peers import kaisa_preconditioner
@@ -48,14 +47,6 @@ def stack(layers: int, batch: int) -> tuple[torch.nn.Module, torch.Tensor, torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
     return model, torch.randn(batch, 64), torch.randint(0, 64, (batch,)), False
-
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """What ``--shard`` shards before the model: the entries of its ``ModuleList``s (a transformer's blocks), else
-    every layer with parameters."""
-    blocks = [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
-    leaves = [m for m in model.modules() if m is not model and not list(m.children()) and list(m.parameters())]
-    return blocks or leaves
 
 
 class OpCounter(TorchDispatchMode):
@@ -110,19 +101,15 @@ def step_counts(
     """(forward+backward, update step, step between updates) operation counts of ``solver`` (or :data:`KAISA`) on
     the workload of :func:`hylo_scripts.bench_overhead.workload` on ``device`` (default CPU), after ``warmup``
     iterations. In a process group of P > 1 ranks (every rank fed the same batch) the model is wrapped in DDP, or
-    with ``shard`` each block (:func:`_blocks`) and then the model is ``fully_shard``-ed (FSDP2)."""
+    with ``shard`` each block and then the model is ``fully_shard``-ed (FSDP2):
+    :func:`hylo_scripts.bench_overhead.placed`."""
     if model_name == STACK:
         model, x, y, lm = stack((model_options or {}).get("layers", 4), batch)
     else:
         model, x, y, lm = workload(model_name, batch, image, classes, model_options)
     device = device or torch.device("cpu")
     model, x, y = model.to(device), x.to(device), y.to(device)
-    if shard:
-        for module in _blocks(model):
-            fully_shard(module)
-        fully_shard(model)
-    elif rank_and_world()[1] > 1:
-        model = DistributedDataParallel(model)
+    model = placed(model, shard)
 
     def loss() -> None:
         out = model(x)

@@ -24,7 +24,9 @@ refuses the model (e.g. ``kfac`` over ``kfac_max_state_mb``) is reported as refu
 ``--solvers`` times KAISA (kfac-pytorch's ``KFACPreconditioner``, when installed: its factors and
 inverses every ``--update-freq`` steps, damping 0.003) in the same loop. ``--autocast bf16`` runs the
 forward under ``torch.autocast`` in bf16. On CUDA each row also gives the run's peak allocated memory
-(``torch.cuda.max_memory_allocated``: model, optimizer, activations and preconditioner), in MB.
+(``torch.cuda.max_memory_allocated``: model, optimizer, activations and preconditioner), in MB. Under
+``torchrun`` every rank runs the same batch under DDP, or with ``--shard`` each block and the model
+``fully_shard``-ed (FSDP2), and rank 0 reports its own times.
 
 ``--profile`` measures the cost of hylo's profiling itself: each solver is run a second time
 with ``profile_dir`` set (a fresh temporary directory per run, deleted afterwards; no
@@ -39,9 +41,12 @@ machine differences of a few percent are within the run-to-run noise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -49,6 +54,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import hylo
 from hylo_scripts.argtypes import default_device, hylo_option
@@ -57,6 +64,7 @@ from hylo_scripts.hylo_options import ADAPTIVE
 from hylo_scripts.models import MODELS, build_model, model_names
 from hylo_scripts.optimizers import adapted_optimizer
 from hylo_scripts.peers import kaisa_preconditioner
+from hylo_scripts.process import distributed, rank_and_world
 from hylo_scripts.timing import now
 
 #: The name among ``--solvers`` that times KAISA instead of a hylo solver.
@@ -89,6 +97,22 @@ def workload(
     return model, x, y, spec.task == "lm"
 
 
+def placed(model: torch.nn.Module, shard: bool) -> torch.nn.Module:
+    """The model as it trains here: with ``shard``, each block (the entries of its ``ModuleList``s, else each layer
+    with parameters) and then the model ``fully_shard``-ed (FSDP2); else, in a process group of P > 1 ranks,
+    wrapped in DDP; else itself."""
+    if shard:
+        blocks = [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
+        leaves = [m for m in model.modules() if m is not model and not list(m.children()) and list(m.parameters())]
+        for module in blocks or leaves:
+            fully_shard(module)
+        fully_shard(model)
+        return model
+    if rank_and_world()[1] > 1:
+        return DistributedDataParallel(model)
+    return model
+
+
 def iteration_time(
     model_name: str,
     solver: str | None,
@@ -108,6 +132,7 @@ def iteration_time(
     device: torch.device | None = None,
     cpu_time: bool = False,
     autocast: torch.dtype | None = None,
+    shard: bool = False,
 ) -> float:
     """Mean seconds per iteration (solver None = the plain optimizer); ``profile_dir`` turns on hylo's
     profiling. ``classes``: the model's classes (a language model's vocabulary); ``model_options``: its
@@ -117,14 +142,15 @@ def iteration_time(
     the plain optimizer); ``device``: where it runs (default CPU), each iteration timed between two
     synchronisations of it; ``cpu_time``: the process's CPU seconds instead of wall seconds (CPU only: a figure
     that another process's load on the machine disturbs less); ``autocast``: the forward's autocast dtype (None:
-    off). ``solver`` :data:`KAISA` steps KAISA's preconditioner instead of hylo's."""
+    off); ``shard``: FSDP2 (:func:`placed`; in a process group of P > 1 ranks the model is wrapped in DDP
+    otherwise). ``solver`` :data:`KAISA` steps KAISA's preconditioner instead of hylo's."""
     if cpu_time and device is not None and device.type != "cpu":
         raise ValueError("cpu_time measures the process's CPU seconds: it needs device cpu")
     if profile_dir is not None and solver is None:
         raise ValueError("profile_dir profiles hylo: it needs a solver")
     device = device or torch.device("cpu")
     model, x, y, lm = workload(model_name, batch, image, classes, model_options)
-    model, x, y = model.to(device), x.to(device), y.to(device)
+    model, x, y = placed(model.to(device), shard), x.to(device), y.to(device)
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
 
@@ -210,7 +236,8 @@ def profiled_iteration_time(
         t = iteration_time(
             model_name, solver, batch, steps, warmup, update_freq, image, profile_dir=directory, **workload
         )
-        phases, apply_ms = phase_breakdown(os.path.join(directory, "steps-r0.csv"), skip=warmup)
+        rank = rank_and_world()[0]  # each rank profiles into its own directory, its own file
+        phases, apply_ms = phase_breakdown(os.path.join(directory, f"steps-r{rank}.csv"), skip=warmup)
         return t, phases, apply_ms
 
 
@@ -261,6 +288,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also time each solver with hylo's profiling on (profile_dir)"
     )
+    parser.add_argument(
+        "--shard", action="store_true", help="under torchrun: fully_shard each block and the model (FSDP2), not DDP"
+    )
     args = parser.parse_args()
     if args.cpu_time and args.device.type != "cpu":
         parser.error("--cpu-time measures the process's CPU seconds: it needs --device cpu")
@@ -272,6 +302,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="hylo leaves")
+    with distributed("gloo" if args.device.type == "cpu" else "auto") as device:
+        rank, world = rank_and_world()
+        if world > 1 and args.device.type != "cpu":  # under torchrun: this rank's device
+            args.device = device
+        with contextlib.redirect_stdout(sys.stdout if rank == 0 else io.StringIO()):  # rank 0 reports its times
+            _report(args)
+
+
+def _report(args: argparse.Namespace) -> None:
+    """Time the plain optimizer and every solver and print the table."""
     shape = (args.batch_size, args.steps, args.warmup, args.update_freq, args.image_size)
     sizes = {k: getattr(args, k) for k in ("layers", "width", "heads") if getattr(args, k) is not None}
     workload: dict[str, Any] = {
@@ -282,6 +322,7 @@ def main() -> None:
         "device": args.device,
         "cpu_time": args.cpu_time,
         "autocast": AUTOCAST[args.autocast],
+        "shard": args.shard,
     }
     cuda = args.device.type == "cuda"
     if cuda:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hylo
+from hylo.solvers.kfac_kernels import EigenKernel
 from tests.kit.checks import rel_err
 from tests.kit.harness import run_distributed
+from tests.kit.internals import apply_plan
 from tests.library.test_distributed import DAMPING, LAYERS, NORM_FLOOR, Net, assert_rel_close, make_data, make_model
 
 SOLVERS = ("kfac", "sngd", "kid", "kis", "kfac_adam")
@@ -159,6 +162,87 @@ def test_fsdp2_kl_clip_matches_single_process() -> None:
     for result in run_distributed(train, 2, "sngd", "layers", xs, ys, extra, timeout=120):
         for step, want in enumerate(reference["grads"]):
             assert_rel_close(result["grads"][step], want, TOL, f"step {step} clipped")
+
+
+#: The names of three equal layers between a stem and a head: one group of the apply plan.
+EQUAL = ("eq0", "eq1", "eq2")
+
+
+def _grouped_and_layer_by_layer(
+    rank: int, world_size: int, options: dict[str, Any], failing: bool = False
+) -> tuple[list[Any], list[str]]:
+    """The same sharded run twice, ``grouped`` True then False: each step's preconditioned gradients, and the
+    warnings; ``failing``: K-FAC's kernel raises on every group of more than one layer (this forked rank only)."""
+    if failing:
+        real = EigenKernel.shard_partial
+
+        def partial(self: EigenKernel, grads: Tensor, *args: Any) -> Any:
+            if grads.shape[0] > 1:
+                raise RuntimeError("an injected kernel failure")
+            return real(self, grads, *args)
+
+        EigenKernel.shard_partial = partial  # type: ignore[method-assign]
+    xs, ys = make_data(4, 8, torch.float64)
+    size = xs.shape[1] // world_size
+    local = slice(rank * size, (rank + 1) * size)
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for grouped in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Flatten())
+            model.add_module("stem", nn.Linear(xs[0, 0].numel(), 8, dtype=torch.float64))
+            for name in EQUAL:
+                model.add_module(f"act_{name}", nn.Tanh())
+                model.add_module(name, nn.Linear(8, 8, dtype=torch.float64))
+            model.add_module("head", nn.Linear(8, 3, dtype=torch.float64))
+            for name in ("stem", *EQUAL, "head"):
+                fully_shard(getattr(model, name))
+            fully_shard(model)
+            pre = hylo.HyLoPreconditioner(model, grouped=grouped, **options)
+            steps = record_steps(
+                model,
+                pre,
+                zip(xs, ys, strict=True),
+                lambda xy, m=model: F.cross_entropy(m(xy[0][local]), xy[1][local]),
+                [],
+            )
+            if grouped:  # the three equal layers in one kernel
+                assert sorted(len(group.members) for group in apply_plan(pre).groups) == [1, 1, 3]
+            out.append(steps["grads"])
+    return out, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"solver": "kfac"},
+        {"solver": "kfac", "kfac_method": "inverse"},
+        {"solver": "sngd"},
+        {"solver": "kfac_adam", "adam_eps": 1e-3},
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_fsdp2_grouped_equals_layer_by_layer(options: dict[str, Any]) -> None:
+    """docs/design.md, "The apply plan": on 2 sharded ranks the grouped step (the three equal layers in one
+    kernel) equals the same kernels one layer a group (``grouped=False``), in float64 to 1e-12."""
+    options = {"damping": DAMPING, "factor_decay": 0.5, "rank_ratio": 1.0, "update_freq": 2, **options}
+    for (grouped, layer_by_layer), _ in run_distributed(_grouped_and_layer_by_layer, 2, options, timeout=120):
+        for step, (a, b) in enumerate(zip(grouped, layer_by_layer, strict=True)):
+            assert_rel_close(a, b, 1e-12, f"step {step}")
+
+
+def test_fsdp2_a_failing_group_kernel_hands_the_step_to_one_layer_a_group() -> None:
+    """A grouped kernel that raises under FSDP2 (on every rank alike): the step runs the same kernels one layer a
+    group, with the same results, and warns naming the error and the layers."""
+    options = {"solver": "kfac", "damping": DAMPING, "update_freq": 2}
+    for (grouped, layer_by_layer), messages in run_distributed(
+        _grouped_and_layer_by_layer, 2, options, True, timeout=120
+    ):
+        for step, (a, b) in enumerate(zip(grouped, layer_by_layer, strict=True)):
+            assert_rel_close(a, b, 1e-12, f"step {step}")
+        raised = [m for m in messages if "the grouped step raised RuntimeError: an injected kernel failure" in m]
+        assert raised and all("eq0, eq1, eq2" in m for m in raised), messages
 
 
 def _resume(rank: int, world_size: int, solver: str, xs: Tensor, ys: Tensor, stop: int | None) -> dict[str, Tensor]:

@@ -157,13 +157,13 @@ class Fork:
     pre: HyLoPreconditioner
 
 
-def forks(case: Case, dtype: torch.dtype, extra: dict[str, Any]) -> tuple[Fork, Fork]:
+def forks(case: Case, dtype: torch.dtype, extra: dict[str, Any] | None = None) -> tuple[Fork, Fork]:
     """The grouped run and the reference, on equal copies of the model (``extra``: more hylo options)."""
     model = model_of(case, dtype)
     out = []
     for grouped in (True, False):
         copy_ = copy.deepcopy(model)
-        pre = HyLoPreconditioner(copy_, grouped=grouped, **options_of(case), **extra)
+        pre = HyLoPreconditioner(copy_, grouped=grouped, **options_of(case), **(extra or {}))
         # a step of at most ~0.1 ‖∇W‖: the run stays where float64 keeps 1e-12 (its kernels' ‖K‖/λ moderate)
         optimizer = torch.optim.SGD(copy_.parameters(), lr=0.1 * case.damping, momentum=0.9)
         out.append(Fork(copy_, optimizer, pre))

@@ -322,33 +322,6 @@ def test_inverse_method_on_a_convolution_and_its_state_round_trip() -> None:
     torch.testing.assert_close(grad_matrix(twin), grad_matrix(layer), rtol=0, atol=0)
 
 
-def test_inverse_method_sharded_terms_sum_to_the_whole_step() -> None:
-    """Under FSDP2 each rank's term of V̂ (its rows, or its columns, of ∇W), summed over ranks and cut to its part,
-    is its part of the whole V̂."""
-    from hylo.layers.gradmatrix import GradMatrix, GradShard
-    from hylo.solvers.kfac import KFACInverseState
-
-    torch.manual_seed(0)
-    spd = [torch.randn(d, d, dtype=DT) for d in (5, 4)]
-    inv_a, inv_g = (torch.linalg.inv(m @ m.mT + torch.eye(m.shape[0], dtype=DT)) for m in spd)
-    state = KFACInverseState(torch.eye(5, dtype=DT), torch.eye(4, dtype=DT), inv_a, inv_g, 0.1)
-    weight, bias = torch.randn(4, 4, dtype=DT), torch.randn(4, dtype=DT)
-    whole = state.precondition(GradMatrix(weight, bias))
-    torch.testing.assert_close(whole, inv_g @ torch.cat([weight, bias[:, None]], 1) @ inv_a)
-    row_parts = [GradShard(0, 3, 4, 0), GradShard(3, 4, 4, 0)]
-    grads = [GradMatrix(weight[s.start : s.stop], bias[s.start : s.stop], s) for s in row_parts]
-    total = sum(state.shard_partial(grad)[1] for grad in grads)
-    for grad in grads:
-        torch.testing.assert_close(state.shard_finish(grad, total), whole[grad.shard.start : grad.shard.stop])
-    plain = torch.randn(4, 5, dtype=DT)
-    whole = state.precondition(plain)
-    col_parts = [GradShard(0, 2, 5, 1), GradShard(2, 5, 5, 1)]
-    grads = [GradMatrix(plain[:, s.start : s.stop], None, s) for s in col_parts]
-    total = sum(state.shard_partial(grad)[1] for grad in grads)
-    for grad in grads:
-        torch.testing.assert_close(state.shard_finish(grad, total), whole[:, grad.shard.start : grad.shard.stop])
-
-
 def test_kfac_method_is_checked() -> None:
     with pytest.raises(ValueError, match="kfac_method"):
         HyLoPreconditioner(nn.Linear(2, 2), kfac_method="cholesky")

@@ -137,7 +137,7 @@ def test_a_kernel_error_of_any_kind_reaches_the_per_layer_path(monkeypatch: pyte
             raise error
 
         with monkeypatch.context() as patch:
-            patch.setattr(GroupedApply, "precondition", failing)
+            patch.setattr(GroupedApply, "checked", failing)
             with pytest.warns(UserWarning, match=r"layer by layer.*layers\.0.*layers\.2") as caught:
                 got = _run(dtypes, {"solver": "kfac"}, grouped=True)
         assert any(type(error).__name__ in str(w.message) for w in caught)

@@ -4,7 +4,8 @@ Counted, not timed: the aten operations ``step()`` dispatches (:class:`hylo_scri
 step between curvature updates. A stack of 16 equal Linear layers issues at most 16 operations more than a stack
 of 4 (one group either way), where the per-layer path (``grouped=False``) issues dozens more per layer; the plan
 is built once per update and reused by the steps between. The same holds on every rank of 2 gloo ranks under DDP's
-default strategy and under ``strategy="gradient"`` (docs/design.md, "Placements").
+default strategy, under ``strategy="gradient"`` and under FSDP2 (docs/design.md, "Placements"), and FSDP2 costs at
+most twice one process on the LM bench decoder.
 """
 
 from __future__ import annotations
@@ -58,30 +59,48 @@ def test_sixteen_layers_cost_four_layers_plus_a_constant(solver: str) -> None:
     assert per_layer.total >= 5 * sixteen.total, (per_layer.total, sixteen.total)
 
 
-def _between_on_rank(rank: int, world_size: int, layers: int, solver: str, options: dict[str, str]) -> int:
-    """Operations of this rank's step between updates on a stack of ``layers`` (under DDP, the same batch on every
-    rank), as ``torchrun --nproc-per-node 2 scripts/bench_ops.py --model stack`` counts them."""
+def _between_on_rank(
+    rank: int, world_size: int, model: str, sizes: dict[str, int], solver: str, placement: str, options: dict[str, str]
+) -> int:
+    """Operations of this rank's step between updates (under DDP, or each block ``fully_shard``-ed; the same batch on
+    every rank), as ``torchrun --nproc-per-node 2 scripts/bench_ops.py`` counts them."""
     torch.set_num_threads(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, _, between = step_counts("stack", solver, 32, 10, None, model_options={"layers": layers}, options=options)
+        options = {**PLACEMENTS[placement], **options}
+        shard = placement == "fsdp2"
+        image = 16 if model == "transformer" else None
+        _, _, between = step_counts(model, solver, 8, 10, image, model_options=sizes, options=options, shard=shard)
     return between.total
 
 
-#: The placements at P > 1 (docs/design.md, "Placements"): DDP's default strategy (``Local``) and
-#: ``strategy="gradient"`` (``Owners``).
-PLACEMENTS = {"inverse": {}, "gradient": {"strategy": "gradient"}}
+#: The placements at P > 1 (docs/design.md, "Placements"): DDP's default strategy (``Local``),
+#: ``strategy="gradient"`` (``Owners``) and FSDP2 (``Sharded``), as hylo options.
+PLACEMENTS: dict[str, dict[str, str]] = {"inverse": {}, "gradient": {"strategy": "gradient"}, "fsdp2": {}}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("solver", ["kfac", "kfac_adam", "sngd"])
 def test_two_ranks_sixteen_layers_cost_four_layers_plus_a_constant(placement: str, solver: str) -> None:
     """2 gloo ranks: on every rank 16 equal layers cost at most 16 operations more than 4, whichever rank owns
-    which layer."""
-    options = PLACEMENTS[placement]
-    four = run_distributed(_between_on_rank, 2, FEW, solver, options, timeout=120)
-    sixteen = run_distributed(_between_on_rank, 2, MANY, solver, options, timeout=120)
-    assert all(many <= few + MARGIN for few, many in zip(four, sixteen, strict=True)), (four, sixteen)
+    which layer, whichever placement."""
+    few, many = (
+        run_distributed(_between_on_rank, 2, "stack", {"layers": n}, solver, placement, {}, timeout=120)
+        for n in (FEW, MANY)
+    )
+    assert all(b <= a + MARGIN for a, b in zip(few, many, strict=True)), (few, many)
+
+
+@pytest.mark.parametrize(("solver", "options"), [("kfac", {"kfac_method": "inverse"}), ("kfac_adam", {})], ids=str)
+def test_fsdp2_costs_at_most_twice_one_process_on_the_lm_decoder(solver: str, options: dict[str, str]) -> None:
+    """The LM bench decoder (2 blocks of width 128), each block ``fully_shard``-ed on 2 gloo ranks: a step between
+    updates costs at most twice what it costs in one process (the kernels' exchange and the check's agreement)."""
+    sizes = {"layers": 2, "width": 128}
+    sharded = run_distributed(_between_on_rank, 2, "transformer", sizes, solver, "fsdp2", options, timeout=120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, alone = step_counts("transformer", solver, 8, 10, 16, model_options=sizes, options=options)
+    assert max(sharded) <= 2 * alone.total, (sharded, alone.total)
 
 
 def test_the_plan_is_reused_between_updates_and_rebuilt_after_one() -> None:

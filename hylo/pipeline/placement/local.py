@@ -79,7 +79,7 @@ def _layer_by_layer(stage: UpdateStage, ready: Ready, members: Sequence[int], he
     results, successors = stage.apply_layers(list(zip(names, held, grads, strict=True)), ready.watch)
     norms = [ready.norms[ready.indices[i]] for i in members]
     bounds = [state.bound for state in held]
-    written, fell, terms = checked_results(grads, [results[name] for name in names], norms, bounds, None)
+    written, fell, terms = checked_results(grads, [results[name] for name in names], norms, bounds)
     ready.watch.lap("precondition", names)
     rows = [ready.indices[i] for i in members]
     return Here(written, written, torch.stack(norms), fell == 0, fell, terms, rows, None, successors)

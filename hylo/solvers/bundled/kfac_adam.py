@@ -28,16 +28,13 @@ from hylo.solvers.base import (
     Contribution,
     CostEstimate,
     FamilyOptions,
-    GroupKernel,
     HeldState,
     LayerState,
     SolverFamily,
     UpdateContext,
     UpdateJob,
     checked_tensors,
-    own_part,
     positive_number,
-    stacked,
 )
 from hylo.solvers.blockdiag import blocks, diagonal, identity, rotated_in, rotated_out
 from hylo.solvers.bundled import staleness
@@ -55,6 +52,7 @@ from hylo.solvers.bundled.adam_rule import (
     side_layout,
     warm_started,
 )
+from hylo.solvers.kernel import GroupKernel, stacked
 from hylo.solvers.kfac import (
     EIGH_COST,
     KFACConfig,
@@ -130,14 +128,6 @@ class KFACAdamState(LayerState):
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
         """V̂ of :meth:`advance`, the state left as it is (the studies' use)."""
         return self.advance(grad)[0]
-
-    def shard_advance(self, grad: GradMatrix, received: Tensor) -> tuple[Tensor, LayerState]:
-        """This rank's rows (or columns) of V̂ from the gathered ∇W (:meth:`shard_partial`'s default), and the
-        state advanced on the whole ∇W: every rank holds the same moments."""
-        shard = grad.shard
-        assert shard is not None
-        result, state = self.advance(received if shard.axis == 0 else received.mT)
-        return own_part(result, shard), state
 
     def plan_parts(self) -> tuple[object, ...]:
         """The eigendecompositions, λ and the rule, which every step's successor keeps (its moments change)."""
