@@ -40,7 +40,7 @@ from hylo.pipeline.loss_scale import LossScale
 from hylo.pipeline.placement import placement_for
 from hylo.pipeline.planner import Planner
 from hylo.pipeline.stage import UpdateStage
-from hylo.pipeline.step import Outcome, StepValues, precondition, refresh, update
+from hylo.pipeline.step import Outcome, StepValues, apply, refresh, update
 from hylo.policy import SolverPolicy, check_kfac_budget
 from hylo.records import Decision, LayerInfo, Progress, format_summary
 from hylo.state import RegisteredLayer, layer_parameters, registered_layers
@@ -309,7 +309,7 @@ class HyLoPreconditioner:
         ]
         if ready:
             indices = [self._index[layer.name] for layer, _ in ready]
-            outcome.written, outcome.checked = precondition(
+            outcome.written, outcome.checked = apply(
                 self._placement, ready, indices, agreed.norms, outcome, values, config, self._telemetry.watch
             )
         return outcome

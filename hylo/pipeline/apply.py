@@ -8,7 +8,7 @@ preconditioned layers grouped by (family, the family's :meth:`~hylo.solvers.base
 states stacked once by the family's :meth:`~hylo.solvers.base.SolverFamily.group_kernel`, and the check's
 per-layer limits made device tensors once. A step then costs O(groups) operations, not O(layers): every
 group's gradients stacked by two ``torch._foreach_copy_`` for the whole step, one batched apply per group (under
-FSDP2 split around the ranks' exchange: the placement's ``run``), one batched product of the check's two sums
+FSDP2 split around the ranks' exchange: the placement's ``kernels``), one batched product of the check's two sums
 per group, one vector decision for all layers (:func:`~hylo.numerics.sound`), one ``where`` per group for the
 raw-gradient fallback; the placement then applies ``kl_clip`` by one ``torch._foreach_mul_``, and the results
 are written back by two ``torch._foreach_copy_`` (:func:`write_back`). No host synchronisation.
@@ -184,7 +184,7 @@ KernelRun = Callable[
 class GroupedApply:
     """The step between updates per group of the layers a rank applies; it keeps the plan between steps.
 
-    ``singles``: one layer a group (the kernels applied layer by layer); ``run``: how the groups' kernels run
+    ``singles``: one layer a group (the kernels applied layer by layer); ``kernels``: how the groups' kernels run
     (:func:`apply_groups`, or a placement's exchange around them); ``combine``: how the check's terms of this
     rank's rows become every rank's (None: they are whole here); ``shards``: the ready layers' parts of ∇W as every
     rank knows them (:func:`build_plan`), asked when a plan is built."""
@@ -192,13 +192,13 @@ class GroupedApply:
     def __init__(
         self,
         singles: bool = False,
-        run: KernelRun | None = None,
+        kernels: KernelRun | None = None,
         combine: Callable[[Tensor], Tensor] | None = None,
         shards: Callable[[Sequence[GradMatrix]], list[Hashable]] | None = None,
     ) -> None:
         self.plan: ApplyPlan | None = None
         self.singles = singles
-        self.run = run or apply_groups
+        self.kernels = kernels or apply_groups
         self.combine = combine
         self.shards = shards
 
@@ -254,7 +254,7 @@ class GroupedApply:
         spans = [(g.start, g.stop, g.dtype) for g in plan.groups]
         scales, scale64 = unit_scales(norms, plan.bound, spans, plan.floor)
         members = [[states[i] for i in group.members] for group in plan.groups]
-        applied = self.run(plan.groups, [stack[:, 0] for stack in stacks], members)
+        applied = self.kernels(plan.groups, [stack[:, 0] for stack in stacks], members)
         sums: list[Tensor] = []
         successors: dict[str, LayerState] = {}
         for group, stack, scale, before, (result, after) in zip(

@@ -2,7 +2,7 @@
 
 A step evaluates every schedule first (:class:`StepValues`), computes everything into an
 :class:`Outcome` without touching the preconditioner, and only then commits it. :func:`update` and
-:func:`refresh` run the update stage's jobs into the outcome; :func:`precondition` is the last
+:func:`refresh` run the update stage's jobs into the outcome; :func:`apply` is the last
 phase, the states applied to the gradients with the raw-gradient fallback and the whole step's
 ``kl_clip`` trust region.
 """
@@ -156,7 +156,7 @@ def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateCo
     outcome.states.update((k, v) for k, v in result.states.items() if k not in result.rejected)
 
 
-def precondition(
+def apply(
     placement: Placement,
     ready: Sequence[tuple[RegisteredLayer, GradMatrix]],
     indices: Sequence[int],
@@ -183,9 +183,7 @@ def precondition(
     states = [state for layer, _ in ready if (state := outcome.state_of(layer)) is not None]
     assert len(states) == len(ready), "a ready layer holds a state"
     owners = [outcome.owners.get(layer.name, layer.owner) for layer, _ in ready]
-    results, checked, successors = placement.precondition(
-        Ready(ready, states, owners, indices, norms, clip, config, watch)
-    )
+    results, checked, successors = placement.run(Ready(ready, states, owners, indices, norms, clip, config, watch))
     outcome.states.update(successors)  # stored with the rest of the step, once it succeeds
     outcome.grads = {layer.name: grad for layer, grad in ready}
     return {layer.name: v for (layer, _), v in zip(ready, results, strict=True)}, checked

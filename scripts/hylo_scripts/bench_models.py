@@ -16,6 +16,8 @@ families"): those of torchvision only where it imports, the reason it does not p
 With ``--grid`` the benchmark answers "better than AdamW at my learning rate?" on real data
 (:mod:`hylo_scripts.model_grid`): every family real data here can feed, at every lr of ``--lrs`` and seed of
 ``--seeds``, AdamW against the optimizer form, steps interleaved, rows appended to the CSV as each run ends.
+``--device cuda`` trains on a GPU (default: cuda when available): the tables' runs and the grid's, its steps timed
+between two device synchronisations; the device heads the output (the grid's: under its tables) and the grid's rows.
 
 For every family of :mod:`hylo_scripts.model_families` (tiny models built from their ``transformers`` configs),
 the first table gives the layers hylo registers; its coverage (``pre.coverage()``: the share of the trainable
@@ -44,11 +46,15 @@ from torch import nn
 
 import hylo
 from hylo_scripts import model_grid
-from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family
+from hylo_scripts.argtypes import add_device
+from hylo_scripts.devices import describe
+from hylo_scripts.model_families import EXCLUDED, FAMILIES, HELD_OUT, Family, batch_on
 from hylo_scripts.vision_families import TORCHVISION, VISION_FAMILIES, torchvision_missing
 
 #: Every family by name: the language, speech and ViT families, then the vision ones.
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **VISION_FAMILIES}
+#: Where the runs train unless told.
+CPU = torch.device("cpu")
 
 
 def excluding(coverage: hylo.Coverage) -> float:
@@ -75,17 +81,25 @@ def matrices(model: nn.Module) -> dict[str, nn.Parameter]:
     return found
 
 
-def held_out_loss(model: nn.Module, family: Family) -> float:
-    """The mean loss over the held-out batches (:data:`HELD_OUT`), without gradients (hylo captures nothing)."""
+def held_out_loss(model: nn.Module, family: Family, device: torch.device = CPU) -> float:
+    """The mean loss over the held-out batches (:data:`HELD_OUT`, on ``device``), without gradients (hylo captures
+    nothing)."""
     with torch.no_grad():
-        return sum(float(family.loss(model, family.batch(step))) for step in HELD_OUT) / len(HELD_OUT)
+        losses = (float(family.loss(model, batch_on(family.batch(step), device))) for step in HELD_OUT)
+        return sum(losses) / len(HELD_OUT)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, family: Family, steps: int) -> None:
-    """``steps`` steps on the family's batches 0, 1, …"""
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    family: Family,
+    steps: int,
+    device: torch.device = CPU,
+) -> None:
+    """``steps`` steps on the family's batches 0, 1, … on ``device``."""
     for step in range(steps):
         optimizer.zero_grad()
-        family.loss(model, family.batch(step)).backward()
+        family.loss(model, batch_on(family.batch(step), device)).backward()
         optimizer.step()
 
 
@@ -104,14 +118,14 @@ class Row:
     warned: tuple[str, ...]
 
 
-def measure(family: Family, steps: int, lr: float) -> Row:
-    """Build the family's tiny model, attach ``HyLoOptimizer`` at its defaults and train it and a copy under AdamW
-    for ``steps`` steps at ``lr``."""
-    base = family.model()
-    start = held_out_loss(base, family)
+def measure(family: Family, steps: int, lr: float, device: torch.device = CPU) -> Row:
+    """Build the family's tiny model on ``device``, attach ``HyLoOptimizer`` at its defaults and train it and a copy
+    under AdamW for ``steps`` steps at ``lr``."""
+    base = family.model().to(device)
+    start = held_out_loss(base, family, device)
     plain = copy.deepcopy(base)
     adamw = functools.partial(torch.optim.AdamW, lr=lr)
-    train(plain, adamw([p for p in plain.parameters() if p.requires_grad]), family, steps)
+    train(plain, adamw([p for p in plain.parameters() if p.requires_grad]), family, steps, device)
     model = copy.deepcopy(base)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -129,7 +143,7 @@ def measure(family: Family, steps: int, lr: float) -> Row:
             rewritten.update(name for name, grad in before.items() if not grad.equal(after[name]))
 
         pre.step = observed  # type: ignore[method-assign]
-        train(model, opt, family, steps)
+        train(model, opt, family, steps, device)
     coverage = pre.coverage()
     warned = tuple(
         dict.fromkeys(
@@ -144,8 +158,8 @@ def measure(family: Family, steps: int, lr: float) -> Row:
         coverage,
         sum(weights[name].numel() for name in rewritten) / coverage.total if coverage.total else 1.0,
         start,
-        held_out_loss(plain, family),
-        held_out_loss(model, family),
+        held_out_loss(plain, family, device),
+        held_out_loss(model, family, device),
         warned,
     )
 
@@ -201,6 +215,7 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
     parser.add_argument("--steps", type=int, help="training steps of each run (100; the grid's 150)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (both runs)")
     parser.add_argument("--threads", type=int, default=2)
+    add_device(parser, "cpu or cuda[:N] (default: cuda if any): where the runs train (not --tables)")
     parser.add_argument("--grid", type=Path, metavar="CSV", help="run the real-data grid, appending its rows here")
     parser.add_argument("--lrs", type=float, nargs="+", default=list(model_grid.LRS), help="the grid's lrs")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(model_grid.SEEDS), help="the grid's seeds")
@@ -234,14 +249,16 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = print) -
             5 if quick else args.steps or model_grid.STEPS,
             args.grid,
             args.graft,
+            args.device,
         )
         out(model_grid.tables(model_grid.read_rows([args.grid])))
+        out(f"device: {describe(args.device)} (this run's rows)")
         return
     steps = args.steps or 100
-    rows = [measure(family, steps, args.lr) for family in families]
+    rows = [measure(family, steps, args.lr, args.device) for family in families]
     out(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; {steps} "
-        f"steps at lr {args.lr:g}; losses: mean over {len(HELD_OUT)} held-out batches"
+        f"device: {describe(args.device)}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{args.threads} threads; {steps} steps at lr {args.lr:g}; losses: mean over {len(HELD_OUT)} held-out batches"
     )
     if missing is not None and args.vision:
         out(f"torchvision does not import here ({missing}): its families were not run")

@@ -39,9 +39,11 @@ tables report what it did, whether or not it preconditions the fused experts.
   validation windows) at step 0, every ``--eval-every`` steps and at the end, and each method's training seconds
   (evaluations excluded).
 
-Tables are markdown; ``--out DIR`` also writes ``coverage.csv``, ``cost.csv`` and ``race.csv`` (the curves: one row
-per method and evaluation) there. Warnings given during the runs, other than hylo's list of what it leaves alone
-(the coverage table has it), are listed under the tables.
+``--device cuda`` runs every part on a GPU (default: cuda when available), the models, batches and optimizer states
+there, each timed step between two device synchronisations; the first line names the device. Tables are markdown;
+``--out DIR`` also writes ``coverage.csv``, ``cost.csv`` and ``race.csv`` (the curves: one row per method and
+evaluation) there, each with a ``device`` column. Warnings given during the runs, other than hylo's list of what it
+leaves alone (the coverage table has it), are listed under the tables.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ from torch import Tensor, nn
 
 import hylo
 from hylo_scripts import peers, timing
-from hylo_scripts.argtypes import hylo_option
+from hylo_scripts.argtypes import add_device, hylo_option
 from hylo_scripts.bench_models import excluding, left_alone, matrices
+from hylo_scripts.devices import describe
 from hylo_scripts.moe import TOP_K, fused_experts, linear_twin, mixtral, qwen2_moe
 from hylo_scripts.optimizers import combine
 from hylo_scripts.peers import Float32Muon, muon_matrices
@@ -80,6 +83,7 @@ METHODS = ("AdamW", "Muon", "SOAP", "hylo")
 WEIGHT_DECAY = 0.01
 #: The cap on the race's training bytes (the validation split's: a tenth of it).
 MAX_BYTES = 4_000_000
+#: Where the runs go unless told (random draws and the race's window indices stay on it whatever the device).
 CPU = torch.device("cpu")
 
 
@@ -254,10 +258,10 @@ def state_mb(optimizers: Sequence[torch.optim.Optimizer]) -> float:
 
 
 def timed_steps(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Sequence[Tensor]]
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Sequence[Tensor]], device: torch.device = CPU
 ) -> Callable[[int], tuple[list[float], list[bool]]]:
-    """A function stepping ``optimizer`` on the next ``k`` batches (cycling) and returning each step's seconds and
-    whether it was one of hylo's update steps."""
+    """A function stepping ``optimizer`` on the next ``k`` batches (cycling) and returning each step's seconds
+    (between two synchronisations of ``device``) and whether it was one of hylo's update steps."""
     pre = optimizer.preconditioner if isinstance(optimizer, hylo.HyLoOptimizer) else None
     position = 0
 
@@ -269,11 +273,11 @@ def timed_steps(
             x, y = batches[position % len(batches)]
             position += 1
             updates.append(pre is not None and is_update(pre))
-            start = timing.now(CPU)
+            start = timing.now(device)
             optimizer.zero_grad()
             lm_loss(model, x, y).backward()
             optimizer.step()
-            times.append(timing.now(CPU) - start)
+            times.append(timing.now(device) - start)
         return times, updates
 
     return steps
@@ -305,20 +309,21 @@ def cost_rows(
     *,
     rounds: int = 1,
     options: Mapping[str, Any] | None = None,
+    device: torch.device = CPU,
 ) -> list[CostRow]:
     """AdamW and hylo (``hylo.HyLoOptimizer(model, AdamW, **options)``) on the fused Mixtral and on its linear twin,
     from the same weights on the same batches, interleaved: after ``warmup`` steps of each, ``rounds`` rounds in
     which every run takes its next ``steps // rounds`` steps in turn, so that a drift in the machine's speed reaches
-    every run alike."""
+    every run alike. Models and batches on ``device`` (the batches drawn on the CPU)."""
     base = size.model()
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (warmup + steps, size.batch, size.seq + 1), generator=generator)
+    tokens = torch.randint(0, VOCAB, (warmup + steps, size.batch, size.seq + 1), generator=generator).to(device)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     forms: dict[str, Callable[[nn.Module], nn.Module]] = {"fused": copy.deepcopy, "linear twin": linear_twin}
     runs: dict[tuple[str, str], tuple[torch.optim.Optimizer, Callable[[int], tuple[list[float], list[bool]]]]] = {}
     for form, build in forms.items():
         for name in ("AdamW", "hylo"):
-            model = build(base)
+            model = build(base).to(device)
             adamw = functools.partial(torch.optim.AdamW, lr=lrs[name], weight_decay=WEIGHT_DECAY)
             with notes.noted(f"cost, {form}, {name}"):
                 optimizer = (
@@ -326,7 +331,7 @@ def cost_rows(
                     if name == "AdamW"
                     else hylo.HyLoOptimizer(model, adamw, **dict(options or {}))
                 )
-                runs[form, name] = optimizer, timed_steps(model, optimizer, batches)
+                runs[form, name] = optimizer, timed_steps(model, optimizer, batches, device)
     timed: dict[tuple[str, str], tuple[list[float], list[bool]]] = {key: ([], []) for key in runs}
     for _, step in runs.values():
         step(warmup)
@@ -454,9 +459,11 @@ def race_run(
     lrs: dict[str, float],
     notes: Notes,
     options: Mapping[str, Any] | None = None,
+    device: torch.device = CPU,
 ) -> RaceRun:
-    """Train a copy of ``base`` under ``method`` on the windows of ``order`` (one row per step), evaluating on
-    ``held`` at step 0, every ``every`` steps and at the end."""
+    """Train a copy of ``base`` under ``method`` on the windows of ``order`` (one row per step; batches moved to
+    ``device``, where ``base`` and ``held`` are), evaluating on ``held`` at step 0, every ``every`` steps and at the
+    end."""
     model = copy.deepcopy(base)
 
     def held_out() -> float:
@@ -468,12 +475,12 @@ def race_run(
     with notes.noted(f"race, {method}"):
         optimizer = race_optimizer(method, model, lrs, options)
         for step, indices in enumerate(order.tolist(), start=1):
-            x, y = batch_of(train, indices)
-            start = timing.now(CPU)
+            x, y = (t.to(device) for t in batch_of(train, indices))
+            start = timing.now(device)
             optimizer.zero_grad()
             lm_loss(model, x, y).backward()
             optimizer.step()
-            seconds += timing.now(CPU) - start
+            seconds += timing.now(device) - start
             if step % every == 0 or step == len(order):
                 curve.append((step, seconds, held_out()))
     experts = experts_trained_by(method, optimizer, model)
@@ -492,23 +499,25 @@ def race(
     notes: Notes,
     options: Mapping[str, Any] | None = None,
     order_seed: int = 0,
+    device: torch.device = CPU,
 ) -> list[RaceRun]:
     """Every method that can run here, from the same weights on the same batches of the stdlib corpus (hylo with
-    ``options``), the training windows drawn in an order of seed ``order_seed``."""
+    ``options``), the training windows drawn in an order of seed ``order_seed`` (on the CPU), on ``device``."""
     root = stdlib_root()
     corpus = read_corpus(root, stdlib_files(root), MAX_BYTES)
     train = TokenWindows(corpus.train, size.seq)
     validation = TokenWindows(corpus.validation, size.seq).spread(windows)
-    held = batch_of(validation, range(len(validation)))
+    x, y = batch_of(validation, range(len(validation)))
+    held = x.to(device), y.to(device)
     order = torch.randint(len(train), (steps, size.batch), generator=torch.Generator().manual_seed(order_seed))
-    base = size.model()
+    base = size.model().to(device)
     runs = []
     for method in methods:
         reason = peers.missing(peers.METHODS["soap"]) if method == "SOAP" else None
         if reason is not None:
             notes.add(f"race, {method}: skipped, {reason}")
             continue
-        runs.append(race_run(method, base, train, order, held, every, lrs, notes, options))
+        runs.append(race_run(method, base, train, order, held, every, lrs, notes, options, device))
     return runs
 
 
@@ -556,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "--set", nargs="+", type=hylo_option, default=[], metavar="KEY=VALUE", help="hylo's options (cost and race)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    add_device(parser)
     parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write the CSV files here")
     args = parser.parse_args(argv)
     if min(args.cost_rounds, args.steps, args.eval_every, args.eval_windows, args.batch_size, args.seq_len) < 1:
@@ -573,19 +583,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     notes = Notes()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")
+    device: torch.device = args.device
+    where = describe(device)
+    print(
+        f"device: {where}, torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads"
+    )
     if "coverage" in args.parts:
         torch.manual_seed(0)
         models = {"Mixtral": mixtral(), "Qwen2-MoE": qwen2_moe()}
         models["Mixtral, linear twin"] = linear_twin(models["Mixtral"])
-        rows = [coverage_row(name, model, notes) for name, model in models.items()]
+        rows = [coverage_row(name, model.to(device), notes) for name, model in models.items()]
         print("\ncoverage: the tiny models, hylo.HyLoOptimizer(model, AdamW) at its defaults, as registered\n")
         print(coverage_table(rows))
         if args.out is not None:
-            write_rows(args.out / "coverage.csv", [row.csv() for row in rows])
+            write_rows(args.out / "coverage.csv", [{**row.csv(), "device": where} for row in rows])
     if "cost" in args.parts:
         costs = cost_rows(
-            size, args.cost_steps, args.warmup, lrs, notes, rounds=args.cost_rounds, options=dict(args.set)
+            size,
+            args.cost_steps,
+            args.warmup,
+            lrs,
+            notes,
+            rounds=args.cost_rounds,
+            options=dict(args.set),
+            device=device,
         )
         print(
             f"\ncost: {size.line()}; {args.cost_steps} timed steps after {args.warmup}, in {args.cost_rounds} "
@@ -606,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                         "update_steps": sum(row.updates),
                         "optimizer_state_mb": row.optimizer_mb,
                         "hylo_mb": "" if row.hylo_mb is None else row.hylo_mb,
+                        "device": where,
                     }
                     for row in costs
                 ],
@@ -621,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             notes,
             dict(args.set),
             args.order_seed,
+            device,
         )
         print(
             f"\nrace: {size.line()}; {args.steps} steps on the stdlib's source, held-out loss (nats per byte) over "
@@ -631,7 +654,14 @@ def main(argv: list[str] | None = None) -> int:
             write_rows(
                 args.out / "race.csv",
                 [
-                    {"method": run.method, "lr": run.lr, "step": step, "seconds": seconds, "loss": loss}
+                    {
+                        "method": run.method,
+                        "lr": run.lr,
+                        "step": step,
+                        "seconds": seconds,
+                        "loss": loss,
+                        "device": where,
+                    }
                     for run in runs
                     for step, seconds, loss in run.curve
                 ],

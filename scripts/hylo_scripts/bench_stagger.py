@@ -17,6 +17,8 @@ Reported per run, in wall ms per iteration and against the plain optimizer's mea
 also as the median and range over rounds of the round's mean over the plain run's), the mean of the update steps
 (iterations where the step count is a multiple of ``--update-freq``, also for a variant that sets another
 ``update_freq``) and of the steps between them, and the slowest iteration (the spike an update step makes, which staggering spreads).
+``--device cuda`` runs them on a GPU (default: cuda when available), each iteration timed between two device
+synchronisations; the first line names the device.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 import hylo
-from hylo_scripts.argtypes import add_variant_flag, hylo_option, parse_variants
+from hylo_scripts import timing
+from hylo_scripts.argtypes import add_device, add_variant_flag, hylo_option, parse_variants
 from hylo_scripts.bench_overhead import workload
+from hylo_scripts.devices import describe
 from hylo_scripts.models import model_names
 
 #: The runs before any variant, in the order they are timed in each round: the plain optimizer, hylo, hylo staggered.
@@ -55,10 +58,14 @@ def timed_iterations(
     rounds: int = 3,
     staggered: bool = True,
     variants: Mapping[str, Mapping[str, Any]] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Per run (:data:`RUNS`, without ``"staggered"`` unless ``staggered``, then each of ``variants``: hylo with its
-    options on top of ``options``), the wall seconds of each timed iteration (``rounds`` × ``steps``, alternating)."""
+    options on top of ``options``), the wall seconds of each timed iteration (``rounds`` × ``steps``, alternating),
+    on ``device`` (default CPU), each timed between two synchronisations of it."""
+    device = device or torch.device("cpu")
     base, x, y, lm = workload(model_name, batch, image, None, model_options)
+    base, x, y = base.to(device), x.to(device), y.to(device)
 
     def run(hylo_options: Mapping[str, Any] | None) -> Callable[[], float]:
         model = copy.deepcopy(base)
@@ -72,7 +79,7 @@ def timed_iterations(
         )
 
         def iteration() -> float:
-            start = time.perf_counter()
+            start = timing.now(device)
             opt.zero_grad()
             out = model(x)
             loss = F.cross_entropy(out.flatten(0, 1), y.flatten()) if lm else F.cross_entropy(out, y)
@@ -80,7 +87,7 @@ def timed_iterations(
             if pre is not None:
                 pre.step()
             opt.step()
-            return time.perf_counter() - start
+            return timing.now(device) - start
 
         return iteration
 
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    add_device(parser)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="hylo leaves")
     torch.set_num_threads(args.threads)
@@ -166,10 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         staggered=not args.no_staggered,
         variants=variants,
+        device=args.device,
     )
     print(
-        f"device: cpu, threads {torch.get_num_threads()}, torch {torch.__version__}; {args.model}, {args.solver}, "
-        f"update_freq {args.update_freq}, {dict(args.set)}; variants {variants}; wall ms per iteration, vs the plain "
-        "optimizer's mean"
+        f"device: {describe(args.device)}, threads {torch.get_num_threads()}, torch {torch.__version__}; {args.model}, "
+        f"{args.solver}, update_freq {args.update_freq}, {dict(args.set)}; variants {variants}; wall ms per iteration, "
+        "vs the plain optimizer's mean"
     )
     print(table(times, update_freq=args.update_freq, warmup=args.warmup, rounds=args.rounds))

@@ -65,6 +65,11 @@ def loss_of(model: nn.Module, batch: Batch) -> Tensor:
     return loss
 
 
+def batch_on(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with its tensors on ``device`` (the batch makers draw on the CPU)."""
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: how to build its tiny model and its full-size one, and its batches."""

@@ -5,7 +5,7 @@ For every family of :mod:`hylo_scripts.model_families` that real data here can f
 :data:`LRS` and every seed of :data:`SEEDS`: the family's tiny model (weights drawn from the seed) trained from the
 same weights on the same batches by ``torch.optim.AdamW(lr)`` and by ``hylo.HyLoOptimizer(model, AdamW(lr))`` at
 its defaults, their steps interleaved (AdamW's step, then the form's, so both see the same machine), each step
-timed, the held-out loss of both every :data:`EVERY` steps.
+timed (between two synchronisations of the device it runs on), the held-out loss of both every :data:`EVERY` steps.
 
 - **Text**: the standard library's sources, byte-level (:mod:`hylo_scripts.text`, the LM bench's corpus and its
   split): a causal LM reads a window of :data:`SEQ` bytes and predicts each next byte; T5 and BART read a window
@@ -17,7 +17,8 @@ timed, the held-out loss of both every :data:`EVERY` steps.
   held out: the test split's.
 - Whisper is left out: there is no real speech here.
 
-Rows (CSV): family, lr, seed, method, step, seconds (cumulative step time), held_out. The tables
+Rows (CSV): family, lr, seed, method, step, seconds (cumulative step time), held_out, device (a file begun without
+that column is appended to without it). The tables
 (:func:`tables`): per family and lr, the median over seeds of each method's held-out loss after the last step
 (at equal steps) and of the form's at its last evaluation within AdamW's total time (at equal time); per family,
 each method's best lr and the loss there.
@@ -29,7 +30,6 @@ import copy
 import csv
 import functools
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,7 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo_scripts.model_families import SEQ, Batch, Family
+from hylo_scripts import timing
+from hylo_scripts.devices import describe
+from hylo_scripts.model_families import SEQ, Batch, Family, batch_on
 
 #: The learning rates of the grid (AdamW's, in both runs), the seeds and the steps of each run.
 LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
@@ -57,7 +59,9 @@ CORPUS_BYTES = 2_000_000
 #: How a text or speech family is fed: a causal LM (the default), an encoder-decoder; None: no real data here.
 KIND: dict[str, str | None] = {"T5": "seq2seq", "BART": "seq2seq", "Whisper": None}
 METHODS = ("AdamW", "HyLoOptimizer")
-FIELDS = ("family", "lr", "seed", "method", "step", "seconds", "held_out")
+FIELDS = ("family", "lr", "seed", "method", "step", "seconds", "held_out", "device")
+#: Where the grid runs unless told.
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -146,18 +150,19 @@ def real_data(family: Family) -> RealData | None:
     return None if kind is None else text_data(kind)
 
 
-def held_out_loss(model: nn.Module, family: Family, data: RealData) -> float:
-    """The family's mean loss over the held-out batches, without gradients (hylo captures nothing)."""
+def held_out_loss(model: nn.Module, family: Family, data: RealData, device: torch.device = CPU) -> float:
+    """The family's mean loss over the held-out batches (moved to ``device``), without gradients (hylo captures
+    nothing)."""
     with torch.no_grad():
-        return statistics.fmean(float(family.loss(model, batch)) for batch in data.held_out)
+        return statistics.fmean(float(family.loss(model, batch_on(batch, device))) for batch in data.held_out)
 
 
 def run(
-    family: Family, data: RealData, lr: float, seed: int, steps: int, graft: bool = False
+    family: Family, data: RealData, lr: float, seed: int, steps: int, graft: bool = False, device: torch.device = CPU
 ) -> list[dict[str, object]]:
     """AdamW and the optimizer form (with ``graft``: grafted, docs/usage.md "Grafting") from the family's
-    seed-``seed`` weights, steps interleaved: their rows."""
-    base = family.model(seed)
+    seed-``seed`` weights, steps interleaved, on ``device`` (the batches drawn on the CPU): their rows."""
+    base = family.model(seed).to(device)
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     adamw = functools.partial(torch.optim.AdamW, lr=lr)
     with warnings.catch_warnings():
@@ -172,32 +177,42 @@ def run(
     def record(step: int) -> None:
         for method, model, spent in zip(METHODS, models, seconds, strict=True):
             rows.append(dict(family=family.name, lr=lr, seed=seed, method=method, step=step, seconds=spent,
-                             held_out=held_out_loss(model, family, data)))  # fmt: skip
+                             held_out=held_out_loss(model, family, data, device), device=describe(device)))  # fmt: skip
 
     record(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(1, steps + 1):
-            batch = data.batch(seed, step)
+            batch = batch_on(data.batch(seed, step), device)
             for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
-                start = time.perf_counter()
+                start = timing.now(device)
                 optimizer.zero_grad()
                 family.loss(model, batch).backward()
                 optimizer.step()
-                seconds[i] += time.perf_counter() - start
+                seconds[i] += timing.now(device) - start
             if step % EVERY == 0 or step == steps:
                 record(step)
     return rows
 
 
 def measure(
-    families: Iterable[Family], lrs: Sequence[float], seeds: Sequence[int], steps: int, out: Path, graft: bool = False
+    families: Iterable[Family],
+    lrs: Sequence[float],
+    seeds: Sequence[int],
+    steps: int,
+    out: Path,
+    graft: bool = False,
+    device: torch.device = CPU,
 ) -> None:
-    """Run the grid (the form grafted with ``graft``), appending each run's rows to the CSV ``out`` as it finishes
-    (with a header when new)."""
+    """Run the grid (the form grafted with ``graft``) on ``device``, appending each run's rows to the CSV ``out`` as
+    it finishes (with a header when new; in the file's own columns when not)."""
     new = not out.exists()
+    fields: Sequence[str] = FIELDS
+    if not new:
+        with out.open(newline="") as handle:
+            fields = tuple(next(csv.reader(handle), FIELDS))
     with out.open("a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         if new:
             writer.writeheader()
         for family in families:
@@ -206,7 +221,7 @@ def measure(
                 continue
             for lr in lrs:
                 for seed in seeds:
-                    writer.writerows(run(family, data, lr, seed, steps, graft))
+                    writer.writerows(run(family, data, lr, seed, steps, graft, device))
                     handle.flush()
 
 

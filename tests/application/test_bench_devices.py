@@ -22,11 +22,16 @@ from hylo_scripts import (
     bench_compile,
     bench_fidelity,
     bench_memory,
+    bench_models,
+    bench_moe,
     bench_solvers,
+    bench_stagger,
     bench_wrappers,
     devices,
+    model_grid,
     timing,
 )
+from hylo_scripts.model_families import FAMILIES
 
 #: The benchmarks of this file (bench_overhead and bench_peers have their own tests).
 BENCHMARKS: list[ModuleType] = [
@@ -35,9 +40,15 @@ BENCHMARKS: list[ModuleType] = [
     bench_compile,
     bench_fidelity,
     bench_memory,
+    bench_models,
+    bench_moe,
     bench_solvers,
+    bench_stagger,
     bench_wrappers,
 ]
+#: The module whose clock a benchmark times with, where not its own (None: it times nothing): bench_comm counts bytes;
+#: bench_models' tables time nothing, its grid times in model_grid.
+CLOCKS: dict[ModuleType, ModuleType | None] = {bench_comm: None, bench_models: model_grid}
 
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -112,16 +123,24 @@ def test_the_clock_synchronises_the_device_before_each_reading(monkeypatch: pyte
     assert calls == ["sync cuda:1", "clock", "clock"]
 
 
-@pytest.mark.parametrize("bench", BENCHMARKS, ids=lambda module: module.__name__.rsplit(".", 1)[-1])
-def test_benchmarks_read_no_clock_but_the_synchronised_one(bench: ModuleType) -> None:
-    """No ``time`` module: every timed section reads :func:`timing.now` (bench_accuracy's runs time through
-    ``hylo_scripts.loop``, whose clocks are CUDA events and a host read of the loss)."""
-    tree = ast.parse(inspect.getsource(bench))
+def _imports(module: ModuleType) -> tuple[set[str], set[str]]:
+    """The modules ``module`` imports and the names it imports from them."""
+    tree = ast.parse(inspect.getsource(module))
     modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
-    assert "time" not in modules
-    assert "timing" in names or bench is bench_comm  # bench_comm counts bytes and times nothing
+    return modules, names
+
+
+@pytest.mark.parametrize("bench", BENCHMARKS, ids=lambda module: module.__name__.rsplit(".", 1)[-1])
+def test_benchmarks_read_no_clock_but_the_synchronised_one(bench: ModuleType) -> None:
+    """No ``time`` module: every timed section reads :func:`timing.now` (bench_accuracy's runs time through
+    ``hylo_scripts.loop``, whose clocks are CUDA events and a host read of the loss; :data:`CLOCKS` where a
+    benchmark's clock is another module's)."""
+    clock = CLOCKS.get(bench, bench)
+    assert "time" not in _imports(bench)[0]
+    if clock is not None:
+        assert "time" not in _imports(clock)[0] and "timing" in _imports(clock)[1]
 
 
 def test_bench_solvers_on_cpu_prints_and_writes_its_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,3 +168,42 @@ def test_bench_comm_measures_on_cpu_as_counted(capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr().out
     assert "measured on gloo vs analytic" in printed and "device: cpu\n" in printed
     assert "layers differing: 0" in printed
+
+
+def test_bench_stagger_on_cpu_prints_its_device(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "mlp", "--batch-size", "8", "--solver", "kfac", "--update-freq", "2", "--no-staggered"]
+    bench_stagger.main([*argv, "--steps", "2", "--warmup", "0", "--rounds", "1", "--threads", "1", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("device: cpu, threads 1,")
+    assert [line.split()[0] for line in lines[2:]] == ["plain", "hylo"]
+
+
+def test_bench_moe_on_cpu_prints_and_writes_its_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    argv = ["--parts", "coverage", "cost", "--width", "16", "--layers", "1", "--experts", "2", "--expert-width", "16"]
+    argv += ["--batch-size", "2", "--seq-len", "8", "--cost-steps", "2", "--cost-rounds", "1", "--warmup", "0"]
+    assert bench_moe.main([*argv, "--threads", "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("device: cpu, torch ")
+    for name, count in (("coverage.csv", 3), ("cost.csv", 4)):
+        with (tmp_path / name).open() as handle:
+            assert [row["device"] for row in csv.DictReader(handle)] == ["cpu"] * count, name
+
+
+def test_bench_models_on_cpu_prints_its_device_and_the_grid_writes_it(tmp_path: Path) -> None:
+    """The tables' runs name the device first; the grid (:func:`model_grid.measure`) writes it in its rows and
+    appends to a file begun without that column in the file's own columns."""
+    pytest.importorskip("transformers")
+    lines: list[str] = []
+    bench_models.main(["--families", "OPT", "--steps", "1", "--threads", "1", "--device", "cpu"], out=lines.append)
+    assert lines[0].startswith("device: cpu, torch ")
+    out = tmp_path / "grid.csv"
+    model_grid.measure([FAMILIES["GPT-2"]], [3e-3], [0], 1, out, device=torch.device("cpu"))
+    with out.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["device"] for row in rows} == {"cpu"} and len(rows) == 4
+    old = tmp_path / "old.csv"
+    old.write_text(",".join(field for field in model_grid.FIELDS if field != "device") + "\n")
+    model_grid.measure([FAMILIES["GPT-2"]], [3e-3], [0], 1, old, device=torch.device("cpu"))
+    with old.open() as handle:
+        again = list(csv.DictReader(handle))
+    assert len(again) == 4 and "device" not in again[0] and None not in again[0]

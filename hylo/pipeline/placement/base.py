@@ -65,7 +65,7 @@ class Placement(ABC):
         self.stage = stage
 
     @abstractmethod
-    def precondition(self, ready: Ready) -> Applied:
+    def run(self, ready: Ready) -> Applied:
         """Each ready layer's result, the fallbacks and the successors of the states that advance."""
 
     def tensors(self) -> list[Tensor]:

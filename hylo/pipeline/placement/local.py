@@ -96,7 +96,7 @@ class Local(Placement):
         """The apply plan's stacked copies and limits."""
         return self.grouped.tensors()
 
-    def precondition(self, ready: Ready) -> Applied:
+    def run(self, ready: Ready) -> Applied:
         """Per group, or per layer: the same results to round-off (``tests/library/test_grouped_step.py``)."""
         here = apply_here(self.grouped, self.stage, ready, range(len(ready.layers)))
         if ready.clip is not None:

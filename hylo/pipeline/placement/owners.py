@@ -140,7 +140,7 @@ class Owners(Placement):
             self.sharing = _sharing(ready, comm.rank, comm.world_size, key, len(ready.norms))
         return self.sharing
 
-    def precondition(self, ready: Ready) -> Applied:
+    def run(self, ready: Ready) -> Applied:
         """Every ready layer's result and check, each computed by its owner (or here, for a state that advances),
         then ``kl_clip`` on every rank from the same terms."""
         share = self._sharing_for(ready)

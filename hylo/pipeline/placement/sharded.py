@@ -41,10 +41,10 @@ class Sharded(Placement):
 
     def __init__(self, stage: UpdateStage) -> None:
         super().__init__(stage)
-        self.grouped = GroupedApply(run=self._exchanged, combine=self._summed, shards=self._every_ranks)
+        self.grouped = GroupedApply(kernels=self._exchanged, combine=self._summed, shards=self._every_ranks)
         self.singles = GroupedApply(
             singles=True,
-            run=functools.partial(self._exchanged, alone=True),
+            kernels=functools.partial(self._exchanged, alone=True),
             combine=self._summed,
             shards=self._every_ranks,
         )
@@ -56,7 +56,7 @@ class Sharded(Placement):
         """Both plans' stacked copies and limits."""
         return self.grouped.tensors() + self.singles.tensors()
 
-    def precondition(self, ready: Ready) -> Applied:
+    def run(self, ready: Ready) -> Applied:
         """Each rank's rows of every result, decided over every rank's rows.
 
         A grouped kernel that raises hands the step to the kernels one layer a group, as
