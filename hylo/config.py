@@ -130,8 +130,8 @@ class HyLoConfig(Section):
     )
     grouped: bool = option(
         True,
-        doc="apply the states per group of equal layers, one batched kernel each; False: layer by layer, the "
-        "reference path (same results to round-off)",
+        doc="apply the states per group of equal layers, one batched kernel each; False: the same kernels one "
+        "layer a group (same results to round-off)",
         rule=Rule(lambda x: isinstance(x, bool), "a bool"),
     )
     kfac: KFACConfig = field(default_factory=KFACConfig)

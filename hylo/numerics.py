@@ -7,9 +7,9 @@ regardless of the number of layers. A group is split into batches of at most
 ``STACK_CAP_MB`` (one matrix at least): stacking copies its matrices, and a
 batched solve's workspace grows with it (docs/design.md, "Memory").
 
-It also holds the check of every applied result on its terms (:func:`sound`, :func:`sound_results`; each layer's
-terms are :func:`hylo.layers.gradmatrix.result_terms`) and the ``kl_clip`` scale built on them (:func:`kl_scale`),
-the same on one rank, under "gradient" and under FSDP2 (docs/reliability.md, "Fallbacks").
+It also holds the check of every applied result: its scales (:func:`unit_scales`), its verdict on the terms
+(:func:`sound`; the terms are :func:`hylo.pipeline.apply.result_sums`) and the ``kl_clip`` scale built on them
+(:func:`kl_scale`), the same on one rank, under "gradient" and under FSDP2 (docs/reliability.md, "Fallbacks").
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -339,17 +340,8 @@ def _identity_orders(stack: Tensor) -> Tensor:
 
 #: Relative slack of the length bound ‖V̂‖ ≤ ‖∇W‖/λ (at least 8 ε of the gradient's dtype).
 LENGTH_SLACK = 1e-3
-#: The clamp of ‖∇W‖ in the check's scale λ/(‖∇W‖·clamp(‖∇W‖)): see
-#: :func:`~hylo.layers.gradmatrix.result_terms`.
+#: The clamp of ‖∇W‖ in the check's scale λ/(‖∇W‖·clamp(‖∇W‖)): see :func:`unit_scales`.
 NORM_CLAMP = (1e-18, 1e8)
-
-
-def result_scale(norm: Tensor, damping: float | None, dtype: torch.dtype) -> Tensor:
-    """The check's scale s = c/(‖∇W‖·m), m = ‖∇W‖ clamped into :data:`NORM_CLAMP`, c = λ (where there is no
-    length bound, ``damping`` None or 0: s = 1/(:data:`UNBOUNDED_FLOOR` + ‖∇W‖·m), :func:`_raw_scales`), in
-    float64 then clamped into ``dtype``'s finite positive range and cast to it (0-dim, on ``norm``'s device, no
-    host sync)."""
-    return _in_range(_raw_scales(norm, damping or 1.0, None if damping else UNBOUNDED_FLOOR), dtype).to(dtype)
 
 
 #: What the scale's denominator of a result without a length bound adds to ‖∇W‖·m: a step of up to 10¹⁴ taken where
@@ -375,52 +367,65 @@ def _in_range(scales: Tensor, dtype: torch.dtype) -> Tensor:
     return scales.clamp(info.tiny, info.max)
 
 
-def check_limits(
-    dampings: Sequence[float | None], dtypes: Sequence[torch.dtype], device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """Per layer, the λ its result is checked against (NaN: finiteness only) and 1 + the length bound's slack for
-    its dtype, as float64 tensors on ``device`` (built on the host and copied without a stream synchronisation:
-    docs/design.md, "Host synchronisation")."""
+@dataclass(frozen=True)
+class CheckLimits:
+    """Per layer, the limits its result is checked against (float64 device tensors): ``damping``, the λ of the
+    length bound (NaN: finiteness only; 0: no length bound), ``slack``, 1 + the bound's slack for its dtype,
+    ``unbounded``, where λ is NaN, ``bound``, the scale's c (λ, or 1 without a length bound) and ``floor``, what
+    the scale's denominator adds (:data:`UNBOUNDED_FLOOR` where unbounded, else 0; None when every layer has a
+    bound)."""
+
+    damping: Tensor
+    slack: Tensor
+    unbounded: Tensor
+    bound: Tensor
+    floor: Tensor | None
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor held."""
+        return [t for t in (self.damping, self.slack, self.unbounded, self.bound, self.floor) if t is not None]
+
+
+def check_limits(dampings: Sequence[float | None], dtypes: Sequence[torch.dtype], device: torch.device) -> CheckLimits:
+    """The :class:`CheckLimits` of layers whose states bound their results by ``dampings`` (a state's
+    ``bound``: None for finiteness only) in ``dtypes``, built on the host and copied without a stream
+    synchronisation (docs/design.md, "Host synchronisation")."""
     limits = [
-        (float("nan") if damping is None else damping, 1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps))
+        (
+            float("nan") if damping is None else damping,
+            1.0 + max(LENGTH_SLACK, 8 * torch.finfo(dtype).eps),
+            damping if damping else 1.0,
+            UNBOUNDED_FLOOR if damping is None else 0.0,
+        )
         for damping, dtype in zip(dampings, dtypes, strict=True)
     ]
-    damping, slack = torch.tensor(limits, dtype=torch.float64).to(device, non_blocking=True).unbind(dim=1)
-    return damping, slack
+    damping, slack, bound, floor = torch.tensor(limits, dtype=torch.float64).to(device, non_blocking=True).unbind(1)
+    unbounded = damping.isnan()
+    return CheckLimits(damping, slack, unbounded, bound, floor if any(d is None for d in dampings) else None)
 
 
-def sound(terms: Tensor, norms: Tensor, damping: Tensor, slack: Tensor, unbounded: Tensor | None = None) -> Tensor:
-    """Per layer, whether its result may be applied, from its (summed) :func:`~hylo.layers.gradmatrix.result_terms`
-    row, its ‖∇W‖ ``norms`` (float64) and its :func:`check_limits` (``unbounded``: where λ is NaN, made once by the
-    caller that can):
-    finite, a descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ (1 + slack), which (F̃ +
+def sound(terms: Tensor, norms: Tensor, limits: CheckLimits) -> Tensor:
+    """Per layer, whether its result may be applied, from its (summed) :func:`~hylo.pipeline.apply.result_sums`
+    row [⟨∇W, V̂⟩, ‖V̂‖²] in float64, its ‖∇W‖ ``norms`` (float64) and its :class:`CheckLimits`: finite, a descent direction (⟨∇W, V̂⟩ > 0, or ∇W = 0) and no longer than ‖∇W‖/λ (1 + slack), which (F̃ +
     λI)⁻¹ with F̃ PSD guarantees for every solver (docs/solvers.md, "Numerics"); where λ is NaN, finite only; λ =
     0 skips the length bound. A finite ⟨∇W, V̂⟩ and a finite ‖V̂‖² within the bound mean every entry is finite
     (NaN fails every comparison), so no separate test of the sums is needed: twelve operations whatever the
     number of layers, no host sync."""
     dot, square = terms[:, 0], terms[:, 1]
     finite = dot.abs() < math.inf
-    bounded = ((dot > 0) | (norms == 0)) & (square.sqrt() * damping <= norms * slack)
-    return finite & ((damping.isnan() if unbounded is None else unbounded) | bounded)
-
-
-def sound_results(
-    terms: Tensor, norms: Tensor, dampings: Sequence[float | None], dtypes: Sequence[torch.dtype]
-) -> Tensor:
-    """:func:`sound` with the limits of ``dampings`` (None: finiteness only, a result another rank computed and
-    checked, ``strategy="gradient"``) and the results' ``dtypes``."""
-    return sound(terms, norms, *check_limits(dampings, dtypes, terms.device))
+    bounded = ((dot > 0) | (norms == 0)) & (square.sqrt() * limits.damping <= norms * limits.slack)
+    return finite & (limits.unbounded | bounded)
 
 
 def unit_scales(
-    norms: Tensor, bound: Tensor, spans: Sequence[tuple[int, int, torch.dtype]], floor: Tensor | None = None
+    norms: Tensor, limits: CheckLimits, spans: Sequence[tuple[int, int, torch.dtype]]
 ) -> tuple[list[Tensor], Tensor]:
-    """:func:`result_scale` of many layers at once (``bound``: each layer's c; ``floor``: :data:`UNBOUNDED_FLOOR`
-    where a layer has no length bound, 0 elsewhere, or None when every layer has one, :func:`_raw_scales`): per
-    span (start, stop, dtype) of ``norms`` (float64) the scales in its dtype, and all of them in float64, clamped to each span's dtype range as
-    the cast ones are (they differ by the cast's rounding, a relative 2⁻²⁴ in float32: what the check's sums,
-    divided by them, then carry)."""
-    raw = _raw_scales(norms, bound, floor)
+    """The check's scale s = c/(‖∇W‖·m) of many layers at once, m = ‖∇W‖ clamped into :data:`NORM_CLAMP` (c and
+    the denominator's floor from ``limits``, :func:`_raw_scales`), computed in float64 and clamped into each
+    dtype's finite positive range: per span (start, stop, dtype) of ``norms`` (float64) the scales in its dtype,
+    and all of them in float64, clamped as the cast ones are (they differ by the cast's rounding, a relative 2⁻²⁴
+    in float32: what the check's sums, divided by them, then carry)."""
+    raw = _raw_scales(norms, limits.bound, limits.floor)
     clamped = {dtype: _in_range(raw, dtype) for dtype in dict.fromkeys(dtype for _, _, dtype in spans)}
     cast = {dtype: scales.to(dtype) for dtype, scales in clamped.items()}
     if len(clamped) == 1:
@@ -432,7 +437,7 @@ def unit_scales(
 
 def kl_scale(terms: Tensor, norms: Tensor, ok: Tensor, kl_clip: float, lr: float) -> Tensor:
     """min(1, sqrt(kl_clip / (lr² |Σ v̂·∇W|))), the whole step's trust region (0-dim float64), with ⟨∇W, v̂⟩ from
-    each layer's :func:`~hylo.layers.gradmatrix.result_terms` (‖∇W‖² from ``norms`` where it fell back, ``ok``
+    each layer's :func:`~hylo.pipeline.apply.result_sums` (‖∇W‖² from ``norms`` where it fell back, ``ok``
     false)."""
     vg = torch.where(ok, terms[:, 0], norms.square()).sum().abs() * lr * lr  # a tensor product: inf, never an error
     return torch.where(vg > 0, torch.sqrt(kl_clip / vg), torch.ones_like(vg)).clamp(max=1.0)

@@ -9,21 +9,19 @@ A layer's per-sample gradient U_i (d_g × d_a) is held either
   gradients Σ_p g_ip a_ipᵀ. Kernel K = U Uᵀ in O(m² d_a d_g), m·d_a·d_g numbers held.
 
 Both give the solvers the same operations: the kernel K_ij = ⟨U_i, U_j⟩, its diagonal,
-selecting and rescaling rows, projecting a gradient onto the rows (z_i = ⟨U_i, ∇W⟩) and
-adding Σ_i c_i U_i back. No d × d matrix (d = d_a·d_g) is ever formed.
+selecting and rescaling rows, and their fields; the apply — projecting a gradient onto the rows
+(z_i = ⟨U_i, ∇W⟩) and adding Σ_i c_i U_i back — is the low-rank group kernels' (:mod:`hylo.solvers.smw`).
+No d × d matrix (d = d_a·d_g) is ever formed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from hylo.layers.gradmatrix import GradMatrix
 
 
 def sample_kernel(a: Tensor, g: Tensor) -> Tensor:
@@ -73,24 +71,6 @@ class SampleRows(ABC):
     @abstractmethod
     def scaled(self, factors: Tensor) -> SampleRows:
         """Rows U_i · factors_i."""
-
-    @abstractmethod
-    def project(self, grad: GradMatrix) -> Tensor:
-        """z_i = ⟨U_i, grad⟩ for a (d_g, d_a) matrix, in O(m·d_a·d_g)."""
-
-    @abstractmethod
-    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·grad + alpha·Σ_i coefficients_i U_i as a new (d_g, d_a) matrix, in one pass."""
-
-    @abstractmethod
-    def output_rows(self, start: int, stop: int) -> SampleRows:
-        """Every U_i restricted to its rows ``start:stop`` (of d_g): the part that meets a rank's rows of ∇W
-        under FSDP2 (docs/distributed.md, "FSDP2")."""
-
-    @abstractmethod
-    def input_columns(self, start: int, stop: int) -> SampleRows:
-        """Every U_i restricted to its columns ``start:stop`` (of d_a): the part that meets a rank's columns of ∇W
-        under FSDP2 (an embedding's slice of the vocabulary)."""
 
     @abstractmethod
     def to(self, dtype: torch.dtype) -> SampleRows:
@@ -147,22 +127,6 @@ class FactoredRows(SampleRows):
     def scaled(self, factors: Tensor) -> FactoredRows:
         """g_i scaled (a_i kept), so U_i scales by ``factors_i``."""
         return FactoredRows(self.a, self.g * factors.to(self.g.dtype).unsqueeze(1))
-
-    def project(self, grad: GradMatrix) -> Tensor:
-        """g_iᵀ ∇W a_i."""
-        return grad.row_products(self.g, self.a)
-
-    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·∇W + alpha·Gᵀ diag(c) A (∇W added part by part: no concatenated copy)."""
-        return grad.add_to(self.g.mT * (coefficients * alpha) @ self.a, beta)
-
-    def output_rows(self, start: int, stop: int) -> FactoredRows:
-        """g_i restricted to ``start:stop`` (a_i kept; a subclass keeps its other fields)."""
-        return dataclasses.replace(self, g=self.g[:, start:stop])
-
-    def input_columns(self, start: int, stop: int) -> FactoredRows:
-        """a_i restricted to ``start:stop`` (g_i kept), as plain factored rows."""
-        return FactoredRows(self.a[:, start:stop], self.g)
 
     def to(self, dtype: torch.dtype) -> FactoredRows:
         """The rows in ``dtype``."""
@@ -223,22 +187,6 @@ class DenseRows(SampleRows):
     def scaled(self, factors: Tensor) -> DenseRows:
         """U_i · factors_i."""
         return DenseRows(self.u * factors.to(self.u.dtype).reshape(-1, 1, 1))
-
-    def project(self, grad: GradMatrix) -> Tensor:
-        """⟨U_i, ∇W⟩ (the exact rows' m·d_g·d_a numbers dwarf the one concatenated ∇W this takes)."""
-        return self._flat() @ grad.full().reshape(-1)
-
-    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·∇W + alpha·Σ c_i U_i."""
-        return grad.add_to((alpha * coefficients @ self._flat()).reshape(grad.shape), beta)
-
-    def output_rows(self, start: int, stop: int) -> DenseRows:
-        """U_i's rows ``start:stop``."""
-        return DenseRows(self.u[:, start:stop])
-
-    def input_columns(self, start: int, stop: int) -> DenseRows:
-        """U_i's columns ``start:stop``."""
-        return DenseRows(self.u[:, :, start:stop])
 
     def to(self, dtype: torch.dtype) -> DenseRows:
         """The rows in ``dtype``."""
@@ -350,29 +298,6 @@ class OneHotRows(SampleRows):
     def scaled(self, factors: Tensor) -> OneHotRows:
         """g_i scaled, so U_i scales by ``factors_i``."""
         return OneHotRows(self.tokens, self.g * factors.to(self.g.dtype).unsqueeze(1), self.vocab)
-
-    def project(self, grad: GradMatrix) -> Tensor:
-        """g_iᵀ ∇W[:, t_i] (0 for padding): m columns of ∇W read, O(m·d_g)."""
-        columns = grad.full().index_select(1, self._columns())  # (d_g, m); no copy without a bias
-        return (columns.mT * self.g).sum(dim=1) * self._present().to(self.g.dtype)
-
-    def combine(self, grad: GradMatrix, coefficients: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·∇W + alpha·Σ_i c_i g_i e_{t_i}ᵀ: each row's g_i added into its token's column."""
-        weights = (coefficients * alpha) * self._present().to(coefficients.dtype)
-        out = torch.zeros(grad.shape, dtype=self.g.dtype, device=self.g.device)
-        out.index_add_(1, self._columns(), (self.g * weights.unsqueeze(1)).mT)
-        return grad.add_to(out, beta)
-
-    def output_rows(self, start: int, stop: int) -> OneHotRows:
-        """g_i restricted to ``start:stop`` (the tokens kept)."""
-        return dataclasses.replace(self, g=self.g[:, start:stop])
-
-    def input_columns(self, start: int, stop: int) -> OneHotRows:
-        """The one-hot a_i restricted to the vocabulary slice ``start:stop``: a row whose token lies outside it
-        becomes a zero row (token −1), the others are renumbered from ``start``."""
-        inside = (self.tokens >= start) & (self.tokens < stop)
-        tokens = torch.where(inside, self.tokens - start, torch.full_like(self.tokens, -1))
-        return OneHotRows(tokens, self.g, stop - start)
 
     def to(self, dtype: torch.dtype) -> OneHotRows:
         """The rows in ``dtype`` (the indices unchanged)."""

@@ -1,7 +1,8 @@
 """The step between updates per group of equal layers (docs/design.md, "The apply plan").
 
-The math is written per layer (each state's :meth:`~hylo.solvers.base.LayerState.advance`); it is executed per
-group. An :class:`ApplyPlan` is built from the held states when they change (an update, a refresh, a load:
+A family writes its step once, as its group kernel (:meth:`~hylo.solvers.base.SolverFamily.group_kernel`; a
+family without one gets :class:`~hylo.solvers.kernel.LoopKernel`, each state's own ``advance``); a group of one is
+the per-layer case (``grouped=False``, and the fallback when a grouped kernel raises). An :class:`ApplyPlan` is built from the held states when they change (an update, a refresh, a load:
 the states' :meth:`~hylo.solvers.base.LayerState.plan_parts` say so) and used by every step until then: the
 preconditioned layers grouped by (family, the family's :meth:`~hylo.solvers.base.SolverFamily.group_key`,
 ∇W's shape and bias, working dtype, device, and under FSDP2 the part of ∇W each rank holds), each group's
@@ -18,16 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix, GradShard
-from hylo.numerics import STACK_CAP_MB, UNBOUNDED_FLOOR, check_limits, sound, unit_scales
+from hylo.layers.math import named_error
+from hylo.numerics import STACK_CAP_MB, CheckLimits, check_limits, sound, unit_scales
 from hylo.solvers import LayerState, family_named
-from hylo.solvers.base import SolverFamily
+from hylo.solvers.base import Clock, SolverFamily
 from hylo.solvers.kernel import GroupKernel
 from hylo.state import RegisteredLayer
 
@@ -59,15 +62,8 @@ class ApplyPlan:
     groups: list[Group]
     #: Each layer's index among all registered layers, in plan order (None: all of them, in their order).
     order: Tensor | None
-    #: Per layer in plan order: the check's c (λ, or 1 without a length bound), λ (NaN: no bound), 1 + slack.
-    bound: Tensor
-    damping: Tensor
-    slack: Tensor
-    #: Per layer in plan order, whether only finiteness is checked (λ NaN: the state gives no bound).
-    unbounded: Tensor
-    #: Per layer in plan order, what its check's scale adds to the denominator (:data:`~hylo.numerics.UNBOUNDED_FLOOR`
-    #: where unbounded, else 0), or None when every layer has a bound.
-    floor: Tensor | None
+    #: Per layer in plan order, the limits its result is checked against.
+    limits: CheckLimits
     #: 0 and 1 (long, 0-dim): a fallback counted without a cast.
     zero: Tensor
     one: Tensor
@@ -143,9 +139,7 @@ def build_plan(
             groups.append(Group(chunk, start, len(order), kernel, dtype, shape, d_w, grad.shard))
     device = ready[0][1].device
     in_order = [states[i] for i in order]
-    bounds = [state.bound for state in in_order]
-    damping, slack = check_limits(bounds, [ready[i][0].math.dtype for i in order], device)
-    bound = torch.tensor([b if b else 1.0 for b in bounds], dtype=torch.float64).to(device)
+    limits = check_limits([state.bound for state in in_order], [ready[i][0].math.dtype for i in order], device)
     position = [0] * len(order)
     for place, i in enumerate(order):
         position[i] = place
@@ -153,12 +147,8 @@ def build_plan(
     index = None if full == list(range(total)) else torch.tensor(full, dtype=torch.long).to(device)
     powers = torch.tensor([1.0, 2.0], dtype=torch.float64).to(device)
     zero, one = torch.tensor([0, 1], dtype=torch.long).to(device).unbind(0)
-    unbounded = damping.isnan()
-    floor = None
-    if any(b is None for b in bounds):
-        floor = torch.tensor([UNBOUNDED_FLOOR if b is None else 0.0 for b in bounds], dtype=torch.float64).to(device)
     placed = torch.tensor(position, dtype=torch.long).to(device)
-    return ApplyPlan(key, groups, index, bound, damping, slack, unbounded, floor, zero, one, powers, position, placed)
+    return ApplyPlan(key, groups, index, limits, zero, one, powers, position, placed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,18 +164,28 @@ class Checked:
     terms: Tensor
 
 
-#: How a step runs its groups' kernels: (the groups, their stacked gradients, their states now) → each group's
-#: results and successors (:func:`apply_groups`; under FSDP2 the kernels' partial products exchanged first).
-KernelRun = Callable[
-    [Sequence[Group], Sequence[Tensor], Sequence[Sequence[LayerState]]], list[tuple[Tensor, list[LayerState]]]
-]
+class KernelRun(Protocol):
+    """How a step runs its groups' kernels: (the groups, their stacked gradients, their states now, the ready
+    layers' names, the step's clock, whether each group runs on its own) → each group's results and successors
+    (:func:`apply_groups`; under FSDP2 the kernels' partial products exchanged first)."""
+
+    def __call__(
+        self,
+        groups: Sequence[Group],
+        grads: Sequence[Tensor],
+        states: Sequence[Sequence[LayerState]],
+        names: Sequence[str],
+        watch: Clock,
+        alone: bool,
+    ) -> list[tuple[Tensor, list[LayerState]]]:
+        """Each group's (results, successors), in the order of ``groups``."""
 
 
 class GroupedApply:
     """The step between updates per group of the layers a rank applies; it keeps the plan between steps.
 
-    ``singles``: one layer a group (the kernels applied layer by layer); ``kernels``: how the groups' kernels run
-    (:func:`apply_groups`, or a placement's exchange around them); ``combine``: how the check's terms of this
+    ``singles``: one layer a group (the kernels applied layer by layer, each on its own: an error names its layer);
+    ``kernels``: how the groups' kernels run (:func:`apply_groups`, or a placement's exchange around them); ``combine``: how the check's terms of this
     rank's rows become every rank's (None: they are whole here); ``shards``: the ready layers' parts of ∇W as every
     rank knows them (:func:`build_plan`), asked when a plan is built."""
 
@@ -207,9 +207,9 @@ class GroupedApply:
         plan = self.plan
         if plan is None:
             return []
-        limits = [plan.bound, plan.damping, plan.slack, plan.order, plan.unbounded, plan.floor, plan.powers, plan.zero]
-        limits += [plan.one, plan.placed]
-        return [t for group in plan.groups for t in group.kernel.tensors()] + [t for t in limits if t is not None]
+        held = [plan.order, plan.powers, plan.zero, plan.one, plan.placed]
+        kernels = [t for group in plan.groups for t in group.kernel.tensors()]
+        return kernels + plan.limits.tensors() + [t for t in held if t is not None]
 
     def plan_for(
         self,
@@ -231,11 +231,12 @@ class GroupedApply:
         states: Sequence[LayerState],
         indices: Sequence[int],
         norms: Tensor,
+        watch: Clock,
     ) -> GroupedResults:
         """The ready layers applied per group and checked, the raw gradient where a result is not sound, before
         ``kl_clip`` (the placement applies it to :attr:`GroupedResults.stacks`). ``indices``: each ready layer's
         index among the registered layers; ``norms``: every registered layer's ‖∇W‖ (float64, over every rank's
-        rows). Raises what a kernel raises (the caller names the layer by running the layers one by one)."""
+        rows). Raises what a kernel raises (with ``singles``, naming the layer)."""
         plan = self.plan_for(ready, states, indices, len(norms))
         stacks = _buffers(plan.groups, norms.device)
         weights: list[tuple[Tensor, Tensor]] = []
@@ -252,9 +253,10 @@ class GroupedApply:
         if plan.order is not None:
             norms = norms.index_select(0, plan.order)
         spans = [(g.start, g.stop, g.dtype) for g in plan.groups]
-        scales, scale64 = unit_scales(norms, plan.bound, spans, plan.floor)
+        scales, scale64 = unit_scales(norms, plan.limits, spans)
         members = [[states[i] for i in group.members] for group in plan.groups]
-        applied = self.kernels(plan.groups, [stack[:, 0] for stack in stacks], members)
+        names = [layer.name for layer, _ in ready]
+        applied = self.kernels(plan.groups, [stack[:, 0] for stack in stacks], members, names, watch, self.singles)
         sums: list[Tensor] = []
         successors: dict[str, LayerState] = {}
         for group, stack, scale, before, (result, after) in zip(
@@ -263,13 +265,11 @@ class GroupedApply:
             for i, old, new in zip(group.members, before, after, strict=True):
                 if new is not old:
                     successors[ready[i][0].name] = new
-            torch.mul(result, scale.view(-1, 1, 1), out=stack[:, 1])
-            flat = stack.flatten(2)  # [⟨U, ∇W⟩, ‖U‖²] of every layer of the group in one batched product
-            sums.append(torch.bmm(flat[:, 1:], flat.mT).flatten(1))
+            sums.append(result_sums(stack, result, scale))
         terms = torch.cat(sums).to(torch.float64) / scale64.unsqueeze(1).pow(plan.powers)
         if self.combine is not None:
             terms = self.combine(terms)
-        ok = sound(terms, norms, plan.damping, plan.slack, plan.unbounded)
+        ok = sound(terms, norms, plan.limits)
         written = [  # in place: a kernel's result is its own (GroupKernel.apply)
             torch.where(ok[group.start : group.stop].view(-1, 1, 1), result, stack[:, 0], out=result)
             for group, (result, _), stack in zip(plan.groups, applied, stacks, strict=True)
@@ -295,6 +295,32 @@ class GroupedResults:
         by_place = [w for stack in self.stacks for w in stack.unbind(0)]
         return [by_place[place] for place in self.plan.position]
 
+    @property
+    def fell(self) -> Tensor:
+        """1 where a result fell back to its raw gradient, 0 elsewhere (long), in plan order."""
+        return torch.where(self.ok, self.plan.zero, self.plan.one)
+
+    @property
+    def placed(self) -> Tensor | None:
+        """The row in plan order of each ready layer (None: row i is ready layer i)."""
+        plan = self.plan
+        return plan.placed if plan.order is not None or len(plan.groups) > 1 else None
+
+    def checked(self) -> Checked:
+        """What the check decided and measured, by the layers' indices among the registered layers."""
+        return Checked(self.plan.order, self.fell, self.terms)
+
+
+def result_sums(stack: Tensor, results: Tensor, scales: Tensor) -> Tensor:
+    """The check's two sums [⟨∇W, U⟩, ‖U‖²] of every layer of a group, U = sV̂, in the working dtype ((k, 2)):
+    ``results`` (V̂, (k, d_g, d_a)) scaled by each layer's ``scales`` (:func:`~hylo.numerics.unit_scales`) into
+    ``stack[:, 1]``, beside ∇W in ``stack[:, 0]``, and both sums in one batched product. Divided by s and s² in
+    float64 they are the terms :func:`~hylo.numerics.sound` judges; sums over rows, so that ranks holding rows of
+    one ∇W add theirs up (docs/reliability.md, "Fallbacks")."""
+    torch.mul(results, scales.view(-1, 1, 1), out=stack[:, 1])
+    flat = stack.flatten(2)
+    return torch.bmm(flat[:, 1:], flat.mT).flatten(1)
+
 
 def _buffers(groups: Sequence[Group], device: torch.device) -> list[Tensor]:
     """Each group's (k, 2, d_g, d_a) stack: ∇W, then the check's scaled V̂; one allocation per dtype."""
@@ -313,19 +339,40 @@ def _buffers(groups: Sequence[Group], device: torch.device) -> list[Tensor]:
 
 
 def apply_groups(
-    groups: Sequence[Group], grads: Sequence[Tensor], states: Sequence[Sequence[LayerState]]
+    groups: Sequence[Group],
+    grads: Sequence[Tensor],
+    states: Sequence[Sequence[LayerState]],
+    names: Sequence[str],
+    watch: Clock,
+    alone: bool,
 ) -> list[tuple[Tensor, list[LayerState]]]:
-    """Every group's kernel applied, the groups of one kernel type in one :meth:`GroupKernel.apply_all`."""
-    by_type: dict[type[GroupKernel], list[int]] = {}
+    """Every group's kernel applied: the groups of one kernel type in one :meth:`GroupKernel.apply_all`, or with
+    ``alone`` each on its own, an error of a group of one naming its layer (docs/reliability.md, "Registration")."""
+    batches: dict[Hashable, list[int]] = {}
     for i, group in enumerate(groups):
-        by_type.setdefault(type(group.kernel), []).append(i)
+        batches.setdefault(i if alone else type(group.kernel), []).append(i)
     out: dict[int, tuple[Tensor, list[LayerState]]] = {}
-    for kind, members in by_type.items():
-        results = kind.apply_all(
-            [groups[i].kernel for i in members], [grads[i] for i in members], [states[i] for i in members]
-        )
+    for members in batches.values():
+        first = groups[members[0]]
+        with naming(names, first.members if alone else [], states[members[0]]):
+            results = type(first.kernel).apply_all(
+                [groups[i].kernel for i in members], [grads[i] for i in members], [states[i] for i in members]
+            )
         out.update(zip(members, results, strict=True))
     return [out[i] for i in range(len(groups))]
+
+
+@contextmanager
+def naming(names: Sequence[str], members: Sequence[int], states: Sequence[LayerState]) -> Iterator[None]:
+    """An error raised inside names its layer where ``members`` (positions in ``names``) is a group of one
+    (docs/reliability.md, "Registration")."""
+    try:
+        yield
+    except Exception as err:
+        named = named_error(err, names[members[0]], type(states[0]).__name__) if len(members) == 1 else None
+        if named is None:
+            raise
+        raise named from err
 
 
 def write_back(

@@ -1,4 +1,5 @@
-"""The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path of one step").
+"""The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path of one
+step").
 
 The strategy (``"inverse"`` or ``"gradient"``, :class:`~hylo.config.DistributedConfig`) is passed to
 each call: the stage keeps no option of its own.
@@ -30,14 +31,12 @@ import torch
 from torch import Tensor
 
 from hylo.distributed import Communicator, Pending, assign_owners
-from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.math import named_error
 from hylo.layers.sharded import is_sharded
 from hylo.numerics import finite_each
 from hylo.payload import Payload
 from hylo.sections import Strategy
-from hylo.solvers import FAMILIES, HeldState, LayerState, RemoteState, family_of, whole_step
-from hylo.solvers.base import Clock, Contribution, SolverFamily, UpdateContext, UpdateJob
+from hylo.solvers import FAMILIES, HeldState, RemoteState, family_of, whole_step
+from hylo.solvers.base import Contribution, SolverFamily, UpdateContext, UpdateJob
 from hylo.solvers.kernel import Exchange
 
 
@@ -208,29 +207,6 @@ class UpdateStage:
         if self.comm.world_size > 1 and strategy == "gradient":
             flags = self.comm.all_true(flags)
         return [job.name for job, ok in zip(jobs, flags.tolist(), strict=True) if not ok]
-
-    # ---------------------------------------------------------------- every step, layer by layer
-    def apply_layers(
-        self, items: Sequence[tuple[str, LayerState, GradMatrix]], watch: Clock
-    ) -> tuple[dict[str, Tensor], dict[str, LayerState]]:
-        """V̂ of every (layer, state, ∇W) item, each state applied on its own (the reference the grouped step is
-        checked against, docs/design.md, "The apply plan"), and the successors of the states that
-        :attr:`~hylo.solvers.base.LayerState.advances` (not yet stored). An error names its layer
-        (docs/reliability.md, "Registration")."""
-        results: dict[str, Tensor] = {}
-        successors: dict[str, LayerState] = {}
-        for name, state, grad in items:
-            try:
-                results[name], successor = state.advance(grad)
-            except Exception as err:
-                named = named_error(err, name, type(state).__name__)
-                if named is None:
-                    raise
-                raise named from err
-            if successor is not state:
-                successors[name] = successor
-            watch.lap("precondition", name)
-        return results, successors
 
 
 def _payload_bytes(payload: Payload, layers: Sequence[str]) -> list[int]:

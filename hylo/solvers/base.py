@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from hylo.layers.batch import LayerBatch, LayerShape
-from hylo.layers.gradmatrix import GradMatrix, GradShard
+from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic
 from hylo.payload import Payload, PayloadKey
 from hylo.rules import Section
@@ -90,27 +90,6 @@ class LayerState(ABC):
         names the parts its successors keep (docs/design.md, "The apply plan")."""
         return (self,)
 
-    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """Under FSDP2, this rank's share of what :meth:`precondition` needs from the other ranks' rows (or
-        columns) of ∇W (``grad`` holds ``grad.shard``), and how the ranks combine it (docs/distributed.md, "FSDP2").
-
-        The default gathers ∇W whole (:attr:`Exchange.ROWS`, columns as rows of ∇Wᵀ); a state that needs less
-        overrides this.
-        """
-        assert grad.shard is not None
-        return Exchange.ROWS, grad.full() if grad.shard.axis == 0 else grad.full().mT.contiguous()
-
-    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows (or columns) of V̂ from its ``grad`` and the combined :meth:`shard_partial` of every
-        rank, in the working dtype as :meth:`precondition`'s."""
-        shard = grad.shard
-        assert shard is not None
-        return own_part(self.precondition(received if shard.axis == 0 else received.mT), shard)
-
-    def shard_advance(self, grad: GradMatrix, received: Tensor) -> tuple[Tensor, LayerState]:
-        """:meth:`shard_finish` and the state the next step applies (this one, unless it :attr:`advances`)."""
-        return self.shard_finish(grad, received), self
-
     def carried(self) -> dict[str, Tensor]:
         """Tensors the next update of the same family builds on (K-FAC's running factors)."""
         return {}
@@ -138,13 +117,6 @@ class LayerState(ABC):
     ) -> LayerState:
         """A state saved by :meth:`to_dict`; ``ValueError`` naming the field unless it fits a (d_g, d_a) layer
         whose math runs in ``dtype`` (every tensor's name, shape and dtype; a finite damping > 0)."""
-
-
-def own_part(result: Tensor, shard: GradShard) -> Tensor:
-    """This rank's rows (or columns) of a whole (d_g, d_a) result under FSDP2."""
-    if shard.axis == 0:
-        return result[shard.start : shard.stop]
-    return result[:, shard.start : shard.stop]
 
 
 @dataclass

@@ -115,7 +115,8 @@ def own_rows(results: Tensor, shard: GradShard) -> Tensor:
 
 
 class LoopKernel(GroupKernel):
-    """Each state's own :meth:`LayerState.advance`, layer by layer: what a family without a group kernel gets."""
+    """Each state's own :meth:`LayerState.advance`, layer by layer: what a family without a group kernel gets
+    (under FSDP2 on every layer's whole ∇W, the default split)."""
 
     def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
         """Every state advanced on its gradient, the results stacked."""
@@ -126,19 +127,13 @@ class LoopKernel(GroupKernel):
             successors.append(successor)
         return torch.stack(results), successors
 
-    def shard_partial(
-        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState]
-    ) -> list[tuple[Exchange, Tensor]]:
-        """Each state's own :meth:`LayerState.shard_partial`, one piece per layer."""
-        return [state.shard_partial(GradMatrix(grad, None, shard)) for grad, state in zip(grads, states, strict=True)]
 
-    def shard_finish(
-        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState], received: Sequence[Tensor]
-    ) -> tuple[Tensor, list[LayerState]]:
-        """Each state's own :meth:`LayerState.shard_advance`, the results stacked."""
-        results, successors = [], []
-        for grad, state, piece in zip(grads.unbind(0), states, received, strict=True):
-            result, successor = state.shard_advance(GradMatrix(grad, None, shard), piece)
-            results.append(result.to(grads.dtype))
-            successors.append(successor)
-        return torch.stack(results), successors
+def applied_alone(
+    kernel: GroupKernel, state: LayerState, grad: Tensor | GradMatrix, dtype: torch.dtype
+) -> tuple[Tensor, LayerState]:
+    """``state`` applied on its own by ``kernel`` (built on ``[state]`` in ``dtype``, the state's working dtype):
+    the per-layer form of a family that writes its step once, as its group kernel (docs/design.md, "The apply
+    plan"); ∇W whole or as its parts."""
+    whole = GradMatrix.of(grad).full().to(dtype)
+    result, successors = kernel.apply(whole.unsqueeze(0), [state])
+    return result[0], successors[0]

@@ -46,11 +46,9 @@ from hylo.solvers.base import (
 from hylo.solvers.blockdiag import (
     blocks,
     joined,
-    rotated_in,
-    rotated_out,
     shifted,
 )
-from hylo.solvers.kernel import Exchange, GroupKernel
+from hylo.solvers.kernel import Exchange, GroupKernel, applied_alone
 from hylo.solvers.kfac_blocks import (
     block_width,
     cubes,
@@ -63,8 +61,8 @@ from hylo.solvers.kfac_blocks import (
     square_shape,
     state_layouts,
 )
-from hylo.solvers.kfac_inverse import KFACInverseState, split_damping
-from hylo.solvers.kfac_kernels import EigenKernel, InverseKernel
+from hylo.solvers.kfac_inverse import KFACInverseState, inverse_kernel, split_damping
+from hylo.solvers.kfac_kernels import EigenKernel
 
 #: Multiply-adds of a symmetric eigendecomposition per d³ (tridiagonalisation plus QR sweeps).
 EIGH_COST = 4.0
@@ -172,8 +170,8 @@ def solve_work(d_a: int, d_g: int, method: str, blocks: tuple[int | None, int | 
 class KFACState(LayerState):
     """Running Kronecker factors of one layer and their eigendecompositions.
 
-    ``precondition`` computes V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ, which is exactly
-    (A ⊗ G + λI)⁻¹ vec ∇W for the stored A, G and the damping λ of the last update.
+    Its apply (:class:`~hylo.solvers.kfac_kernels.EigenKernel`) computes V̂ = Q_g [(Q_gᵀ ∇W Q_a) / (e_g e_aᵀ + λ)] Q_aᵀ,
+    which is exactly (A ⊗ G + λI)⁻¹ vec ∇W for the stored A, G and the damping λ of the last update.
     """
 
     family: ClassVar[str] = "kfac"
@@ -187,17 +185,8 @@ class KFACState(LayerState):
     damping: float
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient (∇W Q_a taken part by part: no concatenated copy; block by block where
-        a side is blocked)."""
-        parts = GradMatrix.of(grad)
-        if self.blocked:
-            layouts = self.layouts()
-            rotated = rotated_in(parts.to(self.evecs_a.dtype).full(), self.evecs_g, self.evecs_a, layouts)
-            rotated = rotated.div(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-            return rotated_out(rotated, self.evecs_g, self.evecs_a, layouts)
-        rotated = self.evecs_g.mT @ parts.to(self.evecs_a.dtype).times(self.evecs_a)
-        rotated.div_(torch.outer(self.evals_g, self.evals_a).add_(self.damping))
-        return self.evecs_g @ rotated @ self.evecs_a.mT
+        """Preconditioned (d_g, d_a) gradient: the eigen kernel on a group of one."""
+        return applied_alone(eigen_kernel([self]), self, grad, self.evecs_a.dtype)[0]
 
     @property
     def blocked(self) -> bool:
@@ -249,6 +238,12 @@ class KFACState(LayerState):
         ``ValueError``."""
         shapes = held_shapes(carried, d_a, d_g, {"factor_a": (d_a, d_a), "factor_g": (d_g, d_g)})
         return checked_tensors(carried, shapes, dict.fromkeys(shapes, dtype), device)
+
+
+def eigen_kernel(states: Sequence[KFACState]) -> EigenKernel:
+    """The eigen method's kernel of ``states``: Q_a, Q_g and the divisors e_g e_aᵀ + λ stacked."""
+    divisors = [torch.outer(s.evals_g, s.evals_a).add_(s.damping) for s in states]
+    return EigenKernel([s.evecs_a for s in states], [s.evecs_g for s in states], divisors)
 
 
 @dataclass
@@ -457,10 +452,8 @@ class KFACFamily(SolverFamily[KFACFactors]):
         (the group key is the state's type), in the states' dtype (``dtype``, the layers' working dtype)."""
         inverse = [state for state in states if isinstance(state, KFACInverseState)]
         if len(inverse) == len(states):
-            return InverseKernel([s.inverse_a for s in inverse], [s.inverse_g for s in inverse])
-        eigen = [state for state in states if isinstance(state, KFACState)]
-        divisors = [torch.outer(s.evals_g, s.evals_a).add_(s.damping) for s in eigen]
-        return EigenKernel([s.evecs_a for s in eigen], [s.evecs_g for s in eigen], divisors)
+            return inverse_kernel(inverse)
+        return eigen_kernel([state for state in states if isinstance(state, KFACState)])
 
     refreshes = True
 

@@ -13,15 +13,17 @@ from torch import Tensor
 from hylo.layers.blocks import BlockLayout
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.solvers.base import LayerState, checked_tensors, positive_number
-from hylo.solvers.blockdiag import diagonal, left, times
-from hylo.solvers.kfac_blocks import held_shapes, state_layouts
+from hylo.solvers.blockdiag import diagonal
+from hylo.solvers.kernel import applied_alone
+from hylo.solvers.kfac_blocks import held_shapes
+from hylo.solvers.kfac_kernels import InverseKernel
 
 
 @dataclass
 class KFACInverseState(LayerState):
     """Running Kronecker factors of one layer and their damped inverses (``kfac_method="inverse"``).
 
-    ``precondition`` computes V̂ = (G + δ_g I)⁻¹ ∇W (A + δ_a I)⁻¹ with δ_a δ_g = λ (:func:`split_damping`): the
+    Its apply (:class:`~hylo.solvers.kfac_kernels.InverseKernel`) computes V̂ = (G + δ_g I)⁻¹ ∇W (A + δ_a I)⁻¹ with δ_a δ_g = λ (:func:`split_damping`): the
     inverse of (A + δ_a I) ⊗ (G + δ_g I) = A ⊗ G + λI + δ_g A ⊗ I + δ_a I ⊗ G, a damping larger than λ's alone,
     in two products (docs/solvers.md, "The inverse method").
     """
@@ -35,14 +37,8 @@ class KFACInverseState(LayerState):
     damping: float
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient (∇W (A + δ_a I)⁻¹ taken part by part; block by block where blocked)."""
-        parts = GradMatrix.of(grad)
-        if self.blocked:
-            d_g, d_a = parts.shape
-            layout_g, layout_a = state_layouts(self.inverse_g, self.inverse_a, d_g, d_a)
-            work = times(parts.to(self.inverse_a.dtype).full(), self.inverse_a, layout_a)
-            return left(self.inverse_g, work, layout_g)
-        return self.inverse_g @ parts.to(self.inverse_a.dtype).times(self.inverse_a)
+        """Preconditioned (d_g, d_a) gradient: the inverse kernel on a group of one."""
+        return applied_alone(inverse_kernel([self]), self, grad, self.inverse_a.dtype)[0]
 
     @property
     def blocked(self) -> bool:
@@ -79,6 +75,11 @@ class KFACInverseState(LayerState):
         shapes = held_shapes(entry.get("tensors"), d_a, d_g, dense)
         t = checked_tensors(entry.get("tensors"), shapes, dict.fromkeys(shapes, dtype), device)
         return cls(t["factor_a"], t["factor_g"], t["inverse_a"], t["inverse_g"], damping)
+
+
+def inverse_kernel(states: Sequence[KFACInverseState]) -> InverseKernel:
+    """The inverse method's kernel of ``states``: the damped inverses stacked."""
+    return InverseKernel([s.inverse_a for s in states], [s.inverse_g for s in states])
 
 
 def split_damping(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from hylo.layers.batch import LayerBatch, LayerShape
-from hylo.layers.rows import FactoredRows, OneHotRows, SampleRows, rows_from_fields
+from hylo.layers.rows import SampleRows, rows_from_fields
 from hylo.layers.statistics import ROWS
 from hylo.payload import Payload
 from hylo.rules import COUNT, RATIO, Rule, Section, is_bool, option
@@ -42,9 +42,9 @@ from hylo.solvers.base import (
     UpdateContext,
     UpdateJob,
 )
-from hylo.solvers.kernel import Exchange, GroupKernel, LoopKernel
+from hylo.solvers.kernel import Exchange, GroupKernel
 from hylo.solvers.reduce import dropped_mass, kid_skeleton, kis_select, priority_sample, sketched_rank
-from hylo.solvers.smw import FactoredKernel, LowRankState, LowRankUpdate, OneHotKernel, smw_inners
+from hylo.solvers.smw import LowRankState, LowRankUpdate, lowrank_kernel, smw_inners
 
 #: ``rank_ratio``'s value that lets each layer's kernel spectrum choose its rank (docs/solvers.md, "Adaptive rank").
 ADAPTIVE = "auto"
@@ -404,11 +404,6 @@ class LowRankFamily(SolverFamily[LowRankUpdate]):
         return type(state), type(rows), state.damping
 
     def group_kernel(self, states: Sequence[LayerState], dtype: torch.dtype) -> GroupKernel:
-        """:class:`~hylo.solvers.smw.FactoredKernel` on factored rows, :class:`~hylo.solvers.smw.OneHotKernel` on
-        an embedding's; dense rows (a convolution's exact per-sample gradients) apply layer by layer."""
-        held = [state for state in states if isinstance(state, LowRankState)]
-        if len(held) == len(states) and all(type(state.rows) is FactoredRows for state in held):
-            return FactoredKernel(held, dtype)
-        if len(held) == len(states) and all(type(state.rows) is OneHotRows for state in held):
-            return OneHotKernel(held, dtype)
-        return LoopKernel()
+        """:class:`~hylo.solvers.smw.FactoredKernel`, :class:`~hylo.solvers.smw.OneHotKernel` (an embedding's rows)
+        or :class:`~hylo.solvers.smw.DenseKernel` (a convolution's exact per-sample gradients), by the rows' form."""
+        return lowrank_kernel([state for state in states if isinstance(state, LowRankState)], dtype)

@@ -30,10 +30,17 @@ import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix, GradShard
-from hylo.layers.rows import EXACT_FLOAT32_INTEGERS, FactoredRows, OneHotRows, SampleRows, rows_from_fields
+from hylo.layers.rows import (
+    EXACT_FLOAT32_INTEGERS,
+    DenseRows,
+    FactoredRows,
+    OneHotRows,
+    SampleRows,
+    rows_from_fields,
+)
 from hylo.numerics import cholesky_many, spd_inverse_many
 from hylo.solvers.base import LayerState, checked_tensors, positive_number
-from hylo.solvers.kernel import Exchange, GroupKernel, stacked
+from hylo.solvers.kernel import Exchange, GroupKernel, applied_alone, stacked
 
 
 @dataclass
@@ -59,36 +66,8 @@ class LowRankState(LayerState):
     damping: float
 
     def precondition(self, grad: Tensor | GradMatrix) -> Tensor:
-        """Preconditioned (d_g, d_a) gradient in O(m·d_a·d_g)."""
-        parts = GradMatrix.of(grad)
-        work = parts.to(self.rows.dtype)
-        c = self._coefficients(self.rows.project(work))
-        inv_damping = 1.0 / self.damping
-        return self.rows.combine(work, c, beta=inv_damping, alpha=-inv_damping)
-
-    def _coefficients(self, projections: Tensor) -> Tensor:
-        """c/D = M z / D in M's dtype (float64 for states built here), returned in the rows' dtype."""
-        return (self.inner @ projections.to(self.inner.dtype) / self.divisor).to(self.rows.dtype)
-
-    def shard_partial(self, grad: GradMatrix) -> tuple[Exchange, Tensor]:
-        """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows (or columns): its rows of U_k against its
-        rows of ∇W (m numbers, summed over ranks)."""
-        rows = self._rows_of(grad)
-        return Exchange.SUM, rows.project(grad.to(rows.dtype))
-
-    def shard_finish(self, grad: GradMatrix, received: Tensor) -> Tensor:
-        """This rank's rows (or columns) of V̂ = (∇W − Σ c_k U_k / D)/λ with c = M z from the summed z."""
-        rows = self._rows_of(grad)
-        inv_damping = 1.0 / self.damping
-        c = self._coefficients(received)
-        return rows.combine(grad.to(rows.dtype), c, beta=inv_damping, alpha=-inv_damping)
-
-    def _rows_of(self, grad: GradMatrix) -> SampleRows:
-        shard = grad.shard
-        assert shard is not None
-        if shard.axis == 0:
-            return self.rows.output_rows(shard.start, shard.stop)
-        return self.rows.input_columns(shard.start, shard.stop)
+        """Preconditioned (d_g, d_a) gradient in O(m·d_a·d_g): its rows' kernel on a group of one."""
+        return applied_alone(lowrank_kernel([self], self.rows.dtype), self, grad, self.rows.dtype)[0]
 
     def tensors(self) -> dict[str, Tensor]:
         """Rows and the inner matrix: O(m·w + m²) (w = d_a + d_g, or d_a·d_g for dense rows)."""
@@ -258,6 +237,67 @@ class OneHotKernel(_SMWKernel):
             return out, list(states)
         added = (g * self.coefficients(received[0], grads.dtype)).mT
         return out.scatter_add_(2, index, added if inside is None else added * inside), list(states)
+
+
+class DenseKernel(_SMWKernel):
+    """A group of :class:`LowRankState` on dense rows (a convolution's exact per-sample gradients): every layer's
+    rows U_i flattened, zero-padded to the group's most rows m, and M·(−1/λ)/D stacked once; V̂ = ∇W/λ −
+    Σ c_k U_k/(λD), c = M z, z_k = ⟨U_k, ∇W⟩, in three batched operations for the whole group."""
+
+    def __init__(self, states: Sequence[LowRankState], dtype: torch.dtype) -> None:
+        super().__init__(states)
+        flat = [state.rows.fields()["u"] for state in states]
+        if all(u.shape[0] == self.rows for u in flat):
+            self.u = stacked(flat, dtype)
+        else:
+            self.u = self.inner.new_zeros(len(states), self.rows, flat[0].shape[1], dtype=dtype)
+            for i, u in enumerate(flat):
+                self.u[i, : u.shape[0]] = u
+
+    def apply(self, grads: Tensor, states: Sequence[LayerState]) -> tuple[Tensor, list[LayerState]]:
+        """∇W/λ − Σ c_k U_k/(λD) of every layer at once."""
+        return self._combined(grads, self.u, self._projected(grads, self.u)), list(states)
+
+    def _local(self, grads: Tensor, shard: GradShard) -> Tensor:
+        """Every U_i restricted to this rank's rows (or columns) of ∇W, flattened as ``grads``."""
+        k, m = self.u.shape[:2]
+        whole = (grads.shape[1], -1) if shard.axis == 1 else (-1, grads.shape[2])
+        u = self.u.view(k, m, *whole)
+        part = u[:, :, shard.start : shard.stop] if shard.axis == 0 else u[..., shard.start : shard.stop]
+        return part.flatten(2)
+
+    @staticmethod
+    def _projected(grads: Tensor, u: Tensor) -> Tensor:
+        """z_k = ⟨U_k, ∇W⟩ of every layer, (k, m, 1)."""
+        return torch.bmm(u, grads.flatten(1).unsqueeze(-1))
+
+    def _combined(self, grads: Tensor, u: Tensor, projections: Tensor) -> Tensor:
+        coefficients = self.coefficients(projections, grads.dtype)
+        flat = grads.flatten(1).unsqueeze(-1)
+        return torch.baddbmm(flat, u.mT, coefficients, beta=self.inverse_damping).view(grads.shape)
+
+    def shard_partial(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState]
+    ) -> list[tuple[Exchange, Tensor]]:
+        """This rank's part of z_k = ⟨U_k, ∇W⟩, a sum over ∇W's rows (or columns): m numbers per layer, summed over
+        ranks."""
+        return [(Exchange.SUM, self._projected(grads, self._local(grads, shard)))]
+
+    def shard_finish(
+        self, grads: Tensor, shard: GradShard, states: Sequence[LayerState], received: Sequence[Tensor]
+    ) -> tuple[Tensor, list[LayerState]]:
+        """This rank's rows (or columns) of ∇W/λ − Σ c_k U_k/(λD) with c = M z from the summed z."""
+        return self._combined(grads, self._local(grads, shard), received[0]), list(states)
+
+
+def lowrank_kernel(states: Sequence[LowRankState], dtype: torch.dtype) -> GroupKernel:
+    """The kernel of ``states``, whose rows are of one form (LowRankFamily.group_key), in ``dtype``."""
+    form = type(states[0].rows)
+    if form is OneHotRows:
+        return OneHotKernel(states, dtype)
+    if form is DenseRows:
+        return DenseKernel(states, dtype)
+    return FactoredKernel(states, dtype)
 
 
 def smw_inners(updates: Sequence[LowRankUpdate], damping: float) -> list[Tensor]:

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hylo import HyLoPreconditioner
-from hylo.layers.gradmatrix import CHUNK_BYTES, GradMatrix, result_terms
-from hylo.numerics import sound_results
+from hylo.layers.gradmatrix import GradMatrix
+from hylo.numerics import check_limits, sound, unit_scales
+from hylo.pipeline.apply import result_sums
 from hylo.solvers import LayerState
 from hylo.solvers.kfac import KFACState
 from tests.kit.checks import as_parts, grad_matrix
@@ -155,18 +156,36 @@ def test_an_unsound_result_falls_back_to_the_raw_gradient_with_a_warning(how: st
         pre.step()
 
 
-def _terms(grad: GradMatrix, v: Tensor, damping: float | None) -> Tensor:
-    """The check's terms of ``v`` against ``grad`` (whole: ‖∇W‖ measured here in float64)."""
-    return result_terms(grad, v, grad.to(torch.float64).norm(torch.float64), damping)
+def _norm(grad: GradMatrix) -> Tensor:
+    """‖∇W‖ in float64 (what the guard measures)."""
+    return torch.linalg.vector_norm(grad.full().to(torch.float64))
+
+
+def _terms(grad: GradMatrix, vs: list[Tensor], dampings: list[float | None], norm: Tensor | None = None) -> Tensor:
+    """The check's float64 terms [⟨∇W, V̂⟩, ‖V̂‖²] of each of ``vs`` against ``grad`` as a step computes them
+    (``unit_scales``, ``result_sums``, divided by s and s²); ``norm``: the whole ‖∇W‖ where ``grad`` is some rows
+    of it (measured here by default)."""
+    whole = grad.full()
+    k = len(vs)
+    norms = (_norm(grad) if norm is None else norm).expand(k)
+    limits = check_limits(dampings, [whole.dtype] * k, whole.device)
+    (scales,), scale64 = unit_scales(norms, limits, [(0, k, whole.dtype)])
+    stack = torch.stack([whole.expand(k, -1, -1), torch.zeros(k, *whole.shape, dtype=whole.dtype)], dim=1)
+    sums = result_sums(stack, torch.stack(vs).to(whole.dtype), scales)
+    return sums.to(torch.float64) / scale64.unsqueeze(1).pow(torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+
+def _sound(terms: Tensor, norm: Tensor, dampings: list[float | None]) -> list[bool]:
+    """The check's verdict on ``terms`` of results of one ∇W (of norm ``norm``), float32."""
+    limits = check_limits(dampings, [torch.float32] * len(dampings), terms.device)
+    return sound(terms, norm.expand(len(dampings)), limits).tolist()
 
 
 def _judge(grad: GradMatrix, vs: list[Tensor], dampings: list[float | None]) -> list[bool]:
-    terms = torch.stack([_terms(grad, v, lam) for v, lam in zip(vs, dampings, strict=True)])
-    norms = grad.to(torch.float64).norm(torch.float64).expand(len(vs))
-    return sound_results(terms, norms, dampings, [grad.dtype] * len(vs)).tolist()
+    return _sound(_terms(grad, vs, dampings), _norm(grad), dampings)
 
 
-def test_sound_results_judges_each_condition() -> None:
+def test_the_check_judges_each_condition() -> None:
     """Finite, ⟨∇W, V̂⟩ > 0 (or ∇W = 0), ‖V̂‖ ≤ ‖∇W‖/λ (1 + slack): each failing alone fails; λ = 0 skips
     the length bound; None checks finiteness only."""
     g = GradMatrix(torch.tensor([[3.0, 4.0]]), None)  # ‖∇W‖ = 5
@@ -194,24 +213,24 @@ def test_sound_results_judges_each_condition() -> None:
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19])
-def test_result_terms_add_up_over_rows_without_overflow(scale: float) -> None:
+def test_the_check_terms_add_up_over_rows_without_overflow(scale: float) -> None:
     """Rows of one ∇W split between ranks (FSDP2): the terms of the parts, each scaled by the global ‖∇W‖, add
     up to those of the whole (so every rank judges the same sums), in float64 from float32 entries of 10⁻²⁰ or
     10¹⁹ (whose products under- or overflow float32)."""
     gen = torch.Generator().manual_seed(3)
     weight, bias = scale * torch.randn(6, 4, generator=gen), scale * torch.randn(6, generator=gen)
     v = 7.0 * torch.cat([weight, bias[:, None]], dim=1) + scale * torch.randn(6, 5, generator=gen)
-    norm = GradMatrix(weight, bias).to(torch.float64).norm(torch.float64)
-    whole = result_terms(GradMatrix(weight, bias), v, norm, 0.1)
-    parts = result_terms(GradMatrix(weight[:2], bias[:2]), v[:2], norm, 0.1) + result_terms(
-        GradMatrix(weight[2:], bias[2:]), v[2:], norm, 0.1
+    norm = _norm(GradMatrix(weight, bias))
+    whole = _terms(GradMatrix(weight, bias), [v], [0.1])[0]
+    parts = (
+        _terms(GradMatrix(weight[:2], bias[:2]), [v[:2]], [0.1], norm)[0]
+        + _terms(GradMatrix(weight[2:], bias[2:]), [v[2:]], [0.1], norm)[0]
     )
     g64, v64 = torch.cat([weight, bias[:, None]], dim=1).double(), v.double()
     expected = torch.stack([(g64 * v64).sum(), v64.square().sum()])
     torch.testing.assert_close(whole, expected, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(parts, expected, rtol=1e-6, atol=0.0)
-    ok = sound_results(torch.stack([whole, parts]), norm.expand(2), [0.1, 0.1], [torch.float32] * 2)
-    assert bool(ok.all())
+    assert all(_sound(torch.stack([whole, parts]), norm, [0.1, 0.1]))
 
 
 # --------------------------------------------------------------------------- the terms against float64
@@ -223,36 +242,32 @@ def _reference(grad: GradMatrix, v: Tensor) -> Tensor:
 
 def _layouts(d_g: int, d_w: int, gen: torch.Generator) -> dict[str, GradMatrix]:
     """One ∇W in each layout hylo's layers give: contiguous weight with a bias, a transposed weight (an
-    embedding's), a column block of a wider weight with a strided bias (neither dense nor contiguous), and a
-    weight over several of the CPU's chunks of rows."""
+    embedding's), and a column block of a wider weight with a strided bias (neither dense nor contiguous)."""
     wide = torch.randn(d_g, d_w + 3, generator=gen)
-    rows = 3 * CHUNK_BYTES // (4 * d_w) + 5
     return {
         "contiguous": GradMatrix(torch.randn(d_g, d_w, generator=gen), torch.randn(d_g, generator=gen)),
         "transposed": GradMatrix(torch.randn(d_w, d_g, generator=gen).mT),
         "strided": GradMatrix(wide[:, 1 : d_w + 1], wide[:, 0]),
-        "chunked": GradMatrix(torch.randn(rows, d_w, generator=gen), torch.randn(rows, generator=gen)),
     }
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19])
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "chunked"])
-def test_result_terms_match_float64_at_extreme_scales(scale: float, layout: str) -> None:
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_the_check_terms_match_float64_at_extreme_scales(scale: float, layout: str) -> None:
     """⟨∇W, V̂⟩ and ‖V̂‖² of a float32 ∇W of 10⁻²⁰, 1 or 10¹⁹ against its V̂ = (F̃ + λI)⁻¹∇W-like result
-    (at the bound, or 10⁶ times shorter), in every layout, agree with float64 sums; without a bound ‖V̂‖² is
-    not measured."""
+    (at the bound, or 10⁶ times shorter), in every layout, agree with float64 sums, with a bound and without one
+    (a state that bounds nothing: its scale's denominator floored)."""
     gen = torch.Generator().manual_seed(11)
     grad = _layouts(24, 256, gen)[layout]
     grad = GradMatrix(grad.weight * scale, None if grad.bias is None else grad.bias * scale)
-    norm = grad.to(torch.float64).norm(torch.float64)
+    norm = _norm(grad)
     for damping, shrink in [(1e-12, 1.0), (1e6, 1.0), (1e-3, 1e-6)]:
         noise = torch.randn(grad.shape, generator=gen) * (0.1 * float(norm) / grad.shape[1])
         v = ((grad.full() + noise) * (shrink / damping)).contiguous()
         want = _reference(grad, v)
-        torch.testing.assert_close(result_terms(grad, v, norm, damping), want, rtol=1e-5, atol=0.0)
-        unbounded = result_terms(grad, v, norm, None)
+        bounded, unbounded = _terms(grad, [v, v], [damping, None])
+        torch.testing.assert_close(bounded, want, rtol=1e-5, atol=0.0)
         torch.testing.assert_close(unbounded[0], want[0], rtol=1e-5, atol=0.0)
-        assert unbounded[1] == 0
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1e-7, 1.0, 1e19])
@@ -264,17 +279,10 @@ def test_a_result_at_the_bound_is_accepted_and_one_percent_beyond_refused(scale:
     gen = torch.Generator().manual_seed(5)
     grad = _layouts(32, 300, gen)["contiguous"]
     grad = GradMatrix(grad.weight * scale, grad.bias * scale)
-    norm = grad.to(torch.float64).norm(torch.float64)
     full = grad.full().to(torch.float64)
     vs = [(full / damping).float(), (1.01 * full / damping).float(), (-full / damping).float()]
     vs.append((full / (1e6 + damping)).float())
-    terms = torch.stack([result_terms(grad, v, norm, damping) for v in vs])
-    assert sound_results(terms, norm.expand(4), [damping] * 4, [torch.float32] * 4).tolist() == [
-        True,
-        False,
-        False,
-        True,
-    ]
+    assert _judge(grad, vs, [damping] * 4) == [True, False, False, True]
 
 
 def test_a_tiny_gradient_keeps_its_preconditioned_step() -> None:

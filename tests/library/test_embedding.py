@@ -41,8 +41,8 @@ from hylo.layers import (
     layer_math,
     unsupported_reason,
 )
-from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.rows import FactoredRows, rows_from_fields
+from hylo.solvers.smw import FactoredKernel, LowRankState, OneHotKernel
 from tests.kit.checks import DT, REPLAY_RTOL, assert_rel_close, rel_err
 from tests.kit.reference import dense_kfac, dense_natural_gradient
 
@@ -187,7 +187,8 @@ def test_embedding_math_shapes_and_factors() -> None:
 
 
 def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
-    """The index kernel δ(t_i = t_j)(G Gᵀ), its columns and the norms equal the one-hot products exactly, after select/scale/to."""
+    """The index kernel δ(t_i = t_j)(G Gᵀ), its columns and the norms equal the one-hot products exactly, after
+    select/scale/to; the one-hot apply equals the factored apply to round-off."""
     math = EmbeddingMath(nn.Embedding(V, D, padding_idx=2))
     idx = torch.tensor([3, 2, 3, 7, 2, 0, 3, 9, 7])
     rows = math.lowrank_rows(idx, torch.randn(9, D), 9.0)
@@ -200,14 +201,15 @@ def test_one_hot_rows_are_factored_rows_bit_for_bit() -> None:
         assert torch.equal(view.sq_norms(), plain.sq_norms())
         assert torch.equal(view.kernel_columns(index[:3]), plain.kernel_columns(index[:3]))
         assert view.fields().keys() == {"tokens", "g"}  # what the all-gather sends: no n×V matrix
-        grad = GradMatrix(torch.randn(D, V, dtype=view.dtype))
-        # a gather-sum against a dense matmul: the same terms summed in another order (float32 rounding)
+        grad = torch.randn(1, D, V, dtype=view.dtype)
+        # the one-hot kernel's gather-sum against the factored kernel's dense products: the same terms summed in
+        # another order (float32 rounding)
         rtol = 1e-12 if view.dtype == torch.float64 else 1e-5
-        torch.testing.assert_close(view.project(grad), plain.project(grad), rtol=rtol, atol=0)
-        coefficients = torch.randn(view.count, dtype=view.dtype)
-        torch.testing.assert_close(
-            view.combine(grad, coefficients, 0.5, -2.0), plain.combine(grad, coefficients, 0.5, -2.0)
-        )
+        inner = torch.randn(view.count, view.count, dtype=torch.float64)
+        one_hot, factored = (LowRankState(r, inner, 4.0, 0.5) for r in (view, plain))
+        applied = OneHotKernel([one_hot], view.dtype).apply(grad.clone(), [one_hot])[0]
+        expected = FactoredKernel([factored], view.dtype).apply(grad.clone(), [factored])[0]
+        torch.testing.assert_close(applied, expected, rtol=rtol, atol=rtol)
         again = rows_from_fields(view.fields(), D, V)
         assert isinstance(again, OneHotRows) and torch.equal(again.tokens, view.tokens)
 

@@ -245,13 +245,13 @@ def test_a_failed_step_leaves_the_moments_as_they_were(monkeypatch: pytest.Monke
 
     import hylo.preconditioner as module
 
-    real = module.precondition
+    real = module.apply
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         real(*args, **kwargs)  # the moments were advanced into the step's outcome...
         raise RuntimeError("injected")  # ...which is then discarded
 
-    monkeypatch.setattr(module, "precondition", failing)
+    monkeypatch.setattr(module, "apply", failing)
     model.zero_grad()
     x, y, _ = _data(3)
     F.cross_entropy(model(x), y).backward()

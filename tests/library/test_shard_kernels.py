@@ -4,9 +4,9 @@ Each case trains a small float64 model two steps with a solver, takes the states
 eigen and inverse methods of K-FAC, blocked factors, the low-rank solvers on factored, one-hot and dense rows,
 ``kfac_adam``) and builds their group's kernel. Random gradients are cut into the shards four ranks would hold —
 rows (``torch.chunk``-style over four ranks, the last empty) and columns — and every shard's
-:meth:`~hylo.solvers.base.GroupKernel.shard_partial` is combined as the ranks combine it (summed, or its rows
-concatenated in rank order). Property: each shard's :meth:`~hylo.solvers.base.GroupKernel.shard_finish` is its
-rows (columns) of the kernel's :meth:`~hylo.solvers.base.GroupKernel.apply` on the whole gradients, to 1e-12, and
+:meth:`~hylo.solvers.kernel.GroupKernel.shard_partial` is combined as the ranks combine it (summed, or its rows
+concatenated in rank order). Property: each shard's :meth:`~hylo.solvers.kernel.GroupKernel.shard_finish` is its
+rows (columns) of the kernel's :meth:`~hylo.solvers.kernel.GroupKernel.apply` on the whole gradients, to 1e-12, and
 a state that advances has the same successor on every shard.
 """
 

@@ -1016,7 +1016,6 @@ FACTS: tuple[Fact, ...] = (
     Fact("solvers.md", r"‖∇W‖/λ·\(1 \+ max\((10⁻\S+), 8ε\)\)", _c("hylo.numerics", "LENGTH_SLACK")),
     Fact("solvers.md", r"clamped into \[(10\S+), (10\S+)\]", _c("hylo.numerics", "NORM_CLAMP")),
     Fact("solvers.md", r"by 1/\((10⁻²⁴) \+ ‖∇W‖·m\)", _c("hylo.numerics", "UNBOUNDED_FLOOR")),
-    Fact("solvers.md", r"on the CPU in (\d+) KB chunks", lambda: module("hylo.layers.gradmatrix").CHUNK_BYTES / 1024),
     Fact(
         "solvers.md",
         r"exact in float32 up to V = (2\S+), float64 above",

@@ -6,10 +6,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from hylo.config import HyLoConfig
 from hylo.layers.gradmatrix import GradMatrix
+from hylo.numerics import kl_scale
 from hylo.pipeline.apply import Checked
 from hylo.pipeline.stage import UpdateStage
 from hylo.solvers import HeldState, LayerState
@@ -51,6 +53,13 @@ class Ready:
     def layer_norms(self) -> list[Tensor]:
         """Each layer's ‖∇W‖ (0-dim)."""
         return [self.norms[i] for i in self.indices]
+
+    def kl_clipped(self, results: Sequence[Tensor], terms: Tensor, norms: Tensor, ok: Tensor) -> None:
+        """``results`` scaled in place by ``kl_clip``'s one factor (:func:`~hylo.numerics.kl_scale`) from each
+        result's terms [⟨∇W, V̂⟩, ‖V̂‖²], ‖∇W‖ and whether it is sound: every placement's last step, from the same
+        terms on every rank; nothing without ``kl_clip``."""
+        if self.clip is not None:
+            torch._foreach_mul_(list(results), kl_scale(terms, norms, ok, *self.clip))
 
 
 #: Each layer's result (not yet written back), the check and the successors of the states that advance (not yet

@@ -20,7 +20,6 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from hylo.numerics import kl_scale
 from hylo.payload import CONTROL, RESULTS, Payload, PayloadKey
 from hylo.pipeline.apply import Checked, GroupedApply
 from hylo.pipeline.placement.base import Applied, Placement, Ready
@@ -117,11 +116,12 @@ class Owners(Placement):
     def __init__(self, stage: UpdateStage) -> None:
         super().__init__(stage)
         self.grouped = GroupedApply()
+        self.singles = GroupedApply(singles=True)
         self.sharing: Sharing | None = None
 
     def tensors(self) -> list[Tensor]:
-        """The apply plan's stacked copies and limits, and the exchange's indices."""
-        held = self.grouped.tensors()
+        """Both apply plans' stacked copies and limits, and the exchange's indices."""
+        held = self.grouped.tensors() + self.singles.tensors()
         if self.sharing is not None:
             indices = [self.sharing.mine_rows, self.sharing.row_index, self.sharing.norm_index]
             held += [t for t in indices if t is not None]
@@ -145,15 +145,14 @@ class Owners(Placement):
         then ``kl_clip`` on every rank from the same terms."""
         share = self._sharing_for(ready)
         device = ready.norms.device
-        here = apply_here(self.grouped, self.stage, ready, share.members) if share.members else None
+        here = apply_here(self.grouped, self.singles, ready, share.members) if share.members else None
         own_rows = None
+        results: dict[int, Tensor] = {}
         if here is not None:
             own_rows = torch.cat([here.terms, here.fell.to(torch.float64).unsqueeze(1)], 1)
             if here.placed is not None:
                 own_rows = own_rows.index_select(0, here.placed)
-        results: dict[int, Tensor] = {}
-        if here is not None:
-            results.update(zip(share.members, here.results, strict=True))
+            results.update(zip(share.members, here.in_ready_order(), strict=True))
         rows = own_rows
         if share.slots:
             payload = Payload(
@@ -183,7 +182,7 @@ class Owners(Placement):
         done = [results[i] for i in range(len(ready.layers))]  # each computed here or received
         if ready.clip is not None:
             norms = ready.norms if share.norm_index is None else ready.norms.index_select(0, share.norm_index)
-            torch._foreach_mul_(done, kl_scale(terms, norms, fell == 0, *ready.clip))
+            ready.kl_clipped(done, terms, norms, fell == 0)
         successors = here.successors if here is not None else {}
         return done, Checked(list(ready.indices), fell, terms), successors
 

@@ -2,29 +2,25 @@
 docs/design.md, "Placements").
 
 The apply plan, with each group's kernel split around the exchange: every group's
-:meth:`~hylo.solvers.base.GroupKernel.shard_partial` (from this rank's rows of its layers' ∇W) goes into one
+:meth:`~hylo.solvers.kernel.GroupKernel.shard_partial` (from this rank's rows of its layers' ∇W) goes into one
 fused all-reduce (sums, e.g. the low-rank projections) and one fused all-gather (rows, e.g. K-FAC's ∇W Q_a), then
-every group's :meth:`~hylo.solvers.base.GroupKernel.shard_finish` gives this rank's rows of V̂. The check's sums
+every group's :meth:`~hylo.solvers.kernel.GroupKernel.shard_finish` gives this rank's rows of V̂. The check's sums
 over this rank's rows are made every rank's by one all-reduce, so that every rank decides each fallback and
 ``kl_clip`` alike. A step costs the same operations and collectives for 4 equal layers as for 16.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
 
 from hylo.layers.gradmatrix import GradMatrix
-from hylo.layers.math import named_error
-from hylo.numerics import kl_scale
 from hylo.payload import CONTROL, Payload, PayloadKey
-from hylo.pipeline.apply import Checked, Group, GroupedApply, GroupedResults
+from hylo.pipeline.apply import Group, GroupedApply, naming
 from hylo.pipeline.placement.base import Applied, Placement, Ready
+from hylo.pipeline.placement.local import apply_here
 from hylo.pipeline.stage import UpdateStage
 from hylo.solvers import LayerState
 from hylo.solvers.base import Clock
@@ -43,52 +39,28 @@ class Sharded(Placement):
         super().__init__(stage)
         self.grouped = GroupedApply(kernels=self._exchanged, combine=self._summed, shards=self._every_ranks)
         self.singles = GroupedApply(
-            singles=True,
-            kernels=functools.partial(self._exchanged, alone=True),
-            combine=self._summed,
-            shards=self._every_ranks,
+            singles=True, kernels=self._exchanged, combine=self._summed, shards=self._every_ranks
         )
-        #: The ready layers' names and the clock of the step in progress (read by :meth:`_exchanged`).
-        self.names: list[str] = []
-        self.watch: Clock | None = None
 
     def tensors(self) -> list[Tensor]:
         """Both plans' stacked copies and limits."""
         return self.grouped.tensors() + self.singles.tensors()
 
     def run(self, ready: Ready) -> Applied:
-        """Each rank's rows of every result, decided over every rank's rows.
-
-        A grouped kernel that raises hands the step to the kernels one layer a group, as
-        :func:`~hylo.pipeline.placement.local.apply_here` does (every rank holds the same states and raises alike)."""
-        held, self.names, self.watch = ready.held(), ready.names, ready.watch
-        done: GroupedResults
-        if ready.config.grouped:
-            try:
-                done = self.grouped.checked(ready.layers, held, ready.indices, ready.norms)
-            except Exception as err:
-                done = self.singles.checked(ready.layers, held, ready.indices, ready.norms)
-                warnings.warn(
-                    f"the grouped step raised {type(err).__name__}: {err}; this step's layers were applied layer by "
-                    f"layer instead, with the same results to round-off ({', '.join(self.names)}); please report it "
-                    "(grouped=False applies layer by layer at every step)",
-                    stacklevel=5,
-                )
-        else:
-            done = self.singles.checked(ready.layers, held, ready.indices, ready.norms)
-        plan = done.plan
-        if ready.clip is not None:
-            torch._foreach_mul_(done.stacks, kl_scale(done.terms, done.norms, done.ok, *ready.clip))
-        ready.watch.lap("precondition", self.names)
-        flags = torch.where(done.ok, plan.zero, plan.one)
-        return done.in_ready_order(), Checked(plan.order, flags, done.terms), done.successors
+        """Each rank's rows of every result, decided over every rank's rows (every rank holds the same states, so
+        a grouped kernel that raises does so on every rank, which all fall back alike)."""
+        done = apply_here(self.grouped, self.singles, ready, range(len(ready.layers)))
+        ready.kl_clipped(done.stacks, done.terms, done.norms, done.ok)
+        return done.in_ready_order(), done.checked(), done.successors
 
     def _exchanged(
         self,
         groups: Sequence[Group],
         grads: Sequence[Tensor],
         states: Sequence[Sequence[LayerState]],
-        alone: bool = False,
+        names: Sequence[str],
+        watch: Clock,
+        alone: bool,
     ) -> list[tuple[Tensor, list[LayerState]]]:
         """Every group's kernel around one all-reduce and one all-gather of all groups' partial products; the groups
         of one kernel type finish in one call (as :func:`~hylo.pipeline.apply.apply_groups`), or with ``alone``
@@ -96,30 +68,28 @@ class Sharded(Placement):
         payloads = {Exchange.SUM: Payload(), Exchange.ROWS: Payload()}
         keys: list[list[PayloadKey]] = []
         for group, grad, members in zip(groups, grads, states, strict=True):
-            shard, names = group.shard, [self.names[i] for i in group.members]
+            shard, mine = group.shard, [names[i] for i in group.members]
             assert shard is not None, "every layer is sharded under FSDP2"
-            with _naming(names, members):
+            with naming(names, group.members, members):
                 pieces = group.kernel.shard_partial(grad, shard, members)
             keys.append([])
             for p, (exchange, piece) in enumerate(pieces):
-                layers = names if len(pieces) == 1 else [names[p]]
+                layers = mine if len(pieces) == 1 else [mine[p]]
                 key = (layers[0], f"partial {p}")
                 payloads[exchange].add_shared(key, piece, layers)
                 keys[-1].append(key)
-        watch = self.watch
-        assert watch is not None
-        watch.lap("precondition", self.names)
+        watch.lap("precondition", names)
         summed = self.stage.comm.all_reduce(payloads[Exchange.SUM], "sum")
         gathered = self.stage.comm.all_gather_rows(payloads[Exchange.ROWS])
         received = {**summed.wait(), **gathered.wait()}
         if watch.enabled:
-            sizes = dict.fromkeys(self.names, 0)
+            sizes = dict.fromkeys(names, 0)
             for payload in payloads.values():
                 for key in payload:
                     owners = payload.owners(key)
                     for layer in owners:
                         sizes[layer] += received[key].numel() * received[key].element_size() // len(owners)
-            watch.lap("gather", self.names, list(sizes.values()))
+            watch.lap("gather", names, list(sizes.values()))
         batches: dict[Hashable, list[int]] = {}
         for i, group in enumerate(groups):
             batches.setdefault(i if alone else type(group.kernel), []).append(i)
@@ -127,8 +97,7 @@ class Sharded(Placement):
         for chosen in batches.values():
             first = groups[chosen[0]]
             shards = [groups[i].shard for i in chosen]
-            names = [self.names[i] for i in first.members] if len(chosen) == 1 else []  # named: one group of one
-            with _naming(names, states[chosen[0]]):
+            with naming(names, first.members if alone else [], states[chosen[0]]):
                 done = type(first.kernel).shard_finish_all(
                     [groups[i].kernel for i in chosen],
                     [grads[i] for i in chosen],
@@ -151,15 +120,3 @@ class Sharded(Placement):
     def _summed(self, terms: Tensor) -> Tensor:
         """The check's terms of this rank's rows summed over the ranks (one all-reduce)."""
         return self.stage.comm.all_reduce(Payload({TERMS: terms}), "sum").wait()[TERMS]
-
-
-@contextmanager
-def _naming(names: Sequence[str], states: Sequence[LayerState]) -> Iterator[None]:
-    """An error of a group of one's kernel names its layer (docs/reliability.md, "Registration")."""
-    try:
-        yield
-    except Exception as err:
-        named = named_error(err, names[0], type(states[0]).__name__) if len(names) == 1 else None
-        if named is None:
-            raise
-        raise named from err

@@ -1,8 +1,7 @@
-"""The options and the per-step rule of Adam in the K-FAC eigenbasis (``solver="kfac_adam"``), and the moments' step.
+"""The options and the per-step rule of Adam in the K-FAC eigenbasis (``solver="kfac_adam"``), and its moments at an update.
 
 docs/solvers.md, "Adam in the K-FAC eigenbasis": :class:`KFACAdamConfig` is the family's config section,
-:class:`AdamRule` the hyperparameters a state applies at every step, :func:`adapted` one step of the moments of
-the rotated gradient R (the arithmetic the family's group kernel runs as lists), :func:`carried_moments` the moments
+:class:`AdamRule` the hyperparameters a state applies at every step, :func:`carried_moments` the moments
 carried into a new basis at an update, dense or block-diagonal (docs/solvers.md, "Blocked factors").
 """
 
@@ -141,25 +140,6 @@ class AdamRule:
         except ValueError as err:
             raise ValueError(f"rule: {err}") from None
         return cls.of(config)
-
-
-def adapted(
-    rotated: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, steps: int, rule: AdamRule, evals: tuple[Tensor, Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One step of the moments of the rotated gradient R: (m̂ / (v̂^p + ε), m, v), new tensors.
-
-    m = β₁ m + (1 − β₁) R and, with ``second_moment="gradient"``, v = β₂ v + (1 − β₂) R² (R² clamped at the dtype's
-    largest finite value, so that v stays finite); ``steps`` counts this step (≥ 1) for the bias corrections
-    1 − β^steps. With ``"factors"`` v̂ = e_g e_aᵀ (``evals``) and v is kept."""
-    m = torch.lerp(rotated, exp_avg, rule.beta1)
-    if rule.second_moment == "factors":
-        v = exp_avg_sq
-        v_hat = torch.outer(evals[0], evals[1])
-    else:
-        v = torch.lerp(rotated.square().clamp_(max=torch.finfo(rotated.dtype).max), exp_avg_sq, rule.beta2)
-        v_hat = v / (1.0 - rule.beta2**steps)
-    denominator = v_hat.sqrt_() if rule.exponent == 0.5 else v_hat.pow_(rule.exponent)
-    return torch.div(m, denominator.add_(rule.eps)).mul_(1.0 / (1.0 - rule.beta1**steps)), m, v
 
 
 #: A side's index in (A's, G's) pairs.

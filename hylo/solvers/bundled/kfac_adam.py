@@ -42,7 +42,6 @@ from hylo.solvers.bundled.adam_rule import (
     SIDES,
     AdamRule,
     KFACAdamConfig,
-    adapted,
     basis_kind,
     basis_work,
     carried_moments_many,
@@ -52,7 +51,7 @@ from hylo.solvers.bundled.adam_rule import (
     side_layout,
     warm_started,
 )
-from hylo.solvers.kernel import GroupKernel, stacked
+from hylo.solvers.kernel import GroupKernel, applied_alone, stacked
 from hylo.solvers.kfac import (
     EIGH_COST,
     KFACConfig,
@@ -74,8 +73,8 @@ ELEMENTWISE_COST = 8.0
 class KFACAdamState(LayerState):
     """Running factors, their eigenbases and Adam's moments of the rotated gradient (d_g × d_a each).
 
-    ``advance`` computes V̂ = Q_g [m̂ / (v̂^p + ε)] Q_aᵀ with the moments updated by this step's ∇W and returns the
-    state with them; ``precondition`` is the same V̂ without keeping them. The moments stay finite for a finite ∇W
+    Its apply (:class:`AdamKernel`) computes V̂ = Q_g [m̂ / (v̂^p + ε)] Q_aᵀ with the moments updated by this step's
+    ∇W and returns the state with them; ``precondition`` is the same V̂ without keeping them. The moments stay finite for a finite ∇W
     (|R| ≤ ‖∇W‖, R² clamped), which the step checks before any state is applied."""
 
     family: ClassVar[str] = "kfac_adam"
@@ -103,23 +102,10 @@ class KFACAdamState(LayerState):
         ‖∇W‖/λ, so only its finiteness is checked (docs/reliability.md, "Fallbacks")."""
         return None
 
-    def advance(self, grad: Tensor | GradMatrix) -> tuple[Tensor, KFACAdamState]:
-        """V̂ and the state with this step's moments."""
-        parts = GradMatrix.of(grad)
+    def advance(self, grad: Tensor | GradMatrix) -> tuple[Tensor, LayerState]:
+        """V̂ and the state with this step's moments: :class:`AdamKernel` on a group of one."""
         dtype = self.evecs_a.dtype
-        layouts = self.layouts()
-        if layouts != (None, None):  # block by block (docs/solvers.md, "Blocked factors")
-            rotated = rotated_in(parts.to(dtype).full(), self.evecs_g, self.evecs_a, layouts)
-        else:
-            rotated = self.evecs_g.mT @ parts.to(dtype).times(self.evecs_a)
-        step, m, v = adapted(
-            rotated, self.exp_avg, self.exp_avg_sq, self.steps + 1, self.rule, (self.evals_g, self.evals_a)
-        )
-        if layouts != (None, None):
-            result = rotated_out(step, self.evecs_g, self.evecs_a, layouts)
-        else:
-            result = self.evecs_g @ step @ self.evecs_a.mT
-        return result, dataclasses.replace(self, exp_avg=m, exp_avg_sq=v, steps=self.steps + 1)
+        return applied_alone(AdamKernel([self], dtype), self, grad, dtype)
 
     def layouts(self) -> tuple[Any, Any]:
         """(G's, A's) block layouts (None: a dense side; docs/solvers.md, "Blocked factors")."""
@@ -193,7 +179,11 @@ class AdamKernel(GroupKernel):
     """A group of :class:`KFACAdamState` with one rule: Q_a, Q_g (and with ``second_moment="factors"`` the
     denominators v̂^p + ε) stacked once. A step rotates each group's gradients in two batched products, updates
     the moments of every layer of every group at once as lists (``torch._foreach_*``, :meth:`apply_all`: each
-    successor holds its own tensors) and rotates each group back in two: the arithmetic of :func:`adapted`."""
+    successor holds its own tensors) and rotates each group back in two.
+
+    m = β₁ m + (1 − β₁) R and, with ``second_moment="gradient"``, v = β₂ v + (1 − β₂) R² (R² clamped at the dtype's
+    largest finite value, so that v stays finite), the bias corrections 1 − β^t counting this step; with
+    ``"factors"`` v̂ = e_g e_aᵀ and v is kept. V̂ = Q_g [m̂ / (v̂^p + ε)] Q_aᵀ."""
 
     def __init__(self, states: Sequence[KFACAdamState], dtype: torch.dtype) -> None:
         self.rule = states[0].rule
