@@ -1,19 +1,18 @@
-"""hylo's training and benchmark scripts and their shared engine.
+"""hylo's training and benchmark scripts and their shared engine, in five subpackages, lowest first:
 
-- The engine (:mod:`hylo_scripts.engine` gathers its public names): :mod:`~hylo_scripts.runconfig`
-  (the run configuration), :mod:`~hylo_scripts.tasks` (classification, segmentation, language
-  model as objects), :mod:`~hylo_scripts.loop` (the training loop, one process or DDP),
-  :mod:`~hylo_scripts.process` (torchrun's process group, the device), :mod:`~hylo_scripts.rundir`
-  (the run directory's files) and :mod:`~hylo_scripts.checkpoint` (checkpoints, exact resume);
-  :mod:`~hylo_scripts.schedules`: the lr and damping schedules.
-- The flags: :mod:`~hylo_scripts.options` (the trainers'), :mod:`~hylo_scripts.hylo_flags`
-  (hylo's, generated from :func:`hylo.config.options`) and :mod:`~hylo_scripts.hylo_options`
-  (which hylo options the engine sets, the scripts' defaults).
-- :mod:`hylo_scripts.data` (the dataset registry) and :mod:`hylo_scripts.datasets` (the on-disk
-  formats, transforms and layout errors); :mod:`hylo_scripts.text` (byte corpora).
-- :mod:`hylo_scripts.models` (the model registry) and :mod:`hylo_scripts.segmentation` (Dice loss, DSC).
+- :mod:`hylo_scripts.data`: the dataset registry, the on-disk formats and the byte corpora;
+- :mod:`hylo_scripts.models`: the model registry, the MoE models and the model families' tiny models;
+- :mod:`hylo_scripts.training`: the engine (the run configuration, the tasks, the loop, processes, the run
+  directory, checkpoints, schedules), the trainers' flags and the three trainers;
+- :mod:`hylo_scripts.benchmarks`: every benchmark, with their harness (devices, timing, flags), the peers
+  and the per-sample gradient oracle;
+- :mod:`hylo_scripts.demos`: the offline MNIST demo and the short study that draws every figure.
+
+A subpackage imports only from its own level or a lower one (``data`` and ``models`` below ``training``, below
+``benchmarks`` and ``demos``; ``tests/repository/test_architecture.py``, ``SCRIPT_LEVELS``), and nothing here
+imports its subpackages, so importing one loads no other it does not need.
 
 The repository's entry points (``scripts/train.py``, ``train_segmentation.py``, ``train_lm.py``,
 ``demo_mnist.py``, ``bench_*.py``, ``make_figures.py``) are thin files that run the ``main`` of
-the module of the same name here (``python scripts/train.py`` = ``python -m hylo_scripts.train``).
+the module of the same name here (``python scripts/train.py`` = ``python -m hylo_scripts.training.train``).
 """

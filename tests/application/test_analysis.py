@@ -21,7 +21,7 @@ from matplotlib.patches import Rectangle
 
 import hylo_analysis
 from hylo_analysis.cli import main as cli_main
-from hylo_scripts import make_figures
+from hylo_scripts.demos import make_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("capture", "reduce", "solve", "precondition", "gather", "broadcast")

@@ -13,7 +13,7 @@ pytest.importorskip("torch._dynamo")
 @pytest.mark.slow
 def test_the_benchmark_counts_the_graphs_of_a_compiled_decoder() -> None:
     """scripts/bench_compile.py on a tiny DecoderLM (inductor): one graph per step that does not capture."""
-    from hylo_scripts import bench_compile
+    from hylo_scripts.benchmarks import bench_compile
 
     args = argparse.Namespace(
         model="decoder",

@@ -1,6 +1,6 @@
 """Every benchmark's ``--device`` (docs/benchmarks.md, "Devices"): a CUDA device this machine lacks is refused
 with exit status 2 and a message naming it, multi-rank CUDA runs need a GPU per rank, every clock reading of a
-benchmark is :func:`hylo_scripts.timing.now` (a device synchronisation first), and the device is printed and
+benchmark is :func:`hylo_scripts.benchmarks.timing.now` (a device synchronisation first), and the device is printed and
 written to the CSVs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hylo_scripts import (
+from hylo_scripts.benchmarks import (
     bench_accuracy,
     bench_comm,
     bench_compile,
@@ -31,7 +31,7 @@ from hylo_scripts import (
     model_grid,
     timing,
 )
-from hylo_scripts.model_families import FAMILIES
+from hylo_scripts.models.model_families import FAMILIES
 
 #: The benchmarks of this file (bench_overhead and bench_peers have their own tests).
 BENCHMARKS: list[ModuleType] = [
@@ -135,7 +135,7 @@ def _imports(module: ModuleType) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("bench", BENCHMARKS, ids=lambda module: module.__name__.rsplit(".", 1)[-1])
 def test_benchmarks_read_no_clock_but_the_synchronised_one(bench: ModuleType) -> None:
     """No ``time`` module: every timed section reads :func:`timing.now` (bench_accuracy's runs time through
-    ``hylo_scripts.loop``, whose clocks are CUDA events and a host read of the loss; :data:`CLOCKS` where a
+    ``hylo_scripts.training.loop``, whose clocks are CUDA events and a host read of the loss; :data:`CLOCKS` where a
     benchmark's clock is another module's)."""
     clock = CLOCKS.get(bench, bench)
     assert "time" not in _imports(bench)[0]

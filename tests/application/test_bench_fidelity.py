@@ -1,7 +1,7 @@
 """scripts/bench_fidelity.py: the CSV it writes, and hylo's SNGD against the independent oracle.
 
 SNGD on a Linear layer is exact, so its error to the SNGD step built from the model's true
-per-sample gradients (hylo_scripts/persample.py) must be at float64 round-off; the
+per-sample gradients (hylo_scripts/benchmarks/persample.py) must be at float64 round-off; the
 unpreconditioned step ∇W/λ is far from it, so the check has teeth.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from hylo_scripts import bench_fidelity
-from hylo_scripts.models import build_model
+from hylo_scripts.benchmarks import bench_fidelity
+from hylo_scripts.models.registry import build_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

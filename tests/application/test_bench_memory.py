@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hylo_scripts import bench_memory
-from hylo_scripts.bench_memory import PHASES, RunConfig, replay_peaks
+from hylo_scripts.benchmarks import bench_memory
+from hylo_scripts.benchmarks.bench_memory import PHASES, RunConfig, replay_peaks
 
 
 def test_replay_peaks_by_hand() -> None:

@@ -14,13 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from hylo_scripts import bench_accuracy, bench_interleave, bench_peers, loop, peers
-from hylo_scripts.bench_accuracy import LMCurve
-from hylo_scripts.bench_interleave import Cost, Stepper
-from hylo_scripts.hylo_options import ADAPTIVE_LR
-from hylo_scripts.loop import make_optimizer, train
-from hylo_scripts.optimizers import CombinedOptimizer
-from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.benchmarks import bench_accuracy, bench_interleave, bench_peers, peers
+from hylo_scripts.benchmarks.bench_accuracy import LMCurve
+from hylo_scripts.benchmarks.bench_interleave import Cost, Stepper
+from hylo_scripts.training import loop
+from hylo_scripts.training.hylo_options import ADAPTIVE_LR
+from hylo_scripts.training.loop import make_optimizer, train
+from hylo_scripts.training.optimizers import CombinedOptimizer
+from hylo_scripts.training.runconfig import RunConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -468,7 +469,7 @@ def test_an_adaptive_solvers_parameters_take_sgd_without_momentum_and_the_rest_t
     without momentum at lr (decoupled weight decay) and the others (here the LayerNorms) the run's AdamW at
     rest_lr."""
     import hylo
-    from hylo_scripts.models import DecoderLM
+    from hylo_scripts.models.registry import DecoderLM
 
     torch.manual_seed(0)
     model = DecoderLM(vocab=256, context=16, layers=1, width=32, heads=2)
@@ -535,7 +536,7 @@ def test_bench_accuracy_runs_an_adaptive_solver_at_adams_scale_unless_told() -> 
 def test_float32_muon_takes_torch_muons_step_with_the_iteration_in_float32() -> None:
     """``muon-f32``: the Newton–Schulz iteration X ← aX + (bA + cA²)X, A = XXᵀ, from X = G/‖G‖_F on the wide
     orientation, written out in float64, equals the float32 one to float32 round-off and torch's bfloat16 one to
-    bfloat16's; one step of :class:`~hylo_scripts.peers.Float32Muon` is torch's Muon step (Nesterov momentum,
+    bfloat16's; one step of :class:`~hylo_scripts.benchmarks.peers.Float32Muon` is torch's Muon step (Nesterov momentum,
     its lr adjustment, decoupled decay) with that iteration, and the stock function is back afterwards."""
     import torch.optim._muon as muon_module
 

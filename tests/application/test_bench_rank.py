@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hylo_scripts import bench_rank
+from hylo_scripts.benchmarks import bench_rank
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

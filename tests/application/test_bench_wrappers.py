@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import hylo
-from hylo_scripts import bench_wrappers
-from hylo_scripts.bench_wrappers import WrapperRun
+from hylo_scripts.benchmarks import bench_wrappers
+from hylo_scripts.benchmarks.bench_wrappers import WrapperRun
 
 
 def test_checkpointed_blocks_compute_the_same_gradients_and_keep_their_layers() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hylo_scripts.data import load_dataset
-from hylo_scripts.engine import RunConfig, RunResult, train
+from hylo_scripts.data.registry import load_dataset
+from hylo_scripts.training.engine import RunConfig, RunResult, train
 
 pytest.importorskip("mlxtend")
 

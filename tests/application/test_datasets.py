@@ -21,8 +21,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from hylo_scripts.data import DATASETS, DataOptions, DatasetLayoutError, DataSplits, load_dataset
-from hylo_scripts.datasets import (
+from hylo_scripts.data.datasets import (
     ImageFileDataset,
     ImageTensorDataset,
     SizedDataset,
@@ -31,9 +30,10 @@ from hylo_scripts.datasets import (
     sample_generator,
     sample_seed,
 )
+from hylo_scripts.data.registry import DATASETS, DataOptions, DatasetLayoutError, DataSplits, load_dataset
 from tests.kit import fixtures as fx
 
-# The published per-channel constants (R, G, B), typed independently of hylo_scripts.datasets.
+# The published per-channel constants (R, G, B), typed independently of hylo_scripts.data.datasets.
 CIFAR_CONSTANTS = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),

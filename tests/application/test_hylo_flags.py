@@ -11,13 +11,13 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 import hylo
-from hylo_scripts import train, train_lm, train_segmentation
-from hylo_scripts.hylo_flags import HYLO_NAMES, flag, help_text
-from hylo_scripts.hylo_options import ENGINE_OPTIONS, SCRIPT_DEFAULTS, default, user_options
-from hylo_scripts.loop import make_preconditioner
-from hylo_scripts.models import build_model
-from hylo_scripts.options import build_parser, config_from_args
-from hylo_scripts.runconfig import RunConfig
+from hylo_scripts.models.registry import build_model
+from hylo_scripts.training import train, train_lm, train_segmentation
+from hylo_scripts.training.hylo_flags import HYLO_NAMES, flag, help_text
+from hylo_scripts.training.hylo_options import ENGINE_OPTIONS, SCRIPT_DEFAULTS, default, user_options
+from hylo_scripts.training.loop import make_preconditioner
+from hylo_scripts.training.options import build_parser, config_from_args
+from hylo_scripts.training.runconfig import RunConfig
 from tests.kit.internals import option_actions
 
 TRAINERS = {"classification": train, "segmentation": train_segmentation, "lm": train_lm}

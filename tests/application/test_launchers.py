@@ -350,9 +350,9 @@ def test_dry_run_prints_the_command_it_would_run_with_known_flags_only(cluster: 
 @pytest.mark.parametrize("launcher", [*LAUNCHERS, "launch_mnist.sh"])
 def test_the_training_script_accepts_every_launchers_command(cluster: Cluster, launcher: str) -> None:
     """The recipe parses into a RunConfig with the real flags of train.py / train_segmentation.py."""
-    from hylo_scripts import train as train_script
-    from hylo_scripts import train_segmentation as seg_script
-    from hylo_scripts.options import build_parser, config_from_args
+    from hylo_scripts.training import train as train_script
+    from hylo_scripts.training import train_segmentation as seg_script
+    from hylo_scripts.training.options import build_parser, config_from_args
 
     dry = cluster.run(launcher, DRY_RUN="1", DATA_DIR="data")
     assert dry.returncode == 0, dry.stderr

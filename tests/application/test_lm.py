@@ -22,14 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from hylo_scripts import bench_accuracy
-from hylo_scripts import train_lm as lm_script
-from hylo_scripts.data import DATASETS, DataOptions, DatasetLayoutError, load_dataset
-from hylo_scripts.engine import RunConfig, metrics_header, train
-from hylo_scripts.models import MODELS, DecoderLM, build_model
-from hylo_scripts.options import build_parser, config_from_args
-from hylo_scripts.schedules import lr_factor
-from hylo_scripts.text import (
+from hylo_scripts.benchmarks import bench_accuracy
+from hylo_scripts.data.registry import DATASETS, DataOptions, DatasetLayoutError, load_dataset
+from hylo_scripts.data.text import (
     STDLIB_EXCLUDED,
     TokenWindows,
     directory_files,
@@ -37,6 +32,11 @@ from hylo_scripts.text import (
     stdlib_files,
     stdlib_root,
 )
+from hylo_scripts.models.registry import MODELS, DecoderLM, build_model
+from hylo_scripts.training import train_lm as lm_script
+from hylo_scripts.training.engine import RunConfig, metrics_header, train
+from hylo_scripts.training.options import build_parser, config_from_args
+from hylo_scripts.training.schedules import lr_factor
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -62,7 +62,7 @@ def write_corpus(root: Path, n_files: int = 30) -> dict[str, bytes]:
 
 
 def expected_split(names: list[str]) -> tuple[list[str], list[str]]:
-    """The rule of hylo_scripts/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
+    """The rule of hylo_scripts/data/text.py, restated: rank by (crc32 of the path, path); the first tenth is validation."""
     ranked = sorted(names, key=lambda n: (zlib.crc32(n.encode()), n))
     n_val = max(1, len(ranked) // 10)
     return ranked[n_val:], ranked[:n_val]

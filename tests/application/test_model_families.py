@@ -1,6 +1,6 @@
 """Model families (docs/models.md): tiny models of twelve ``transformers`` families, each run through hylo.
 
-For every family of :mod:`hylo_scripts.model_families` (GPT-2, Llama, Qwen2 with grouped-query attention,
+For every family of :mod:`hylo_scripts.models.model_families` (GPT-2, Llama, Qwen2 with grouped-query attention,
 Mistral, T5, BART, Whisper, OPT, ViT, Mamba, Falcon, LoRA on Llama), built from its config:
 
 - **Registration.** hylo registers exactly the supported layers the model trains (every ``nn.Linear``,
@@ -52,9 +52,9 @@ pytest.importorskip("peft", reason="needs peft")
 from transformers.models.falcon.modeling_falcon import FalconLinear  # noqa: E402  (after the skip)
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-from hylo_scripts import bench_models  # noqa: E402
-from hylo_scripts.model_families import EXCLUDED as BENCH_EXCLUDED  # noqa: E402
-from hylo_scripts.model_families import FAMILIES, Batch, Family, loss_of  # noqa: E402
+from hylo_scripts.benchmarks import bench_models  # noqa: E402
+from hylo_scripts.models.model_families import EXCLUDED as BENCH_EXCLUDED  # noqa: E402
+from hylo_scripts.models.model_families import FAMILIES, Batch, Family, loss_of  # noqa: E402
 
 #: The reasons under which hylo leaves each family's matrices alone (``Coverage.left_alone``), each explained in
 #: docs/models.md, "What is left alone": ``tied`` (token embeddings and LM heads that share one weight), the

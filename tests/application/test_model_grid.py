@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("transformers", reason="needs transformers")
 pytest.importorskip("mlxtend", reason="needs mlxtend")
 
-from hylo_scripts import bench_models, model_grid  # noqa: E402
-from hylo_scripts.model_families import FAMILIES, SEQ  # noqa: E402
-from hylo_scripts.text import read_corpus, stdlib_files, stdlib_root  # noqa: E402
+from hylo_scripts.benchmarks import bench_models, model_grid  # noqa: E402
+from hylo_scripts.data.text import read_corpus, stdlib_files, stdlib_root  # noqa: E402
+from hylo_scripts.models.model_families import FAMILIES, SEQ  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 

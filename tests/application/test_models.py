@@ -1,4 +1,4 @@
-"""hylo_scripts/models.py: every registered model builds and runs at its canonical shape and a small one,
+"""hylo_scripts/models/registry.py: every registered model builds and runs at its canonical shape and a small one,
 refuses the shapes it cannot take with a reason, and has the parameters and layers its
 architecture's formulas give (counted by hand below, not from the builders)."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo_scripts.models import MODELS, Shape, build_model, models_for
+from hylo_scripts.models.registry import MODELS, Shape, build_model, models_for
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""The per-sample gradient oracle (hylo_scripts/persample.py), checked without hylo.
+"""The per-sample gradient oracle (hylo_scripts/benchmarks/persample.py), checked without hylo.
 
 ``vmap(grad)`` equals a plain per-sample loop on Linear, Conv2d (stride, padding, dilation,
 "same") and BatchNorm-in-eval models, with and without bias; the mean of U is the model's
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hylo_scripts.persample import (
+from hylo_scripts.benchmarks.persample import (
     batchnorm_eval,
     per_sample_grads,
     per_sample_grads_loop,

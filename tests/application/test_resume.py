@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from hylo import HyLoPreconditioner, integrity
-from hylo_scripts import checkpoint
-from hylo_scripts import train as train_script
-from hylo_scripts.checkpoint import RunError
-from hylo_scripts.engine import RunConfig, train
+from hylo_scripts.training import checkpoint
+from hylo_scripts.training import train as train_script
+from hylo_scripts.training.checkpoint import RunError
+from hylo_scripts.training.engine import RunConfig, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,8 +65,8 @@ def _snapshot(log_dir: Path) -> dict[str, bytes]:
 _KILLED_RUN = """
 import json, os, sys
 import torch
-from hylo_scripts import checkpoint
-from hylo_scripts.engine import RunConfig, train
+from hylo_scripts.training import checkpoint
+from hylo_scripts.training.engine import RunConfig, train
 epoch, when = int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(int(sys.argv[4]))  # the test's: the same rounding, bit for bit
 save = checkpoint.save_checkpoint

@@ -18,11 +18,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from hylo_scripts import bench_overhead, demo_mnist
-from hylo_scripts import train as train_script
-from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from hylo_scripts.models import MODELS, build_model, models_for
-from hylo_scripts.options import build_parser, config_from_args
+from hylo_scripts.benchmarks import bench_overhead
+from hylo_scripts.demos import demo_mnist
+from hylo_scripts.models.registry import MODELS, build_model, models_for
+from hylo_scripts.training import train as train_script
+from hylo_scripts.training.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.training.options import build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 CSV_HEADER = metrics_header("classification")
@@ -374,7 +375,7 @@ def test_bench_stagger_times_the_runs_alternating(capsys: pytest.CaptureFixture[
     """``scripts/bench_stagger.py``: the plain optimizer, hylo, hylo staggered and each ``--variant``, ``--rounds`` ×
     ``--steps`` timed iterations each; the table's slowest is at least every mean of its run, the update steps' mean
     at least the steps' between them on a solver that does its work at updates; a variant's options reach its run."""
-    from hylo_scripts import bench_stagger
+    from hylo_scripts.benchmarks import bench_stagger
 
     times = bench_stagger.timed_iterations("mlp", "kfac", 2, {}, batch=8, steps=3, warmup=1, rounds=2)
     assert list(times) == ["plain", "hylo", "staggered"] and all(len(t) == 6 for t in times.values())
@@ -405,7 +406,7 @@ def test_bench_moe_cost_interleaves_its_runs_with_hylos_options() -> None:
     """``scripts/bench_moe.py``'s cost part: every run takes ``steps`` timed steps in ``rounds`` turns after its
     warm-up, and ``--set``'s options reach hylo (here ``update_freq=2``: every other timed step an update)."""
     pytest.importorskip("transformers")
-    from hylo_scripts import bench_moe
+    from hylo_scripts.benchmarks import bench_moe
 
     size = bench_moe.Size(16, 1, 2, 16, 2, 8)
     rows = bench_moe.cost_rows(

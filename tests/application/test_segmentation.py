@@ -1,4 +1,4 @@
-"""hylo_scripts/segmentation.py: the Dice loss and the per-volume DSC with largest-component
+"""hylo_scripts/training/segmentation.py: the Dice loss and the per-volume DSC with largest-component
 post-processing, on small constructed masks whose values are counted by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from hylo_scripts.segmentation import dice_coefficient, dice_loss, largest_component, mean_volume_dsc, volume_dsc
+from hylo_scripts.training.segmentation import (
+    dice_coefficient,
+    dice_loss,
+    largest_component,
+    mean_volume_dsc,
+    volume_dsc,
+)
 
 
 def test_dice_coefficient_of_known_masks() -> None:

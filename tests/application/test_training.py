@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from hylo import integrity
-from hylo_scripts import checkpoint
-from hylo_scripts import train as train_script
-from hylo_scripts import train_lm as lm_script
-from hylo_scripts import train_segmentation as seg_script
-from hylo_scripts.checkpoint import RunError
-from hylo_scripts.engine import RunConfig, make_preconditioner, metrics_header, train
-from hylo_scripts.hylo_options import ADAPTIVE_LR
-from hylo_scripts.models import build_model
-from hylo_scripts.options import build_parser, config_from_args
-from hylo_scripts.schedules import damping_schedule, lr_factor
+from hylo_scripts.models.registry import build_model
+from hylo_scripts.training import checkpoint
+from hylo_scripts.training import train as train_script
+from hylo_scripts.training import train_lm as lm_script
+from hylo_scripts.training import train_segmentation as seg_script
+from hylo_scripts.training.checkpoint import RunError
+from hylo_scripts.training.engine import RunConfig, make_preconditioner, metrics_header, train
+from hylo_scripts.training.hylo_options import ADAPTIVE_LR
+from hylo_scripts.training.options import build_parser, config_from_args
+from hylo_scripts.training.schedules import damping_schedule, lr_factor
 from tests.kit import fixtures
 from tests.kit.internals import option_actions
 
@@ -426,8 +426,8 @@ def test_a_missing_dataset_names_the_layout_and_the_first_missing_file(tmp_path:
 
 
 def test_bench_accuracy_reports_the_first_evaluation_over_each_threshold(tmp_path: Path) -> None:
-    from hylo_scripts import bench_accuracy
-    from hylo_scripts.engine import EpochLog, RunResult
+    from hylo_scripts.benchmarks import bench_accuracy
+    from hylo_scripts.training.engine import EpochLog, RunResult
 
     def entry(step: int, acc: float, seconds: float) -> EpochLog:
         return EpochLog(step // 8, step, 0.1, 0.0, 0.0, acc, 0.0, seconds, 0.0)

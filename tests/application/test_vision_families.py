@@ -1,6 +1,6 @@
 """Vision families (docs/models.md, "Vision families"): DeiT, Swin, ConvNeXt and CLIP's vision tower built from their
 ``transformers`` configs, and torchvision's ResNet-18, MobileNetV3-small, EfficientNet-B0, ConvNeXt-Tiny and ViT-B/16
-at 32 × 32 pixels where torchvision imports (:mod:`hylo_scripts.vision_families`), each run through hylo:
+at 32 × 32 pixels where torchvision imports (:mod:`hylo_scripts.models.vision_families`), each run through hylo:
 
 - **What is counted and what is left alone.** ``pre.coverage()`` counts every trainable parameter of two or more
   dimensions once, and no vector (HF ConvNeXt's LayerScale and CLIP's class embedding are vectors); it leaves alone
@@ -41,8 +41,8 @@ import hylo
 
 pytest.importorskip("transformers", reason="needs transformers")
 
-from hylo_scripts import bench_models  # noqa: E402  (after the skip)
-from hylo_scripts.vision_families import TORCHVISION, VISION_FAMILIES, torchvision_missing  # noqa: E402
+from hylo_scripts.benchmarks import bench_models  # noqa: E402  (after the skip)
+from hylo_scripts.models.vision_families import TORCHVISION, VISION_FAMILIES, torchvision_missing  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

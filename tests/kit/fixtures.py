@@ -1,6 +1,6 @@
 """Writers of small datasets in the real on-disk formats, returning what they wrote.
 
-Each writer lays files out as the official downloads do (see :mod:`hylo_scripts.datasets` for the
+Each writer lays files out as the official downloads do (see :mod:`hylo_scripts.data.datasets` for the
 formats) and returns the ``data_dir`` to pass to the loader with the ground truth: the pixels
 and labels written (for JPEGs, the pixels Pillow decodes from the written file, since JPEG is
 lossy). Arrays are in the loaders' layout: uint8 N×C×H×W images, int64 labels.

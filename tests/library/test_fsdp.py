@@ -294,7 +294,7 @@ def _lm_data(steps: int) -> Tensor:
 def train_lm(rank: int, world_size: int, solvers: tuple[str, ...], tokens: Tensor) -> dict[str, Any]:
     """The repository's decoder (1 block, width 16, 2 heads), sharded per block and root when P > 1, trained with
     SGD and hylo as :func:`train` does, once per solver; per solver the same record as :func:`train`."""
-    from hylo_scripts.models import DecoderLM
+    from hylo_scripts.models.registry import DecoderLM
 
     out: dict[str, Any] = {}
     size = tokens.shape[1] // world_size

@@ -17,7 +17,7 @@ from torch import nn
 
 import hylo
 from hylo.graft import GraftedSGD
-from hylo_scripts.bench_ops import count
+from hylo_scripts.benchmarks.bench_ops import count
 from tests.kit.checks import through_torch_save
 from tests.kit.harness import run_distributed
 from tests.kit.models import mlp

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 import hylo
 from hylo.layers.experts import ExpertsLayers, ExpertsLayout
-from hylo_scripts.moe import LinearExperts, linear_twin, mixtral, qwen2_moe
+from hylo_scripts.models.moe import LinearExperts, linear_twin, mixtral, qwen2_moe
 from tests.kit.checks import DT
 from tests.kit.experts import expert_grads, joined_names
 from tests.kit.harness import run_distributed

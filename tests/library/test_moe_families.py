@@ -34,7 +34,7 @@ import hylo
 from hylo.layers.experts import RouterMath, layout_problem
 from hylo.layers.registry import layer_math
 from hylo.layers.transformers_types import LOGITS_AT, MIXTURES, modeling_module
-from hylo_scripts.moe import MOE_FAMILIES, LinearExperts, linear_twin, moe_family
+from hylo_scripts.models.moe import MOE_FAMILIES, LinearExperts, linear_twin, moe_family
 from tests.kit.experts import expert_grads
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from torch import nn
 
 import hylo
 from hylo.optimizer import NATURAL_UNDER_ADAPTIVE_DEFAULTS, PLAIN_DEFAULTS, adaptive_defaults, default_options
-from hylo_scripts.bench_ops import count
+from hylo_scripts.benchmarks.bench_ops import count
 from tests.kit.checks import through_torch_save
 from tests.kit.models import batch, mlp
 

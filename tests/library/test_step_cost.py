@@ -1,6 +1,6 @@
 """The shape of a step's cost between updates: O(groups), not O(layers) (docs/design.md, "The apply plan").
 
-Counted, not timed: the aten operations ``step()`` dispatches (:class:`hylo_scripts.bench_ops.OpCounter`) on a
+Counted, not timed: the aten operations ``step()`` dispatches (:class:`hylo_scripts.benchmarks.bench_ops.OpCounter`) on a
 step between curvature updates. A stack of 16 equal Linear layers issues at most 16 operations more than a stack
 of 4 (one group either way), where the per-layer path (``grouped=False``) issues dozens more per layer; the plan
 is built once per update and reused by the steps between. The same holds on every rank of 2 gloo ranks under DDP's
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hylo import HyLoPreconditioner
-from hylo_scripts.bench_ops import OpCounter, count, stack, step_counts
+from hylo_scripts.benchmarks.bench_ops import OpCounter, count, stack, step_counts
 from tests.kit.harness import run_distributed
 from tests.kit.internals import apply_plan
 

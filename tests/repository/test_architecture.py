@@ -1,11 +1,13 @@
 """The package's structure (docs/design.md, "Layout"), read from its source with ``ast``.
 
-- Every import counts (at module level, in a function or a class; only ``if TYPE_CHECKING:`` blocks are left
-  out; relative imports resolved): hylo/, the scripts (hylo_scripts and the entry points scripts/*.py) and
-  hylo_analysis each import without a cycle; hylo imports neither hylo_scripts nor hylo_analysis, and
-  hylo_analysis neither hylo nor hylo_scripts; hylo's packages import each other without a cycle; a module
-  of hylo imports only from its level of :data:`LEVELS` or a lower one, and nothing under hylo/solvers/
-  imports hylo/distributed/.
+- Every import counts (at module level, in a function or a class; relative imports resolved; in hylo only
+  ``if TYPE_CHECKING:`` blocks are left out, in the scripts and the analysis not even those): hylo/, the scripts
+  (hylo_scripts and the entry points scripts/*.py) and hylo_analysis each import without a cycle; hylo imports
+  neither hylo_scripts nor hylo_analysis, and hylo_analysis neither hylo nor hylo_scripts; hylo's packages import
+  each other without a cycle; a module of hylo imports only from its level of :data:`LEVELS` or a lower one, and
+  nothing under hylo/solvers/ imports hylo/distributed/; every module of hylo_scripts (but its ``__init__``) is in
+  a subpackage, each subpackage in one level of :data:`SCRIPT_LEVELS`, and imports only from its level or a lower
+  one.
 - No module of ``hylo/`` is over 500 lines, and ``HyLoPreconditioner`` is under 400: the class runs
   a step; the planner, guard, checkpoint, memory accounting and telemetry have their own modules.
 - Only ``hylo/solvers/``, ``hylo/config.py`` and ``hylo/policy.py`` compare anything with a solver's
@@ -116,12 +118,14 @@ def test_only_solvers_config_and_policy_compare_solver_names() -> None:
 TESTS = ROOT.parent / "tests"
 #: The library's tests that use a piece of the application, with the piece and why (docs/contributing.md, "Tests").
 APPLICATION_IN_LIBRARY = {
-    "test_fsdp.py": "hylo_scripts.models: the decoder LM whose sharded embedding and attention are held to one process",
-    "test_graft.py": "hylo_scripts.bench_ops: the op counter grafting's constant cost is counted with",
-    "test_moe.py": "hylo_scripts.moe: the Mixtral and Qwen2-MoE builders and their nn.Linear-per-expert twin",
-    "test_moe_families.py": "hylo_scripts.moe: the other MoE families' builders and the nn.Linear-per-expert twin",
-    "test_optimizer_form.py": "hylo_scripts.bench_ops: the op counter the step-cost pins read",
-    "test_step_cost.py": "hylo_scripts.bench_ops: the op counts the benchmark reports, pinned",
+    "test_fsdp.py": "hylo_scripts.models.registry: the decoder LM whose sharded embedding and attention are held "
+    "to one process",
+    "test_graft.py": "hylo_scripts.benchmarks.bench_ops: the op counter grafting's constant cost is counted with",
+    "test_moe.py": "hylo_scripts.models.moe: the Mixtral and Qwen2-MoE builders and their nn.Linear-per-expert twin",
+    "test_moe_families.py": "hylo_scripts.models.moe: the other MoE families' builders and the nn.Linear-per-expert "
+    "twin",
+    "test_optimizer_form.py": "hylo_scripts.benchmarks.bench_ops: the op counter the step-cost pins read",
+    "test_step_cost.py": "hylo_scripts.benchmarks.bench_ops: the op counts the benchmark reports, pinned",
 }
 
 
@@ -158,7 +162,8 @@ def test_the_tests_are_in_their_three_folders() -> None:
 
 # --- Every import: hylo's levels, the scripts and the analysis -------------------------------------------------
 # An import inside a function or a class is as much a dependency as one at the top: it cannot hold a cycle
-# open. Only ``if TYPE_CHECKING:`` blocks are left out (annotations, never run).
+# open. In hylo only ``if TYPE_CHECKING:`` blocks are left out (annotations, never run); in the scripts and the
+# analysis they count too: a type two modules share lives in the lower one.
 
 REPO = ROOT.parent
 SCRIPTS = REPO / "scripts"
@@ -199,55 +204,15 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 #: The levels of the scripts' package, lowest first, as :data:`LEVELS` for hylo: a module imports only from its
-#: level or a lower one (the entry points scripts/*.py stand above them all).
+#: level or a lower one (the entry points scripts/*.py stand above them all). Every module of ``hylo_scripts`` but its
+#: ``__init__`` is in one of its subpackages, and each subpackage is named here (:func:`script_subpackages`).
 SCRIPT_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "parts: models, datasets, optimizers, schedules, devices, timing, processes, checkpoints",
-        tuple(
-            f"hylo_scripts{name}"
-            for name in (
-                "",
-                ".argtypes",
-                ".checkpoint",
-                ".datasets",
-                ".devices",
-                ".model_families",
-                ".models",
-                ".moe",
-                ".optimizers",
-                ".persample",
-                ".process",
-                ".schedules",
-                ".segmentation",
-                ".timing",
-                ".vision_families",
-            )
-        ),
-    ),
-    (
-        "workloads and the run's description",
-        tuple(
-            f"hylo_scripts.{name}"
-            for name in ("text", "data", "hylo_options", "hylo_flags", "tasks", "runconfig", "rundir")
-        ),
-    ),
-    ("the engine", tuple(f"hylo_scripts.{name}" for name in ("loop", "engine", "options", "peers"))),
-    (
-        "the trainers, benchmarks, demo and figures",
-        tuple(
-            f"hylo_scripts.{name}"
-            for name in (
-                "train",
-                "train_lm",
-                "train_segmentation",
-                "demo_mnist",
-                "make_figures",
-                "model_grid",
-                "bench_*",
-            )
-        ),
-    ),
+    ("data and models", ("hylo_scripts", "hylo_scripts.data", "hylo_scripts.models")),
+    ("the engine, the trainers' flags and the trainers", ("hylo_scripts.training",)),
+    ("the benchmarks and the demos", ("hylo_scripts.benchmarks", "hylo_scripts.demos")),
 )
+#: The folder of the scripts' package.
+SCRIPT_PACKAGE = SCRIPTS / "hylo_scripts"
 
 
 def _and_above(name: str) -> tuple[str, ...]:
@@ -256,16 +221,18 @@ def _and_above(name: str) -> tuple[str, ...]:
     return tuple(".".join(parts[:n]) for n in range(len(parts), 0, -1))
 
 
-def named_imports(source: str, module: str = "", is_package: bool = False) -> list[tuple[str, ...]]:
+def named_imports(
+    source: str, module: str = "", is_package: bool = False, typing: bool = False
+) -> list[tuple[str, ...]]:
     """What each import of ``source`` names, wherever it stands, except under ``if TYPE_CHECKING:`` (its ``else``
-    counts): per imported name, the modules it may be, most specific first (``from m import n``: ``m.n``, then
-    ``m`` and the packages above it; ``import a.b``: ``a.b``, ``a``). Relative imports are resolved against
-    ``module`` (``is_package``: its file is an ``__init__.py``)."""
+    counts) unless ``typing``: per imported name, the modules it may be, most specific first (``from m import n``:
+    ``m.n``, then ``m`` and the packages above it; ``import a.b``: ``a.b``, ``a``). Relative imports are resolved
+    against ``module`` (``is_package``: its file is an ``__init__.py``)."""
     tree = ast.parse(source)
     skipped = {
         id(inner)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for statement in node.body
         for inner in ast.walk(statement)
     }
@@ -284,13 +251,14 @@ def named_imports(source: str, module: str = "", is_package: bool = False) -> li
     return found
 
 
-def every_import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module → the modules of ``modules`` it imports anywhere (:func:`named_imports`): each import is an edge to
-    the most specific module it may be (``from hylo.pipeline import checkpoint``: ``hylo.pipeline.checkpoint``;
-    ``from hylo.solvers import family_of``: ``hylo.solvers``)."""
+def every_import_graph(modules: dict[str, Path], typing: bool = False) -> dict[str, set[str]]:
+    """Module → the modules of ``modules`` it imports anywhere (:func:`named_imports`; ``typing``: those under
+    ``if TYPE_CHECKING:`` too): each import is an edge to the most specific module it may be
+    (``from hylo.pipeline import checkpoint``: ``hylo.pipeline.checkpoint``; ``from hylo.solvers import family_of``:
+    ``hylo.solvers``)."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        named = named_imports(path.read_text(), name, path.name == "__init__.py")
+        named = named_imports(path.read_text(), name, path.name == "__init__.py", typing)
         targets = {next((c for c in candidates if c in modules), None) for candidates in named}
         graph[name] = {target for target in targets if target is not None and target != name}
     return graph
@@ -350,12 +318,18 @@ def hylo_graph() -> dict[str, set[str]]:
 
 
 def scripts_graph() -> dict[str, set[str]]:
-    """hylo_scripts' modules and the entry points (named ``scripts/<file>``); imports of hylo left out."""
-    modules = modules_of(SCRIPTS / "hylo_scripts") | {f"scripts/{p.name}": p for p in sorted(SCRIPTS.glob("*.py"))}
-    return every_import_graph(modules)
+    """hylo_scripts' modules and the entry points (named ``scripts/<file>``), every import, those under
+    ``if TYPE_CHECKING:`` too; imports of hylo left out."""
+    modules = modules_of(SCRIPT_PACKAGE) | {f"scripts/{p.name}": p for p in sorted(SCRIPTS.glob("*.py"))}
+    return every_import_graph(modules, typing=True)
 
 
-def test_named_imports_count_every_import_but_type_checking_ones() -> None:
+def analysis_graph() -> dict[str, set[str]]:
+    """hylo_analysis' modules, every import, those under ``if TYPE_CHECKING:`` too."""
+    return every_import_graph(modules_of(ANALYSIS), typing=True)
+
+
+def test_named_imports_count_every_import_but_type_checking_ones_unless_asked() -> None:
     source = """
 import a.b as ab
 from . import sibling
@@ -381,6 +355,7 @@ class C:
         ("late.x", "late"),
         ("in_class",),
     ]
+    assert ("hidden.Hidden", "hidden") in named_imports(source, "pkg.sub.mod", typing=True)
     assert named_imports("from .inner import thing", "pkg.sub", is_package=True) == [
         ("pkg.sub.inner.thing", "pkg.sub.inner", "pkg.sub", "pkg")
     ]
@@ -396,6 +371,20 @@ def test_the_full_graph_sees_a_cycle_held_open_inside_a_function(tmp_path: Path)
     )
     graph = every_import_graph(modules_of(tmp_path / "pkg"))
     assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": set()}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_typing_graph_sees_a_cycle_held_open_by_type_checking(tmp_path: Path) -> None:
+    """The scripts' and the analysis' graphs count ``if TYPE_CHECKING:`` imports: a cycle they hold is a cycle."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import B\n")
+    (tmp_path / "pkg" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"
+    )
+    assert find_cycle(every_import_graph(modules_of(tmp_path / "pkg"))) is None
+    graph = every_import_graph(modules_of(tmp_path / "pkg"), typing=True)
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}}
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
@@ -424,10 +413,10 @@ def test_every_import_of_hylo_without_a_cycle() -> None:
 
 def test_every_import_of_the_scripts_and_the_analysis_without_a_cycle() -> None:
     scripts = scripts_graph()
-    assert "hylo_scripts.models" in scripts["hylo_scripts.tasks"]  # the graph is read
-    assert "hylo_scripts.train" in scripts["scripts/train.py"]
+    assert "hylo_scripts.models.registry" in scripts["hylo_scripts.training.tasks"]  # the graph is read
+    assert "hylo_scripts.training.train" in scripts["scripts/train.py"]
     assert find_cycle(scripts) is None, " → ".join(find_cycle(scripts) or [])
-    analysis = every_import_graph(modules_of(ANALYSIS))
+    analysis = analysis_graph()
     assert "hylo_analysis.runs" in analysis["hylo_analysis.cli"]
     assert find_cycle(analysis) is None, " → ".join(find_cycle(analysis) or [])
 
@@ -435,7 +424,7 @@ def test_every_import_of_the_scripts_and_the_analysis_without_a_cycle() -> None:
 def test_the_library_imports_neither_the_scripts_nor_the_analysis() -> None:
     assert foreign_imports(MODULES, {"hylo_scripts", "hylo_analysis"}) == {}
     assert foreign_imports(modules_of(ANALYSIS), {"hylo", "hylo_scripts"}) == {}
-    assert foreign_imports({"probe": SCRIPTS / "hylo_scripts" / "loop.py"}, {"hylo"}) != {}  # the check sees
+    assert foreign_imports({"probe": SCRIPT_PACKAGE / "training" / "loop.py"}, {"hylo"}) != {}  # the check sees
 
 
 def test_hylo_packages_import_each_other_without_a_cycle() -> None:
@@ -514,4 +503,21 @@ def test_no_scripts_module_imports_from_a_higher_level() -> None:
     graph = {name: targets for name, targets in scripts_graph().items() if name.startswith("hylo_scripts")}
     assert unplaced(graph, SCRIPT_LEVELS) == [], "add each to one entry of SCRIPT_LEVELS"
     assert upward_lines(graph, SCRIPT_LEVELS) == []
-    assert upward_imports({"hylo_scripts.models": {"hylo_scripts.loop"}}, SCRIPT_LEVELS)  # the check sees
+    assert upward_imports({"hylo_scripts.models.registry": {"hylo_scripts.training.loop"}}, SCRIPT_LEVELS)  # it sees
+
+
+def script_subpackages() -> set[str]:
+    """The subpackages of hylo_scripts (its folders with an ``__init__.py``)."""
+    return {f"hylo_scripts.{path.parent.name}" for path in SCRIPT_PACKAGE.glob("*/__init__.py")}
+
+
+def test_every_scripts_module_is_in_a_subpackage_of_a_level() -> None:
+    """hylo_scripts holds no module of its own but its ``__init__``: each is in a subpackage, one job each, and
+    every subpackage (no deeper one) is an entry of :data:`SCRIPT_LEVELS`."""
+    modules = modules_of(SCRIPT_PACKAGE)
+    assert [name for name in modules if name.count(".") != (1 if name in script_subpackages() else 2)] == [
+        "hylo_scripts"
+    ], "put each module in a subpackage of hylo_scripts"
+    named = {name for _, names in SCRIPT_LEVELS for name in names}
+    assert named == {"hylo_scripts", *script_subpackages()}, "name each subpackage in one level of SCRIPT_LEVELS"
+    assert {"hylo_scripts.data", "hylo_scripts.training", "hylo_scripts.benchmarks"} <= script_subpackages()

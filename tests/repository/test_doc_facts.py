@@ -591,7 +591,7 @@ def module(name: str) -> Any:
 def built(model: str) -> nn.Module:
     """A model of the training scripts at its defaults (seeded: the same weights every time)."""
     torch.manual_seed(0)
-    return module("hylo_scripts.models").build_model(model)
+    return module("hylo_scripts.models.registry").build_model(model)
 
 
 def parameter_count(model: str) -> float:
@@ -709,7 +709,7 @@ FUZZ, FUZZ_STATE, FUZZ_RESUME = (
 )
 INTEGRITY, RESUME = "tests/library/test_checkpoint_integrity.py", "tests/application/test_resume.py"
 ARCHITECTURE, TREND = "tests/repository/test_architecture.py", "tests/library/test_trend.py"
-FAMILIES_MODULE = "hylo_scripts.model_families"
+FAMILIES_MODULE = "hylo_scripts.models.model_families"
 _flips = "test_stationary_noise_flips_at_most_three_times_per_300_updates"
 _flipped_bit = "test_flipped_bit_in_a_saved_file_is_refused_naming_it"
 _resume_flip = "test_a_flipped_bit_anywhere_in_a_checkpoint_file_is_never_loaded"
@@ -1025,41 +1025,43 @@ FACTS: tuple[Fact, ...] = (
     Fact(
         "training-scripts.md",
         r"except the scripts' `damping` ([\d.]+) and `kl_clip` (\S+) \(`hylo_options.py`\)",
-        lambda: tuple(module("hylo_scripts.hylo_options").SCRIPT_DEFAULTS[k].value for k in ("damping", "kl_clip")),
+        lambda: tuple(
+            module("hylo_scripts.training.hylo_options").SCRIPT_DEFAULTS[k].value for k in ("damping", "kl_clip")
+        ),
     ),
     Fact(
         "training-scripts.md",
         r"defaults are hylo's except `--damping` ([\d.]+) and `--kl-clip` (\S+) \((\d+): off\)",
         lambda: (
-            module("hylo_scripts.hylo_options").SCRIPT_DEFAULTS["damping"].value,
-            module("hylo_scripts.hylo_options").SCRIPT_DEFAULTS["kl_clip"].value,
-            module("hylo_scripts.hylo_options").SCRIPT_DEFAULTS["kl_clip"].off,
+            module("hylo_scripts.training.hylo_options").SCRIPT_DEFAULTS["damping"].value,
+            module("hylo_scripts.training.hylo_options").SCRIPT_DEFAULTS["kl_clip"].value,
+            module("hylo_scripts.training.hylo_options").SCRIPT_DEFAULTS["kl_clip"].off,
         ),
     ),
     Fact(
         "training-scripts.md",
         r"at `--lr` \(default ([\d.]+) in `train.py`",
-        _c("hylo_scripts.hylo_options", "ADAPTIVE_LR"),
+        _c("hylo_scripts.training.hylo_options", "ADAPTIVE_LR"),
     ),
     Fact(
         "training-scripts.md",
         r"`--solver \{([\w,]+)\}`",
-        lambda: ",".join(("none", *module("hylo_scripts.hylo_options").solver_choices())),
+        lambda: ",".join(("none", *module("hylo_scripts.training.hylo_options").solver_choices())),
     ),
     Fact(
         "training-scripts.md",
         r"\| `(\w+)` \(default\) \| none: the 5,000",
-        lambda: module("hylo_scripts.train").DEFAULTS["dataset"],
+        lambda: module("hylo_scripts.training.train").DEFAULTS["dataset"],
     ),
     Fact(
         "training-scripts.md",
         r"\| `(\w+)` \(default\), `mlp` \|",
-        lambda: module("hylo_scripts.train").DEFAULTS["model"],
+        lambda: module("hylo_scripts.training.train").DEFAULTS["model"],
     ),
     Fact(
         "training-scripts.md",
         r"\| `(\w+)` \(language model; `train_lm.py`'s default\)",
-        lambda: module("hylo_scripts.train_lm").DEFAULTS["dataset"],
+        lambda: module("hylo_scripts.training.train_lm").DEFAULTS["dataset"],
     ),
     Fact(
         "training-scripts.md",
@@ -1083,8 +1085,11 @@ FACTS: tuple[Fact, ...] = (
         "training-scripts.md",
         r"\((\d+) blocks × width (\d+), (\d+) heads, context (\d+) by default: ([\d.]+) M parameters\)",
         lambda: (
-            *(module("hylo_scripts.models").MODELS["transformer"].options[k] for k in ("layers", "width", "heads")),
-            module("hylo_scripts.models").MODELS["transformer"].input_shape[0],
+            *(
+                module("hylo_scripts.models.registry").MODELS["transformer"].options[k]
+                for k in ("layers", "width", "heads")
+            ),
+            module("hylo_scripts.models.registry").MODELS["transformer"].input_shape[0],
             parameter_count("transformer") / 1e6,
         ),
         approx=True,
@@ -1092,24 +1097,24 @@ FACTS: tuple[Fact, ...] = (
     Fact(
         "training-scripts.md",
         r"`--seq-len` bytes \(default (\d+), also the model's context",
-        lambda: module("hylo_scripts.models").MODELS["transformer"].input_shape[0],
+        lambda: module("hylo_scripts.models.registry").MODELS["transformer"].input_shape[0],
     ),
     Fact(
         "training-scripts.md",
         r"AdamW \(lr (\S+) with every solver, weight decay ([\d.]+)\), a linear warm-up over ([\d.]+) epochs",
         lambda: (
-            module("hylo_scripts.hylo_options").TRAINER_LRS["lm"].natural,
-            module("hylo_scripts.train_lm").DEFAULTS["weight_decay"],
-            module("hylo_scripts.train_lm").DEFAULTS["warmup_epochs"],
+            module("hylo_scripts.training.hylo_options").TRAINER_LRS["lm"].natural,
+            module("hylo_scripts.training.train_lm").DEFAULTS["weight_decay"],
+            module("hylo_scripts.training.train_lm").DEFAULTS["warmup_epochs"],
         ),
     ),
     Fact(
         "training-scripts.md",
         r"batch (\d+) windows \(global\), (\d+) epochs of (\d+) KB",
         lambda: (
-            module("hylo_scripts.train_lm").DEFAULTS["batch_size"],
-            module("hylo_scripts.train_lm").DEFAULTS["epochs"],
-            module("hylo_scripts.train_lm").DEFAULTS["max_bytes"] / 1000,
+            module("hylo_scripts.training.train_lm").DEFAULTS["batch_size"],
+            module("hylo_scripts.training.train_lm").DEFAULTS["epochs"],
+            module("hylo_scripts.training.train_lm").DEFAULTS["max_bytes"] / 1000,
         ),
     ),
     # training-stacks.md
@@ -1143,14 +1148,17 @@ FACTS: tuple[Fact, ...] = (
         "figures.md",
         r"\((\d+) epochs of (\d+) steps at batch (\d+)\)",
         lambda: tuple(
-            getattr(module("hylo_scripts.make_figures").StudySize(), k) for k in ("epochs", "max_steps", "batch_size")
+            getattr(module("hylo_scripts.demos.make_figures").StudySize(), k)
+            for k in ("epochs", "max_steps", "batch_size")
         ),
     ),
-    Fact("figures.md", r"over seeds (\d+) and (\d+)", lambda: module("hylo_scripts.make_figures").StudySize().seeds),
+    Fact(
+        "figures.md", r"over seeds (\d+) and (\d+)", lambda: module("hylo_scripts.demos.make_figures").StudySize().seeds
+    ),
     Fact(
         "figures.md",
         r"use `--trend-window (\d+)`",
-        lambda: module("hylo_scripts.make_figures").StudySize().trend_window,
+        lambda: module("hylo_scripts.demos.make_figures").StudySize().trend_window,
     ),
     Fact("figures.md", r"the default window of (\d+) steps", lambda: option_default("trend_window")),
     Fact("figures.md", r"the tests execute all (\w+) on a real study", notebooks),
@@ -1340,14 +1348,14 @@ def test_the_figures_and_reasons_tables_list_every_figure_and_reason() -> None:
 def lr_problems(rows: list[list[str]]) -> list[str]:
     """docs/training-scripts.md's default learning rates: the solvers of each column (``hylo_options.ADAPTIVE``
     and the rest), and each trainer's rates (``TRAINER_LRS`` of the task of the trainer's default model)."""
-    options_module, models = module("hylo_scripts.hylo_options"), module("hylo_scripts.models")
+    options_module, models = module("hylo_scripts.training.hylo_options"), module("hylo_scripts.models.registry")
     solvers = hylo.solvers.solver_names()
     natural = ["none", hylo.solvers.HYBRID, *(s for s in solvers if not hylo.solvers.whole_step(s))]
     problems = names_problems(stated_names(rows[0][1]), natural, "natural solvers")
     problems += names_problems(stated_names(rows[0][2]), options_module.ADAPTIVE, "adaptive solvers")
     for row in rows[1:]:
         for script in re.findall(r"`(\w+)\.py`", row[0]):
-            task = models.MODELS[module(f"hylo_scripts.{script}").DEFAULTS["model"]].task
+            task = models.MODELS[module(f"hylo_scripts.training.{script}").DEFAULTS["model"]].task
             lrs = options_module.TRAINER_LRS[task]
             if (number(row[1]), number(row[2])) != (lrs.natural, lrs.adaptive):
                 problems.append(f"{script}.py: the page says {row[1]}, {row[2]}; the code {lrs}")
@@ -1557,17 +1565,17 @@ def test_kfacs_memory_budget_examples_are_computed_from_the_budget() -> None:
 
 @cache
 def stack_counts(solver: str, layers: int, batch: int, option: tuple[tuple[str, str], ...]) -> tuple[Any, Any, Any]:
-    """``hylo_scripts.bench_ops.step_counts`` of a stack of ``layers`` equal layers, counted once."""
-    ops = module("hylo_scripts.bench_ops")
+    """``hylo_scripts.benchmarks.bench_ops.step_counts`` of a stack of ``layers`` equal layers, counted once."""
+    ops = module("hylo_scripts.benchmarks.bench_ops")
     return ops.step_counts("stack", solver, batch, 10, None, model_options={"layers": layers}, options=dict(option))
 
 
 def stack_problems(text: str) -> list[str]:
     """docs/benchmarks.md's operations of a stack of equal layers (``scripts/bench_ops.py --model stack``, its
     command read from the page): each solver's step between updates at both depths ("**a → b**" after) and the
-    forward and backward, counted again by ``hylo_scripts.bench_ops.step_counts``; the layers' shape from its
+    forward and backward, counted again by ``hylo_scripts.benchmarks.bench_ops.step_counts``; the layers' shape from its
     ``stack``."""
-    ops = module("hylo_scripts.bench_ops")
+    ops = module("hylo_scripts.benchmarks.bench_ops")
     command = re.search(
         r"bench_ops.py --model stack --layers \d+ --batch-size (\d+) --solvers ([\w ]+?) \\\s*--set (\w+)=(\w+)", text
     )

@@ -78,7 +78,11 @@ def test_each_wheel_holds_exactly_its_package(wheels: dict[str, Path]) -> None:
     with zipfile.ZipFile(wheels["hylo"]) as archive:
         assert "hylo/py.typed" in archive.namelist()
     with zipfile.ZipFile(wheels["hylo-scripts"]) as archive:
-        assert {"hylo_scripts/engine.py", "hylo_scripts/train.py"} <= set(archive.namelist())
+        modules = {
+            path.relative_to(ROOT / "scripts").as_posix() for path in (ROOT / "scripts/hylo_scripts").rglob("*.py")
+        }
+        assert "hylo_scripts/training/engine.py" in modules  # every module of every subpackage
+        assert modules <= set(archive.namelist())
     with zipfile.ZipFile(wheels["hylo-analysis"]) as archive:
         assert "hylo_analysis/__main__.py" in archive.namelist()
     for wheel in wheels.values():
