@@ -12,8 +12,9 @@ per-sample gradients U_i. It brings:
   reads at an update as ``context.options(DiagonalConfig)``;
 - **its state**, :class:`DiagonalState`: the scale (diag F + λ)^-p, saved in checkpoints with its exponent.
 
-Registered with :func:`hylo.register_family`, it takes part in everything the built-in families do:
-``summary()``, ``decisions.csv``, the hybrid policy's cost model, checkpoints and P ranks.
+Everything it needs comes from :mod:`hylo.solvers`; registered with :func:`hylo.solvers.register_family`, it
+takes part in everything the built-in families do: ``summary()``, ``decisions.csv``, the hybrid policy's cost
+model, checkpoints and P ranks.
 
 Run it: ``python examples/diagonal_family.py --out runs/diagonal`` trains a small MLP for a few steps with the
 family on its hidden layers and K-FAC on its head, resumes the run from a checkpoint halfway, and prints the
@@ -35,17 +36,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hylo
-from hylo.layers import CallStatistic, DenseRows, FactoredRows, GradMatrix, LayerMath, LayerShape
-from hylo.payload import Payload
-from hylo.rules import Rule, Section, option
-from hylo.solvers import FamilyHandle, FamilyOptions, LayerState, SolverFamily, UpdateContext
-from hylo.solvers.base import (
+from hylo.solvers import (
+    CallStatistic,
     Contribution,
     CostEstimate,
+    DenseRows,
     Exchange,
+    FactoredRows,
+    FamilyHandle,
+    FamilyOptions,
+    GradMatrix,
+    LayerMath,
+    LayerShape,
+    LayerState,
+    Payload,
+    Rule,
+    Section,
+    SolverFamily,
+    UpdateContext,
     UpdateJob,
     checked_tensors,
+    option,
     positive_number,
+    register_family,
 )
 
 
@@ -141,17 +154,17 @@ class DiagonalState(LayerState):
 
 
 class DiagonalFamily(SolverFamily[Tensor]):
-    """The diagonal empirical Fisher: each rank's diag F averaged over ranks, raised to -p by the layer's owner."""
+    """The diagonal empirical Fisher: each rank's diag F averaged over ranks, raised to -p by the layer's owner.
+
+    It defines the members every family does (the three class attributes, :meth:`contribute`, :meth:`prepare`,
+    :meth:`cost`, :meth:`solve`, :meth:`assemble`) and takes every capability's default: its one solver is its
+    name, owners balance by layer count, a rank receiving a broadcast solves the layer to shape its buffers, and
+    nothing is carried between updates (docs/extending.md, "Solver families")."""
 
     name = "diagonal"
     state_type = DiagonalState
     statistic = SQUARED_GRADIENTS
     section = DiagonalConfig
-
-    @property
-    def solvers(self) -> tuple[str, ...]:
-        """``"diagonal"``."""
-        return ("diagonal",)
 
     def contribute(self, jobs: Sequence[UpdateJob], context: UpdateContext) -> Contribution:
         """Each layer's diag F on this rank, weighted by its samples in the mean over ranks."""
@@ -172,31 +185,19 @@ class DiagonalFamily(SolverFamily[Tensor]):
         exchanged = 2.0 * entries if shape.world_size > 1 else 0.0
         return CostEstimate(shape.rows * entries, entries, entries, exchanged * shape.itemsize)
 
-    def solve_cost(self, prepared: Tensor) -> float:
-        """One power per entry."""
-        return float(prepared.numel())
-
     def solve(self, prepared: Sequence[Tensor], context: UpdateContext) -> list[dict[str, Tensor]]:
         """(diag F + λ)^-p of each layer, p read from this family's section."""
         exponent = context.options(DiagonalConfig).diag_exponent
         return [{"scale": (diagonal + context.damping).pow(-exponent)} for diagonal in prepared]
 
-    def solution_template(self, prepared: Tensor) -> dict[str, Tensor]:
-        """A buffer for another rank's scale."""
-        return {"scale": torch.empty_like(prepared)}
-
     def assemble(self, prepared: Tensor, solution: Mapping[str, Tensor], context: UpdateContext) -> DiagonalState:
         """The state: the solved scale, with the λ and p it was solved with."""
         return DiagonalState(solution["scale"], context.damping, context.options(DiagonalConfig).diag_exponent)
 
-    def carried(self, prepared: Tensor) -> dict[str, Tensor]:
-        """Nothing: every update starts from its own batch."""
-        return {}
-
 
 def register() -> FamilyHandle:
     """Register the family (its section and statistic with it); ``remove()`` on the handle undoes it."""
-    return hylo.register_family(DiagonalFamily())
+    return register_family(DiagonalFamily())
 
 
 def model(seed: int = 0) -> nn.Module:

@@ -50,10 +50,11 @@ def fields(
     config: HyLoConfig,
     step: int,
     resolved: Mapping[str, Any],
-    sharded: bool,
+    placement: str,
     version: str,
 ) -> dict[str, str]:
-    """One rank's fingerprint: hylo's version, every registered layer, FSDP2 sharding and every option
+    """One rank's fingerprint: hylo's version, every registered layer, the placement (its name, which says FSDP2
+    sharding; docs/design.md, "Placements") and every option
     but :data:`RANK_LOCAL`, by name (the same names, in the same order, on every rank); ``resolved``:
     the schedules' values at ``step``, by option name."""
     described = {
@@ -64,7 +65,7 @@ def fields(
                 for layer in layers
             ]
         ),
-        "FSDP2 sharding": repr(sharded),
+        "placement": placement,
     }
     for spec in options():
         if spec.name not in RANK_LOCAL:
@@ -144,6 +145,6 @@ class Fingerprint:
         nothing with one rank). ``values``: the step's schedules, as evaluated (callables are called once)."""
         if self.comm.world_size > 1:
             resolved = dataclasses.asdict(values) | {"update_freq": self.planner.update_freq(config)}
-            described = fields(self.layers, config, step, resolved, self.guard.sharded, __version__)
+            described = fields(self.layers, config, step, resolved, type(self.guard.placement).__name__, __version__)
             agree(self.comm, described, self.guard.device, step)
         self.compared = config

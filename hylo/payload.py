@@ -49,3 +49,11 @@ class Payload(dict[PayloadKey, Tensor]):
     def fields(self, layer: str) -> dict[str, Tensor]:
         """The ``field → tensor`` entries of ``layer``, in insertion order."""
         return {field: tensor for (name, field), tensor in self.items() if name == layer}
+
+    def bytes_of(self, layers: Sequence[str]) -> list[int]:
+        """Bytes of each of ``layers``' tensors here (one pass)."""
+        sizes = dict.fromkeys(layers, 0)
+        for (layer, _), tensor in self.items():
+            if layer in sizes:
+                sizes[layer] += tensor.numel() * tensor.element_size()
+        return list(sizes.values())

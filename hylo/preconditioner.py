@@ -31,7 +31,7 @@ from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CapturedCall, capture_call
 from hylo.layers.walk import NoLayerError, register_layers
 from hylo.memory import MemoryUsage
-from hylo.pipeline import checkpoint, liveness, sharding
+from hylo.pipeline import checkpoint, liveness
 from hylo.pipeline.apply import write_back
 from hylo.pipeline.checkpoint import OptionsOnLoad
 from hylo.pipeline.effect import EffectWatch
@@ -126,10 +126,9 @@ class HyLoPreconditioner:
         self._policy = SolverPolicy([layer.name for layer in self._layers])
         self._planner = Planner(self._layers, self._policy, self.comm.world_size, self._config)
         try:  # FSDP2-sharded layers: checked here, before any step (docs/distributed.md, "FSDP2")
-            sharded = sharding.check(self._layers, self._config, self.comm)
-            self._guard = Guard(self._layers, self.comm, sharded)
-            #: Where the apply runs, chosen once (docs/design.md, "Placements")
-            self._placement = placement_for(self._stage, sharded, self._config)
+            #: Every decision that depends on the distribution, chosen once (docs/design.md, "Placements")
+            self._placement = placement_for(self._stage, self._layers, self._config)
+            self._guard = Guard(self._layers, self.comm, self._placement)
             self._telemetry = Telemetry.open(self._config, self.comm, self._layers, __version__)
         except Exception:
             self.remove()  # a refused profile_dir or sharding leaves the model without hylo's hooks
@@ -301,11 +300,11 @@ class HyLoPreconditioner:
             elif outcome.worked:
                 outcome.kind = "refresh"  # no draws (seed 0): a refresh keeps the KIS generator's sequence
                 context = values.context(config, self.comm.rank, 0, self._telemetry.watch)
-                refresh(self._stage, step, config, context, outcome)
+                refresh(self._stage, self._placement, step, context, outcome)
         ready = [
             (layer, g)
             for layer, g, p in zip(self._layers, grads, present, strict=True)
-            if p and g is not None and outcome.solved(layer, config, self.comm.world_size)
+            if p and g is not None and outcome.solved(layer, self._placement)
         ]
         if ready:
             indices = [self._index[layer.name] for layer, _ in ready]
@@ -321,7 +320,7 @@ class HyLoPreconditioner:
         self._telemetry.watch.lap("decide")
         seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
         context = values.context(config, self.comm.rank, seed, self._telemetry.watch)
-        update(self._stage, step, config, context, outcome, self._planner.rejected)
+        update(self._stage, self._placement, step, context, outcome, self._planner.rejected)
 
     def _commit(self, step: int, outcome: Outcome, traffic: dict[str, int]) -> None:
         """Store what a successful step computed, write the gradients back and record the step."""
@@ -463,7 +462,9 @@ class HyLoPreconditioner:
         mode = checkpoint.check_mode(options)
         restored, error = None, None
         try:
-            restored = checkpoint.read(state_dict, self._layers, self._config, self.comm, mode, where)
+            restored = checkpoint.read(
+                state_dict, self._layers, self._config, self.comm, self._placement.keeps_remote, mode, where
+            )
         except ValueError as err:
             error = err
         restored = checkpoint.agree(restored, error, self.comm, self._guard.device)

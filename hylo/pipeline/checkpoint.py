@@ -244,16 +244,19 @@ def read(
     layers: Sequence[RegisteredLayer],
     config: HyLoConfig,
     comm: Communicator,
+    keeps_remote: bool,
     mode: str = "restore",
     where: str | None = None,
 ) -> Restored:
     """``state_dict`` checked against ``layers`` and ``config``: what to apply, or ``ValueError`` (its
     message starts with ``where``, the file the state came from, when given).
 
-    ``mode`` (:data:`OPTION_MODES`) says what becomes of the saved options that differ from ``config``'s.
+    ``keeps_remote``: whether this rank's own file restores the layers other ranks solved as theirs (the placement's
+    :attr:`~hylo.pipeline.placement.Placement.keeps_remote`). ``mode`` (:data:`OPTION_MODES`) says what becomes of
+    the saved options that differ from ``config``'s.
     """
     try:
-        return _read(state_dict, layers, config, comm, mode)
+        return _read(state_dict, layers, config, comm, keeps_remote, mode)
     except ValueError as err:
         if where is None:
             raise
@@ -261,7 +264,12 @@ def read(
 
 
 def _read(
-    state_dict: object, layers: Sequence[RegisteredLayer], config: HyLoConfig, comm: Communicator, mode: str
+    state_dict: object,
+    layers: Sequence[RegisteredLayer],
+    config: HyLoConfig,
+    comm: Communicator,
+    keeps_remote: bool,
+    mode: str,
 ) -> Restored:
     sd = checked_header(state_dict)
     saved = sd["layers"]
@@ -269,8 +277,7 @@ def _read(
     missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names), key=str)
     if missing or unexpected:
         raise ValueError(f"state_dict is for a different layer set: missing {missing}, unexpected {unexpected}")
-    own_file = (sd.get("rank"), sd.get("world_size")) == (comm.rank, comm.world_size)
-    own_file = own_file and config.distributed.strategy == "gradient"
+    own_file = keeps_remote and (sd.get("rank"), sd.get("world_size")) == (comm.rank, comm.world_size)
     restored, recompute = {}, False
     for layer in layers:
         solver, state, owner, missing_state = _layer(layer, saved[layer.name], own_file, comm)

@@ -27,7 +27,7 @@ from hylo.layers.compiled import compiled_code_ran
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.statistics import CallStatistic, CapturedCall
 from hylo.payload import Payload
-from hylo.pipeline import sharding
+from hylo.pipeline.placement import Placement
 from hylo.state import RegisteredLayer
 
 #: Steps taken by any torch optimizer in this process (:func:`optimizer_steps`).
@@ -76,11 +76,11 @@ class Agreement:
 class Guard:
     """Gradients, norms, finiteness and agreement of one preconditioner's layers."""
 
-    def __init__(self, layers: Sequence[RegisteredLayer], comm: Communicator, sharded: bool = False) -> None:
+    def __init__(self, layers: Sequence[RegisteredLayer], comm: Communicator, placement: Placement) -> None:
         self.layers = list(layers)
         self.comm = comm
-        #: Whether each rank holds only some rows of every ∇W (FSDP2): norms are then summed over ranks.
-        self.sharded = sharded
+        #: Where the ranks' parts of every ∇W make its norm (docs/design.md, "Placements").
+        self.placement = placement
         # per layer: the gradient tensor a step last saw and its version (a new backward changes either)
         self._seen: list[tuple[weakref.ref[Tensor], int] | None] = [None] * len(self.layers)
         # optimizer steps when this guard was made, and at the last step that wrote preconditioned gradients
@@ -125,11 +125,8 @@ class Guard:
                 if same and unstepped:
                     self.accumulated.append(layer.name)
                 grads.append(parts := layer.math.grad_parts())
-                if parts is not None and (parts.shard is not None) != self.sharded:
-                    raise ValueError(
-                        f"layer {layer.name!r}: its parameters were sharded by fully_shard after the "
-                        "HyLoPreconditioner was built (or unsharded since); build it on the sharded model"
-                    )
+                if parts is not None:
+                    self.placement.check_gradient(layer.name, parts)
         return grads
 
     def mark_seen(self, wrote: bool) -> None:
@@ -149,9 +146,7 @@ class Guard:
         check needs exact: docs/reliability.md, "Fallbacks"): when one is not finite or that small (but
         not 0), :meth:`_safe_norms` re-measures them all in a form that cannot.
         """
-        norms = self._measured(grads)
-        if self.sharded:  # each rank measured its rows: one all-reduce (docs/distributed.md, "FSDP2")
-            norms = sharding.global_norms(self.comm, norms)
+        norms = self.placement.norms(self._measured(grads))
         small = max(math.sqrt(torch.finfo(layer.math.dtype).tiny) * 1e4 for layer in self.layers)
         # finite (NaN fails every comparison) and exact: three comparisons instead of isfinite's four operations
         return norms, (((norms >= small) & (norms < math.inf)) | (norms == 0)).all()
@@ -296,25 +291,9 @@ class Guard:
     def _safe_norms(self, grads: Sequence[GradMatrix | None]) -> tuple[Tensor, bool]:
         """Norms (float64) and finiteness of every gradient from its largest entry m and ‖∇W/m‖·m, which
         cannot overflow before the final product; agreed over ranks (one more collective, on this path only)."""
-        if self.sharded:  # the largest entry over every rank's rows, then the scaled sums
-            norms = list(sharding.global_safe_norms(self.comm, grads, self.device))
-            finite = [
-                torch.ones((), dtype=torch.bool, device=self.device) if g is None else g.all_finite() for g in grads
-            ]
-        else:
-            norms, finite = [], []
-            for parts in grads:
-                if parts is None:
-                    norms.append(torch.zeros((), dtype=torch.float64, device=self.device))
-                    finite.append(torch.ones((), dtype=torch.bool, device=self.device))
-                    continue
-                g = parts.full()
-                largest = torch.linalg.vector_norm(g, ord=float("inf")).to(torch.float64)
-                ok = torch.isfinite(largest)
-                tiny = torch.finfo(torch.float64).tiny
-                scaled = torch.linalg.vector_norm(g.to(torch.float64) / largest.clamp_min(tiny))
-                norms.append(torch.where(ok, scaled * largest, largest))
-                finite.append(ok)
+        norms = self.placement.safe_norms(grads, self.device)
+        true = torch.ones((), dtype=torch.bool, device=self.device)
+        finite = [true if g is None else g.all_finite() for g in grads]
         agreed = torch.stack(finite).all()
         if self.comm.world_size > 1:
             agreed = self.comm.all_true(agreed.reshape(1))[0]

@@ -1,8 +1,9 @@
-"""The update stage: local reductions, fused collectives, owner solves, sharing (docs/design.md, "Data path of one
-step").
+"""The update stage: the family phases of an update — local reductions, fused collectives, owner solves
+(docs/design.md, "Data path of one step").
 
-The strategy (``"inverse"`` or ``"gradient"``, :class:`~hylo.config.DistributedConfig`) is passed to
-each call: the stage keeps no option of its own.
+Which solved states every rank assembles and the vote on rejected states are the placement's
+(:class:`Sharing`, :mod:`hylo.pipeline.placement`), passed to each call: the stage keeps no option of its
+own and never asks which distribution is in force.
 
 At an update step, for P ranks, with layers grouped by solver family:
 
@@ -11,10 +12,10 @@ At an update step, for P ranks, with layers grouped by solver family:
 2. every family prepares its layers' solve inputs from the collective's result;
 3. each layer gets one owner by greedy longest-processing-time on its estimated solve cost;
 4. owners solve their layers, batched within each family;
-5. ``strategy="inverse"``: owners broadcast the solved tensors and every rank assembles every
-   layer's state (no traffic between updates). ``strategy="gradient"``: only the owner keeps
-   the state; every step it preconditions its layers and broadcasts the result (less memory
-   per rank, a broadcast of every gradient each step).
+5. the placement shares the solved states it says every rank holds (owners broadcast the solved
+   tensors, every rank assembles them: all of them with P > 1 under ``strategy="inverse"`` and
+   FSDP2, the states that advance at every step under ``"gradient"``); the owner assembles the
+   others, every other rank keeps a :class:`~hylo.solvers.base.RemoteState`.
 
 With one rank every collective is the identity and rank 0 owns everything. The stage calls
 the family interface only; it never tests a solver's name.
@@ -25,17 +26,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from hylo.distributed import Communicator, Pending, assign_owners
-from hylo.layers.sharded import is_sharded
 from hylo.numerics import finite_each
-from hylo.payload import Payload
-from hylo.sections import Strategy
-from hylo.solvers import FAMILIES, HeldState, RemoteState, family_of, whole_step
+from hylo.solvers import FAMILIES, HeldState, RemoteState, family_of
 from hylo.solvers.base import Contribution, SolverFamily, UpdateContext, UpdateJob
 from hylo.solvers.kernel import Exchange
 
@@ -65,14 +63,34 @@ class UpdateResult:
     notes: dict[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
 
 
+class Sharing(Protocol):
+    """What a placement decides about an update's solved states (docs/design.md, "Placements")."""
+
+    def shares(self, solver: str) -> bool:
+        """Whether every rank holds the solved state of a layer of ``solver`` (its owner broadcasts it)."""
+
+    def share(
+        self,
+        jobs: Sequence[UpdateJob],
+        owners: Mapping[str, int],
+        prepared: Mapping[str, Any],
+        solutions: Mapping[str, dict[str, Tensor]],
+        context: UpdateContext,
+    ) -> dict[str, HeldState]:
+        """Every one of ``jobs``' states on every rank, from its owner's ``solutions``."""
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        """Per job, whether its new state is finite, as every rank must take it."""
+
+
 class UpdateStage:
-    """Runs the update and the per-step preconditioning across ranks for a list of layers."""
+    """Runs the family phases of an update across ranks for a list of layers."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
     # ---------------------------------------------------------------- update
-    def update(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
+    def update(self, jobs: Sequence[UpdateJob], context: UpdateContext, sharing: Sharing) -> UpdateResult:
         """Solve every job; see the module docstring for the phases (timed on ``context.watch``)."""
         watch = context.watch
         prepared: dict[str, Any] = {}
@@ -92,10 +110,8 @@ class UpdateStage:
             solutions.update(zip(mine, exchange.family.solve([prepared[name] for name in mine], context), strict=True))
             watch.lap("solve", mine, [exchange.family.solve_cost(prepared[name]) for name in mine])
 
-        # every rank holds every state under "inverse", and the states that change at each step (Adam's moments)
-        # under either strategy: each rank advances its own copy (docs/distributed.md, "Strategies")
-        shared = [job for job in jobs if self.comm.world_size > 1 and (strategy == "inverse" or whole_step(job.solver))]
-        states = self._share(shared, owners, prepared, solutions, context) if shared else {}
+        shared = [job for job in jobs if sharing.shares(job.solver)]
+        states = sharing.share(shared, owners, prepared, solutions, context) if shared else {}
         local = [job for job in jobs if job.name not in states]
         built: dict[str, HeldState] = {}
         for exchange in launched:  # each family's solved layers assembled together (it may batch them)
@@ -113,13 +129,13 @@ class UpdateStage:
             )
         if local:
             watch.lap("solve", [job.name for job in local])
-        rejected = self._rejected(jobs, states, strategy)
+        rejected = self._rejected(jobs, states, sharing)
         watch.lap("check")
         chosen = {job.name: rows for job in jobs if (rows := family_of(job.solver).rows_chosen(prepared[job.name]))}
         notes = {job.name: note for job in jobs if (note := family_of(job.solver).update_notes(prepared[job.name]))}
         return UpdateResult(states, owners, rejected, chosen, notes)
 
-    def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext, strategy: Strategy) -> UpdateResult:
+    def refresh(self, jobs: Sequence[UpdateJob], context: UpdateContext, sharing: Sharing) -> UpdateResult:
         """Between updates: fold this step's batches into the running statistics of ``jobs`` (families
         that :attr:`~hylo.solvers.base.SolverFamily.refreshes`), one collective per family, no solve."""
         watch = context.watch
@@ -130,7 +146,7 @@ class UpdateStage:
             refreshed = exchange.family.refresh(exchange.members, received, context)
             states.update(zip(exchange.names, refreshed, strict=True))
             watch.lap("reduce", exchange.names, exchange.sizes)
-        rejected = self._rejected(jobs, states, strategy)
+        rejected = self._rejected(jobs, states, sharing)
         watch.lap("check")
         return UpdateResult(states, {}, rejected)
 
@@ -143,7 +159,7 @@ class UpdateStage:
                 continue
             share = family.contribute(members, context)  # times its own capture and reduce
             names = [job.name for job in members]
-            sizes = _payload_bytes(share.payload, names) if context.watch.enabled else None
+            sizes = share.payload.bytes_of(names) if context.watch.enabled else None
             launched.append(Launched(family, members, names, sizes, self._launch(share)))
             context.watch.lap("gather", names, sizes)
         return launched
@@ -155,39 +171,8 @@ class UpdateStage:
             return self.comm.all_reduce(share.payload, "sum")
         return self.comm.all_gather_rows(share.payload)
 
-    def _share(
-        self,
-        jobs: Sequence[UpdateJob],
-        owners: dict[str, int],
-        prepared: dict[str, Any],
-        solutions: dict[str, dict[str, Tensor]],
-        context: UpdateContext,
-    ) -> dict[str, HeldState]:
-        """strategy="inverse": each owner broadcasts its solved tensors; every rank assembles every state."""
-        states: dict[str, HeldState] = {}
-        watch = context.watch
-        sharded = is_sharded(jobs[0].batch.math.weight)
-        for src in range(self.comm.world_size):
-            owned = [(job.name, family_of(job.solver)) for job in jobs if owners[job.name] == src]
-            payload = Payload()
-            for name, family in owned:
-                mine = src == self.comm.rank
-                payload.add(name, solutions[name] if mine else family.solution_template(prepared[name]))
-            received = self.comm.broadcast(payload, src)
-            if sharded:  # own allocations, aligned as a loaded checkpoint's (docs/distributed.md, "FSDP2")
-                received = Payload({key: tensor.clone() for key, tensor in received.items()})
-            for family in dict.fromkeys(family for _, family in owned):
-                names = [name for name, other in owned if other is family]
-                assembled = family.assemble_all(
-                    [prepared[name] for name in names], [received.fields(name) for name in names], context
-                )
-                states.update(zip(names, assembled, strict=True))
-            names = [name for name, _ in owned]
-            watch.lap("broadcast", names, _payload_bytes(payload, names) if watch.enabled else None)
-        return states
-
-    def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], strategy: Strategy) -> list[str]:
-        """Layers whose new state is non-finite, agreed on by all ranks (one host sync): every floating tensor by
+    def _rejected(self, jobs: Sequence[UpdateJob], states: dict[str, HeldState], sharing: Sharing) -> list[str]:
+        """Layers whose new state is non-finite, as the placement agrees them (one host sync): every floating tensor by
         :func:`~hylo.numerics.finite_each`, one norm per dtype, folded per layer. A tensor the state shares with the
         layer's previous one (a refresh replaces only the running factors) was checked when that state was stored,
         and is not read again."""
@@ -203,16 +188,5 @@ class UpdateStage:
         bad = torch.zeros(len(jobs), device=device)
         for tensors, owner in by_dtype.values():
             bad.index_add_(0, torch.tensor(owner).to(device), (~finite_each(tensors)).to(device, bad.dtype))
-        flags = bad == 0
-        if self.comm.world_size > 1 and strategy == "gradient":
-            flags = self.comm.all_true(flags)
+        flags = sharing.agreed(bad == 0)
         return [job.name for job, ok in zip(jobs, flags.tolist(), strict=True) if not ok]
-
-
-def _payload_bytes(payload: Payload, layers: Sequence[str]) -> list[int]:
-    """Bytes of each of ``layers``' tensors in ``payload`` (one pass over it)."""
-    sizes = dict.fromkeys(layers, 0)
-    for (layer, _), tensor in payload.items():
-        if layer in sizes:
-            sizes[layer] += tensor.numel() * tensor.element_size()
-    return list(sizes.values())

@@ -86,19 +86,19 @@ class Outcome:
         """The layer's state after this step: the new one if the step made one, else its current one."""
         return self.states.get(layer.name, layer.state)
 
-    def solved(self, layer: RegisteredLayer, config: HyLoConfig, world_size: int) -> bool:
-        """Whether the layer's state after this step can precondition: solved here, or by its owner under "gradient"."""
+    def solved(self, layer: RegisteredLayer, placement: Placement) -> bool:
+        """Whether the layer's state after this step can precondition: solved here, or by its owner where the
+        placement applies remote states (:attr:`~hylo.pipeline.placement.Placement.applies_remote`)."""
         state = self.state_of(layer)
         if isinstance(state, RemoteState):
-            owner = self.owners.get(layer.name, layer.owner)
-            return config.distributed.strategy == "gradient" and world_size > 1 and owner != UNSOLVED
+            return placement.applies_remote and self.owners.get(layer.name, layer.owner) != UNSOLVED
         return state is not None
 
 
 def update(
     stage: UpdateStage,
+    placement: Placement,
     step: int,
-    config: HyLoConfig,
     context: UpdateContext,
     outcome: Outcome,
     rejected_before: Collection[str],
@@ -115,7 +115,7 @@ def update(
     outcome.needs_update = False
     if not jobs:
         return
-    result = stage.update(jobs, context, config.distributed.strategy)
+    result = stage.update(jobs, context, placement)
     outcome.rejected = list(result.rejected)
     new = [name for name in result.rejected if name not in rejected_before]
     if new:
@@ -142,13 +142,13 @@ def update(
     ]
 
 
-def refresh(stage: UpdateStage, step: int, config: HyLoConfig, context: UpdateContext, outcome: Outcome) -> None:
+def refresh(stage: UpdateStage, placement: Placement, step: int, context: UpdateContext, outcome: Outcome) -> None:
     """A ``factor_update_freq`` step: fold the batches into the running statistics (no solve)."""
     jobs = [
         UpdateJob(layer.name, layer.solver, batch, layer.state)
         for layer, batch in zip(outcome.worked, outcome.batches, strict=True)
     ]
-    result = stage.refresh(jobs, context, config.distributed.strategy)
+    result = stage.refresh(jobs, context, placement)
     if result.rejected:
         warnings.warn(
             f"step {step}: non-finite factors for {result.rejected}; keeping their previous ones", stacklevel=4

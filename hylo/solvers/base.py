@@ -282,7 +282,11 @@ PreparedT = TypeVar("PreparedT")
 
 
 class SolverFamily(ABC, Generic[PreparedT]):
-    """The math of one family of solvers, phase by phase (see the module docstring)."""
+    """The math of one family of solvers, phase by phase (see the module docstring).
+
+    A family defines :attr:`name`, :attr:`state_type`, :attr:`statistic` and the phases :meth:`contribute`,
+    :meth:`prepare`, :meth:`solve`, :meth:`assemble` and :meth:`cost`; every other member is a capability with a
+    default (docs/extending.md, "Solver families")."""
 
     #: The family's name (states carry it).
     name: ClassVar[str]
@@ -304,9 +308,9 @@ class SolverFamily(ABC, Generic[PreparedT]):
     inherited_options: ClassVar[Mapping[str, str]] = {}
 
     @property
-    @abstractmethod
     def solvers(self) -> tuple[str, ...]:
-        """The solver names this family runs, in registration order."""
+        """The solver names this family runs, in registration order: by default its :attr:`name` alone."""
+        return (self.name,)
 
     def reduces_rows(self, solver: str) -> bool:
         """Whether ``solver`` keeps r of a rank's n rows (``rank_ratio``/``rank``), as KID and KIS do."""
@@ -328,17 +332,20 @@ class SolverFamily(ABC, Generic[PreparedT]):
     def cost(self, shape: LayerShape, solver: str, options: FamilyOptions) -> CostEstimate:
         """Estimated multiply-adds of a layer of ``shape`` on this family's path, run with ``options``."""
 
-    @abstractmethod
     def solve_cost(self, prepared: PreparedT) -> float:
-        """The solve part of :meth:`cost` for prepared inputs (balances owners)."""
+        """The solve part of :meth:`cost` for prepared inputs (balances owners); by default 1, every layer alike
+        (owners then get equal numbers of layers)."""
+        return 1.0
 
     @abstractmethod
     def solve(self, prepared: Sequence[PreparedT], context: UpdateContext) -> list[dict[str, Tensor]]:
         """Solved tensors of each layer, batched across layers (run by the owners)."""
 
-    @abstractmethod
-    def solution_template(self, prepared: PreparedT) -> dict[str, Tensor]:
-        """Uninitialised tensors shaped like :meth:`solve`'s output (to receive a broadcast)."""
+    def solution_template(self, prepared: PreparedT) -> dict[str, Tensor] | None:
+        """Uninitialised tensors shaped like :meth:`solve`'s output, into which a rank receives an owner's broadcast
+        (P > 1); by default None: such a rank then solves the layer itself to shape them, a solve it can spare by
+        defining this."""
+        return None
 
     @abstractmethod
     def assemble(self, prepared: PreparedT, solution: Mapping[str, Tensor], context: UpdateContext) -> LayerState:
@@ -350,9 +357,10 @@ class SolverFamily(ABC, Generic[PreparedT]):
         """:meth:`assemble` of several layers, in order (a family may batch it across them)."""
         return [self.assemble(p, s, context) for p, s in zip(prepared, solutions, strict=True)]
 
-    @abstractmethod
     def carried(self, prepared: PreparedT) -> dict[str, Tensor]:
-        """What a rank that does not own the layer keeps for the next update."""
+        """What a rank that does not own the layer keeps for the next update (``strategy="gradient"``); by default
+        nothing: every update starts from its own batch."""
+        return {}
 
     def state_bytes(self, d_a: int, d_g: int, itemsize: int, block: int | None = None) -> int | None:
         """Bytes of a (d_g, d_a) layer's state held on every rank, known before any update, when

@@ -30,6 +30,7 @@ from hylo.layers.batch import LayerBatch
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.math import LayerMath
 from hylo.layers.rows import SampleRows
+from hylo.pipeline.placement import Local
 from hylo.pipeline.stage import UpdateStage
 from hylo.records import ErrorRecord, RankRecord
 from hylo.solvers import family_of
@@ -65,6 +66,8 @@ class StudyRunner:
     def __init__(self, comm: Communicator, layers: Mapping[str, LayerMath]) -> None:
         self.comm = comm
         self.stage = UpdateStage(comm)
+        #: Every rank holds every state the studies solve (no FSDP2: whole gradients).
+        self.sharing = Local(self.stage)
         self._exact: dict[str, LayerMath] = {}
         self._form: dict[str, str] = {}
         for name, math_ in layers.items():
@@ -105,7 +108,7 @@ class StudyRunner:
     ) -> dict[str, LayerState]:
         """The states of ``solver`` on ``batches`` (every rank holds every state); non-finite ones left out."""
         jobs = [UpdateJob(name, solver, batch, None) for name, batch in zip(names, batches, strict=True)]
-        result = self.stage.update(jobs, context, "inverse")
+        result = self.stage.update(jobs, context, self.sharing)
         return {
             name: state
             for name, state in result.states.items()

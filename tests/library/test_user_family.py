@@ -246,3 +246,28 @@ def test_the_state_refuses_a_bad_checkpoint_entry(registered: None) -> None:
     with pytest.raises(ValueError, match="scale has shape"):
         example.DiagonalState.from_dict(good, 5, 3, DT, torch.device("cpu"))
     assert dataclasses.replace(example.DiagonalState(torch.ones(2, 2), 4.0, 0.5)).bound == 2.0
+
+
+def test_a_family_defines_eight_members_and_its_state_five() -> None:
+    """docs/extending.md, "Solver families": a family defines its name, state type and statistic and five phases;
+    every other member is a capability with a default, and the example's family takes every default."""
+    from hylo.solvers import LayerState, SolverFamily
+
+    assert SolverFamily.__abstractmethods__ == {"contribute", "prepare", "cost", "solve", "assemble"}
+    declared = {name for name in SolverFamily.__annotations__ if not hasattr(SolverFamily, name)}
+    assert declared == {"name", "state_type", "statistic"}
+    assert LayerState.__abstractmethods__ == {"precondition", "tensors", "from_dict"}
+    assert {name for name in LayerState.__annotations__ if not hasattr(LayerState, name)} == {"family", "damping"}
+    interface = {name for cls in SolverFamily.__mro__ for name in (*vars(cls), *getattr(cls, "__annotations__", {}))}
+    defined = {name for name in vars(example.DiagonalFamily) if name in interface and not name.startswith("_")}
+    assert defined == {
+        "name",
+        "state_type",
+        "statistic",
+        "section",
+        "contribute",
+        "prepare",
+        "cost",
+        "solve",
+        "assemble",
+    }

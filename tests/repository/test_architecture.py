@@ -12,6 +12,8 @@
   a step; the planner, guard, checkpoint, memory accounting and telemetry have their own modules.
 - Only ``hylo/solvers/``, ``hylo/config.py`` and ``hylo/policy.py`` compare anything with a solver's
   or a family's name: everything else goes through the family interface and the registry.
+- Only the placements (``hylo/pipeline/placement/``) ask which distribution is in force (the ``strategy``, FSDP2
+  sharding, a placement's class): everything else asks the placement chosen at construction.
 """
 
 from __future__ import annotations
@@ -470,6 +472,48 @@ def test_the_solver_families_import_nothing_of_the_distributed_package() -> None
     assert {module: found for module, found in offenders.items() if found} == {}, (
         "the math knows nothing of the distribution layer: what a family needs of it (hylo.payload) lies below both"
     )
+
+
+#: What asks which distribution is in force (docs/design.md, "Placements"): the ``strategy`` option, whether a
+#: parameter is sharded by FSDP2 (``is_sharded``), and which placement a step holds (its classes named).
+DISTRIBUTION_ATTRIBUTES = {"strategy"}
+DISTRIBUTION_NAMES = {"is_sharded", "fsdp2_sharded", "Owners", "Sharded"}
+#: Who may ask: the placements, which decide once at construction; the option's own definition; the per-layer math
+#: and transport, which read a parameter's layout (a DTensor's local rows) and move tensors, never a step's mode.
+MAY_ASK_DISTRIBUTION = ("hylo.pipeline.placement", "hylo.config", "hylo.sections", "hylo.layers", "hylo.distributed")
+
+
+def distribution_questions(source: str) -> list[str]:
+    """Each place ``source`` asks which distribution is in force: a ``.strategy`` read, a name of
+    :data:`DISTRIBUTION_NAMES` used or imported."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in DISTRIBUTION_ATTRIBUTES:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in DISTRIBUTION_NAMES:
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.alias) and node.name.split(".")[-1] in DISTRIBUTION_NAMES:
+            found.append(f"import {node.name}")
+    return found
+
+
+def test_the_distribution_check_sees_every_kind_of_question() -> None:
+    source = "from hylo.layers.sharded import is_sharded\nif config.distributed.strategy == 'gradient': pass\n"
+    source += "x = isinstance(p, Sharded)\n"
+    assert distribution_questions(source) == ["import is_sharded", "line 2: .strategy", "line 3: Sharded"]
+
+
+def test_no_module_outside_the_placements_asks_about_distribution() -> None:
+    """A placement is chosen once at construction and owns every decision that depends on the distribution: the
+    norms, the sharing after a solve, the rejection vote, which remote states are applied, the checkpoint's scope
+    (docs/design.md, "Placements"). How many ranks there are is the communicator's (one rank skips a collective)."""
+    offenders = {
+        module: found
+        for module, path in MODULES.items()
+        if not module.startswith(MAY_ASK_DISTRIBUTION)
+        and (found := distribution_questions(path.read_text(encoding="utf-8")))
+    }
+    assert offenders == {}
 
 
 #: The families of hylo/solvers/bundled/: each module's family, registered through the public register_family.

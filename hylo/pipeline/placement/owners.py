@@ -25,7 +25,7 @@ from hylo.pipeline.apply import Checked, GroupedApply
 from hylo.pipeline.placement.base import Applied, Placement, Ready
 from hylo.pipeline.placement.local import apply_here
 from hylo.pipeline.stage import UpdateStage
-from hylo.solvers import LayerState
+from hylo.solvers import LayerState, whole_step
 
 #: The payload key of the owners' checks: per owned layer [⟨∇W, V̂⟩, ‖V̂‖², 1 if it fell back] (float64).
 CHECKS: PayloadKey = (CONTROL, "checks")
@@ -111,7 +111,13 @@ def _sharing(ready: Ready, rank: int, world_size: int, key: tuple[Hashable, ...]
 
 class Owners(Placement):
     """``strategy="gradient"`` with P > 1: owners apply and check, one all-gather per dtype shares the results and
-    their checks (see the module docstring)."""
+    their checks (see the module docstring). Only the owner of a solved state holds it (the others a
+    :class:`~hylo.solvers.base.RemoteState`), but for the states that advance at every step, which every rank holds
+    and advances; a rejected state is rejected on every rank (one vote); a rank's own checkpoint restores what the
+    others own as theirs."""
+
+    applies_remote = True
+    keeps_remote = True
 
     def __init__(self, stage: UpdateStage) -> None:
         super().__init__(stage)
@@ -127,6 +133,15 @@ class Owners(Placement):
             held += [t for t in indices if t is not None]
         return held
 
+    def shares(self, solver: str) -> bool:
+        """Whether ``solver``'s states change at every step they are applied (Adam's moments): every rank then
+        holds its own copy and advances it (docs/distributed.md, "Strategies")."""
+        return whole_step(solver)
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        """A state is rejected on every rank if it is on its owner (one all-reduce): the others hold none."""
+        return self.comm.all_true(flags)
+
     def _sharing_for(self, ready: Ready) -> Sharing:
         key = tuple(
             (layer.name, owner, isinstance(state, LayerState), isinstance(state, LayerState) and state.advances)
@@ -136,8 +151,7 @@ class Owners(Placement):
             )
         )
         if self.sharing is None or self.sharing.key != key:
-            comm = self.stage.comm
-            self.sharing = _sharing(ready, comm.rank, comm.world_size, key, len(ready.norms))
+            self.sharing = _sharing(ready, self.comm.rank, self.comm.world_size, key, len(ready.norms))
         return self.sharing
 
     def run(self, ready: Ready) -> Applied:
@@ -168,7 +182,7 @@ class Owners(Placement):
                 payload[CHECKS] = own_rows.index_select(0, share.mine_rows)
             else:
                 payload[CHECKS] = torch.zeros(share.rows, 3, dtype=torch.float64, device=device)
-            received = self.stage.comm.all_gather(payload).wait()
+            received = self.comm.all_gather(payload).wait()
             for i, slot in share.slots.items():
                 results[i] = self._view(received[_results_key(slot.dtype)][slot.owner], slot)
             gathered = received[CHECKS].reshape(-1, 3)
