@@ -348,11 +348,8 @@ def apply_groups(
 ) -> list[tuple[Tensor, list[LayerState]]]:
     """Every group's kernel applied: the groups of one kernel type in one :meth:`GroupKernel.apply_all`, or with
     ``alone`` each on its own, an error of a group of one naming its layer (docs/reliability.md, "Registration")."""
-    batches: dict[Hashable, list[int]] = {}
-    for i, group in enumerate(groups):
-        batches.setdefault(i if alone else type(group.kernel), []).append(i)
     out: dict[int, tuple[Tensor, list[LayerState]]] = {}
-    for members in batches.values():
+    for members in kernel_batches(groups, alone):
         first = groups[members[0]]
         with naming(names, first.members if alone else [], states[members[0]]):
             results = type(first.kernel).apply_all(
@@ -360,6 +357,15 @@ def apply_groups(
             )
         out.update(zip(members, results, strict=True))
     return [out[i] for i in range(len(groups))]
+
+
+def kernel_batches(groups: Sequence[Group], alone: bool) -> list[list[int]]:
+    """The positions of ``groups`` run in one call: the groups of one kernel type together, or with ``alone`` each
+    on its own."""
+    batches: dict[Hashable, list[int]] = {}
+    for i, group in enumerate(groups):
+        batches.setdefault(i if alone else type(group.kernel), []).append(i)
+    return list(batches.values())
 
 
 @contextmanager

@@ -73,6 +73,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("embedding", {"solver": "sngd"}),
     ("embedding", {"solver": "kfac"}),
     ("conv", {"solver": "sngd"}),
+    ("conv", {"solver": "sngd", "conv_rows": "exact"}),
 ]
 
 

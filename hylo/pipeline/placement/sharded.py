@@ -22,7 +22,7 @@ from hylo.distributed import Communicator
 from hylo.layers.gradmatrix import GradMatrix
 from hylo.layers.sharded import is_sharded, local
 from hylo.payload import CONTROL, Payload, PayloadKey
-from hylo.pipeline.apply import Group, GroupedApply, naming
+from hylo.pipeline.apply import Group, GroupedApply, kernel_batches, naming
 from hylo.pipeline.placement.base import Applied, Placement, Ready
 from hylo.pipeline.placement.local import apply_here
 from hylo.pipeline.stage import UpdateStage
@@ -178,11 +178,8 @@ class Sharded(Placement):
                     for layer in owners:
                         sizes[layer] += received[key].numel() * received[key].element_size() // len(owners)
             watch.lap("gather", names, list(sizes.values()))
-        batches: dict[Hashable, list[int]] = {}
-        for i, group in enumerate(groups):
-            batches.setdefault(i if alone else type(group.kernel), []).append(i)
         finished: dict[int, tuple[Tensor, list[LayerState]]] = {}
-        for chosen in batches.values():
+        for chosen in kernel_batches(groups, alone):
             first = groups[chosen[0]]
             shards = [groups[i].shard for i in chosen]
             with naming(names, first.members if alone else [], states[chosen[0]]):
